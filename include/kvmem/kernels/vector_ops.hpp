@@ -1,0 +1,41 @@
+#pragma once
+/// \file vector_ops.hpp
+/// Scalar building blocks called by one thread inside kvmem kernels: dot product, L2 norm, layer norm.
+/// Each sums in a fixed order, so a result has the same bits on every run of a backend.
+
+#include <Kokkos_Core.hpp>
+
+namespace kvmem::kernels {
+
+/// sum_c a[c] * b[c] over n channels, float accumulation, increasing c.
+KOKKOS_INLINE_FUNCTION float dot(const float* a, const float* b, int n) {
+  float s = 0.0f;
+  for (int c = 0; c < n; ++c) s += a[c] * b[c];
+  return s;
+}
+
+/// ||a||_2 over n channels.
+KOKKOS_INLINE_FUNCTION float norm2(const float* a, int n) { return Kokkos::sqrt(dot(a, a, n)); }
+
+/// out = (x - mean(x)) / sqrt(var(x) + eps) * weight + bias over n channels, biased variance (÷ n),
+/// two-pass statistics; channels [0, zero_prefix) of x are read as 0 (kvm-paper Sec. 4 LN_s with the
+/// RoPE channels zeroed first, spec KVM.md §2). `out` may alias `x`.
+KOKKOS_INLINE_FUNCTION void layer_norm(const float* x, int n, int zero_prefix, const float* weight,
+                                       const float* bias, float eps, float* out) {
+  float mean = 0.0f;
+  for (int c = zero_prefix; c < n; ++c) mean += x[c];
+  mean /= static_cast<float>(n);
+  float var = 0.0f;
+  for (int c = 0; c < n; ++c) {
+    const float d = (c < zero_prefix ? 0.0f : x[c]) - mean;
+    var += d * d;
+  }
+  var /= static_cast<float>(n);
+  const float inv = 1.0f / Kokkos::sqrt(var + eps);
+  for (int c = 0; c < n; ++c) {
+    const float xc = c < zero_prefix ? 0.0f : x[c];
+    out[c] = (xc - mean) * inv * weight[c] + bias[c];
+  }
+}
+
+}  // namespace kvmem::kernels

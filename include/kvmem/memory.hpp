@@ -1,0 +1,266 @@
+#pragma once
+/// \file memory.hpp
+/// Memory<ExecSpace, Merge, Budget, Scorer>: the public facade that composes a bounded attention memory.
+
+#include <Kokkos_Core.hpp>
+#include <algorithm>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "config.hpp"
+#include "errors.hpp"
+#include "kernels/readout.hpp"
+#include "kernels/step_plan.hpp"
+#include "kernels/update.hpp"
+#include "kernels/window_write.hpp"
+#include "policy/budget/concept.hpp"
+#include "policy/layer_weights.hpp"
+#include "policy/merge/concept.hpp"
+#include "policy/score/concept.hpp"
+#include "state/schedule.hpp"
+#include "state/state_rows.hpp"
+
+namespace kvmem {
+
+/// A bounded attention memory for one layer and a batch of sequences, composed at compile time from a
+/// merge policy, a budget schedule and an eviction scorer, running on the Kokkos execution space
+/// `ExecSpace` (kvm-paper Sec. 4 and App. A; spec KVM.md §3-§6 for KVM = WinnerTakeAll x
+/// {Fixed, PowerLaw, Saturating} x Novelty).
+///
+/// Tensors are views in (sequence, head, token, channel) index order with unit channel stride; any other
+/// strides are accepted, so an engine's [tokens, heads, head_dim] buffer is wrapped without a copy
+/// (LayoutStride). Storage and accumulation are float32.
+/// - q [B, Hq, T, D], k [B, Hkv, T, D], v [B, Hkv, T, Dv], gate [B, Hkv, T] (merge-gate pre-activation z;
+///   an empty view means z = 0), y [B, Hq, T, Dv] (written).
+/// Per (sequence, kv-head) the memory holds state rows (keys, values, radius) and the block sliding
+/// window of the last window_chunks * chunk tokens. prefill() and decode() have one meaning: a prompt
+/// through prefill or through decode token by token gives the same bits, and decode continues a
+/// prefilled cache.
+template <class ExecSpace, merge::MergePolicy Merge, budget::BudgetSchedule Budget, score::EvictionScorer Scorer>
+class Memory {
+ public:
+  using execution_space = ExecSpace;
+  using memory_space = typename ExecSpace::memory_space;
+  using tokens_in = Kokkos::View<const float****, Kokkos::LayoutStride, memory_space>;
+  using gates_in = Kokkos::View<const float***, Kokkos::LayoutStride, memory_space>;
+  using tokens_out = Kokkos::View<float****, Kokkos::LayoutStride, memory_space>;
+
+  /// A memory for `batch` sequences. Throws kvmem::invalid_argument for a bad config field, budget
+  /// parameter, `batch` < 1, or weights whose extents do not match the config.
+  Memory(const MemoryConfig& config, const Budget& budget, const LayerWeights<memory_space>& weights, int batch,
+         const ExecSpace& exec = ExecSpace())
+      : cfg_(config), budget_(budget), weights_(weights), exec_(exec) {
+    cfg_.validate();
+    budget_.validate();
+    weights_.validate(cfg_);
+    require(batch >= 1, "batch", batch, "must be >= 1");
+    cursors_.assign(batch, state::SequenceCursor{});
+    rows_.allocate(batch, cfg_.kv_heads, cfg_.chunk, cfg_.head_dim, cfg_.value_dim);
+    ring_.allocate(batch, cfg_.kv_heads, cfg_.window() + cfg_.chunk, cfg_.head_dim, cfg_.value_dim);
+    scratch_.allocate(batch, cfg_.kv_heads, cfg_.chunk, cfg_.head_dim);
+    plan_.allocate(batch);
+  }
+
+  /// Runs whole prompts through an empty memory, chunk-parallel (spec KVM.md §4). Sequence b uses tokens
+  /// [0, lengths[b]) (all T when `lengths` is empty); y[b, :, t] for t >= lengths[b] is written as zeros.
+  /// Throws kvmem::invalid_argument for mismatched shapes, a length outside [0, T], sinks >= chunk when
+  /// merges happen, or a memory that already holds tokens (call reset()).
+  void prefill(const tokens_in& q, const tokens_in& k, const tokens_in& v, const gates_in& gate, const tokens_out& y,
+               std::span<const long> lengths = {}) {
+    const long T = static_cast<long>(q.extent(2));
+    check_inputs(q, k, v, gate, y, T, "prefill");
+    std::vector<long> len(batch(), T);
+    if (!lengths.empty()) {
+      require(static_cast<long>(lengths.size()) == batch(), "lengths.size()", lengths.size(),
+              "must equal the batch size " + std::to_string(batch()));
+      for (long b = 0; b < batch(); ++b) {
+        require(lengths[b] >= 0 && lengths[b] <= T, "lengths[" + std::to_string(b) + "]", lengths[b],
+                "must be in [0, T = " + std::to_string(T) + "]");
+        len[b] = lengths[b];
+      }
+    }
+    for (long b = 0; b < batch(); ++b)
+      require(cursors_[b].tokens == 0, "prefill: sequence " + std::to_string(b) + " tokens", cursors_[b].tokens,
+              "prefill needs an empty memory; call reset() first");
+    const long longest = *std::max_element(len.begin(), len.end());
+    cfg_.check_sinks(longest);
+    long need = 0;
+    for (long n : len) need = std::max(need, state::final_rows(cfg_, budget_, n));
+    rows_.grow(need);
+    Kokkos::deep_copy(exec_, y, 0.0f);
+
+    const long C = cfg_.chunk, L = cfg_.window();
+    // Front block: exact causal attention over the first min(T, L) tokens; the first chunk becomes the state.
+    plan_.clear();
+    for (long b = 0; b < batch(); ++b) {
+      auto& cur = cursors_[b];
+      const long front = std::min(len[b], L), first = std::min(len[b], C);
+      set_io(b, 0, 0, front, 0, 0);
+      set_block(b, 0, first, 0, first);
+      cur = {front, first, first};
+    }
+    run_step(q, k, v, gate, y, std::min(longest, L), std::min(longest, C), /*update_first=*/false);
+    // Chunks [s, s + C) for s = L, L + C, ...: attend to [state ; window], then fold the block that left.
+    for (long s = L; s < longest; s += C) {
+      plan_.clear();
+      long most_rows = 0;
+      for (long b = 0; b < batch(); ++b) {
+        if (s >= len[b]) continue;
+        auto& cur = cursors_[b];
+        const long e = std::min(len[b], s + C), wb = state::window_begin(e, C, L);
+        set_io(b, 0, s, e, wb, cur.rows);
+        const long nb = state::window_begin(std::min(len[b], e + C), C, L);
+        if (nb > wb) {
+          const auto up = state::plan_update(cfg_, budget_, cur.rows, wb);
+          set_block(b, wb, C, up.rows_before, up.append);
+          cur.rows = up.rows_after();
+          cur.covered = nb;
+        }
+        cur.tokens = e;
+        most_rows = std::max(most_rows, cur.rows);
+      }
+      run_step(q, k, v, gate, y, C, C, /*update_first=*/false, most_rows);
+    }
+  }
+
+  /// Appends one token to every sequence b with active[b] != 0 (all when `active` is empty) and writes
+  /// its attention output (spec KVM.md §6: push, direct append, at most one update, drop, readout).
+  /// q [B, Hq, 1, D], k [B, Hkv, 1, D], v [B, Hkv, 1, Dv], gate [B, Hkv, 1], y [B, Hq, 1, Dv]; rows of
+  /// inactive sequences in y are left untouched. Throws kvmem::invalid_argument for mismatched shapes,
+  /// a token count other than 1, or sinks >= chunk at the first merge.
+  void decode(const tokens_in& q, const tokens_in& k, const tokens_in& v, const gates_in& gate, const tokens_out& y,
+              std::span<const unsigned char> active = {}) {
+    require(q.extent(2) == 1, "q.extent(2)", q.extent(2), "decode takes one token per sequence");
+    check_inputs(q, k, v, gate, y, 1, "decode");
+    if (!active.empty())
+      require(static_cast<long>(active.size()) == batch(), "active.size()", active.size(),
+              "must equal the batch size " + std::to_string(batch()));
+    const long C = cfg_.chunk, L = cfg_.window();
+    plan_.clear();
+    long block = 0, most_rows = 0, queries = 0;
+    for (long b = 0; b < batch(); ++b) {
+      if (!active.empty() && !active[b]) continue;
+      auto& cur = cursors_[b];
+      const long pos = cur.tokens, n = pos + 1;
+      cfg_.check_sinks(n);
+      const long direct = std::min(n, C), nb = state::window_begin(n, C, L), target = std::max(direct, nb);
+      if (cur.covered < direct) {
+        set_block(b, cur.covered, direct - cur.covered, cur.rows, direct - cur.covered);
+        block = std::max(block, direct - cur.covered);
+        cur.rows += direct - cur.covered;
+        cur.covered = direct;
+      } else if (cur.covered < target) {
+        const auto up = state::plan_update(cfg_, budget_, cur.rows, cur.covered);
+        set_block(b, cur.covered, C, up.rows_before, up.append);
+        block = C;
+        cur.rows = up.rows_after();
+        cur.covered = target;
+      }
+      set_io(b, pos, pos, n, nb, nb > 0 ? cur.rows : 0);
+      cur.tokens = n;
+      most_rows = std::max(most_rows, cur.rows);
+      queries = 1;
+    }
+    rows_.grow(most_rows);
+    run_step(q, k, v, gate, y, queries, block, /*update_first=*/true, most_rows);
+  }
+
+  /// Forgets every sequence (state rows and window); keeps the allocations.
+  void reset() { cursors_.assign(cursors_.size(), state::SequenceCursor{}); }
+
+  [[nodiscard]] const MemoryConfig& config() const { return cfg_; }
+  [[nodiscard]] const Budget& budget() const { return budget_; }
+  [[nodiscard]] long batch() const { return static_cast<long>(cursors_.size()); }
+  /// Token counts of sequence b: tokens seen, tokens covered by the state, state rows (same per kv-head).
+  [[nodiscard]] const state::SequenceCursor& cursor(long b) const { return cursors_.at(b); }
+  /// State rows [B, Hkv, capacity, ...]; rows [0, cursor(b).rows) of sequence b are live.
+  [[nodiscard]] const state::StateRows<memory_space>& rows() const { return rows_; }
+  /// Tokens of sequence b held in the block sliding window: n - window_begin(n).
+  [[nodiscard]] long window_tokens(long b) const {
+    const long n = cursors_.at(b).tokens;
+    return n - state::window_begin(n, cfg_.chunk, cfg_.window());
+  }
+  /// Bytes of memory the batch holds in float32: per kv-head, state rows x (D + Dv + 1) (key sum, value
+  /// sum, radius) plus window tokens x (D + Dv + 1) (key, value, gate). Read caches are derived data and
+  /// are not counted (allocated_bytes() counts them).
+  [[nodiscard]] long held_bytes() const {
+    long units = 0;
+    for (long b = 0; b < batch(); ++b) units += (cursors_[b].rows + window_tokens(b)) * cfg_.kv_heads;
+    return units * (cfg_.head_dim + cfg_.value_dim + 1) * static_cast<long>(sizeof(float));
+  }
+  /// Bytes this object has allocated on the device (state, read caches, window ring, scratch).
+  [[nodiscard]] long allocated_bytes() const {
+    return static_cast<long>(rows_.keys.span() + rows_.values.span() + rows_.read_keys.span() +
+                             rows_.read_values.span() + rows_.radius.span() + ring_.keys.span() +
+                             ring_.values.span() + ring_.gates.span() + scratch_.keys.span() +
+                             scratch_.scores.span()) *
+               static_cast<long>(sizeof(float)) +
+           static_cast<long>(scratch_.appended.span() * sizeof(int) + scratch_.routes.span() * sizeof(long));
+  }
+
+ private:
+  void set_io(long b, long offset, long first, long last, long window_first, long read_rows) {
+    auto& h = plan_.host;
+    h(b, kernels::input_offset) = offset;
+    h(b, kernels::write_begin) = first;
+    h(b, kernels::write_end) = last;
+    h(b, kernels::query_begin) = first;
+    h(b, kernels::query_end) = last;
+    h(b, kernels::window_begin_pos) = window_first;
+    h(b, kernels::read_rows) = read_rows;
+  }
+  void set_block(long b, long first, long count, long rows_before, long append) {
+    auto& h = plan_.host;
+    h(b, kernels::block_begin) = first;
+    h(b, kernels::block_count) = count;
+    h(b, kernels::rows_before) = rows_before;
+    h(b, kernels::append_count) = append;
+  }
+  void run_step(const tokens_in& q, const tokens_in& k, const tokens_in& v, const gates_in& gate, const tokens_out& y,
+                long tokens, long block, bool update_first, long most_rows = 0) {
+    plan_.upload(exec_);
+    const auto w = LayerWeightsRef::of(weights_);
+    if (most_rows == 0) most_rows = block;
+    kernels::write_window(exec_, ring_, plan_, k, v, gate, tokens);
+    if (update_first) kernels::update_state<Merge, Scorer>(exec_, cfg_, w, rows_, ring_, scratch_, plan_, block, most_rows);
+    kernels::readout(exec_, cfg_, w, rows_, ring_, plan_, q, y, tokens);
+    if (!update_first) kernels::update_state<Merge, Scorer>(exec_, cfg_, w, rows_, ring_, scratch_, plan_, block, most_rows);
+    exec_.fence();
+  }
+  void check_inputs(const tokens_in& q, const tokens_in& k, const tokens_in& v, const gates_in& gate,
+                    const tokens_out& y, long T, const char* where) const {
+    const std::string at = std::string(" (") + where + ")";
+    auto dims = [&](const auto& x, const char* name, long h, long t, long c) {
+      const std::string n(name);
+      require(static_cast<long>(x.extent(0)) == batch(), n + ".extent(0)", x.extent(0),
+              "must equal the batch size " + std::to_string(batch()) + at);
+      require(static_cast<long>(x.extent(1)) == h, n + ".extent(1)", x.extent(1),
+              "must equal the head count " + std::to_string(h) + at);
+      require(static_cast<long>(x.extent(2)) == t, n + ".extent(2)", x.extent(2),
+              "must equal the token count " + std::to_string(t) + at);
+      if constexpr (std::remove_cvref_t<decltype(x)>::rank() == 4) {
+        require(static_cast<long>(x.extent(3)) == c, n + ".extent(3)", x.extent(3),
+                "must equal " + std::to_string(c) + " channels" + at);
+        require(x.stride(3) == 1 || x.extent(3) <= 1, n + ".stride(3)", x.stride(3), "channels must be contiguous");
+      }
+    };
+    dims(q, "q", cfg_.query_heads, T, cfg_.head_dim);
+    dims(k, "k", cfg_.kv_heads, T, cfg_.head_dim);
+    dims(v, "v", cfg_.kv_heads, T, cfg_.value_dim);
+    dims(y, "y", cfg_.query_heads, T, cfg_.value_dim);
+    if (gate.data() != nullptr) dims(gate, "gate", cfg_.kv_heads, T, 0);
+  }
+
+  MemoryConfig cfg_;
+  Budget budget_;
+  LayerWeights<memory_space> weights_;
+  ExecSpace exec_;
+  std::vector<state::SequenceCursor> cursors_;
+  state::StateRows<memory_space> rows_;
+  state::WindowRing<memory_space> ring_;
+  kernels::UpdateScratch<memory_space> scratch_;
+  kernels::StepPlan<memory_space> plan_;
+};
+
+}  // namespace kvmem

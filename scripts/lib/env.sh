@@ -1,0 +1,84 @@
+# shellcheck shell=bash
+# The build environment of kvmem, sourced by scripts/setup, scripts/test and scripts/kvmem-run.
+#
+# kvmem needs Kokkos >= 4.5 with a threaded host backend. Where find_package(Kokkos) already works on
+# the host (KVMEM_ENV=host), everything runs directly. On Debian 12 the only such Kokkos is Debian sid's
+# libkokkos-dev (OpenMP), whose binaries need sid's C library, so by default we build and run inside a
+# Debian sid root made with debootstrap (about a minute, cached in KVMEM_ENV_ROOT and rebuilt when it
+# is missing or its package list changed). Each command enters it through a private mount namespace
+# (unshare) that bind-mounts the repository and /tmp at the same paths, so paths mean the same inside
+# and outside and nothing stays mounted afterwards.
+
+KVMEM_REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
+KVMEM_ENV=${KVMEM_ENV:-sid}
+KVMEM_ENV_ROOT=${KVMEM_ENV_ROOT:-/var/cache/kvmem/sid-root}
+KVMEM_BUILD_DIR=${KVMEM_BUILD_DIR:-$KVMEM_REPO/build}
+KVMEM_ENV_PACKAGES="g++,cmake,ninja-build,libkokkos-dev,catch2,libbenchmark-dev,nlohmann-json3-dev,libcli11-dev,libopenblas-dev,python3,python3-numpy"
+
+kvmem_log() { printf '[kvmem] %s\n' "$*" >&2; }
+
+# Make sure the sid root exists and is complete; build it with debootstrap otherwise.
+kvmem_env_ensure() {
+  [ "$KVMEM_ENV" = host ] && return 0
+  local stamp="$KVMEM_ENV_ROOT/.kvmem-env"
+  if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$KVMEM_ENV_PACKAGES" ]; then return 0; fi
+  if [ "$(id -u)" != 0 ]; then
+    kvmem_log "building the Debian sid environment needs root (debootstrap, chroot); or set KVMEM_ENV=host"
+    return 1
+  fi
+  if ! command -v debootstrap >/dev/null; then
+    kvmem_log "installing debootstrap"
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq debootstrap >/dev/null || return 1
+  fi
+  kvmem_log "creating the Debian sid build environment in $KVMEM_ENV_ROOT (about a minute)"
+  rm -rf "$KVMEM_ENV_ROOT.tmp"
+  mkdir -p "$(dirname "$KVMEM_ENV_ROOT")"
+  if ! debootstrap --variant=minbase --include="$KVMEM_ENV_PACKAGES" sid "$KVMEM_ENV_ROOT.tmp" \
+        http://deb.debian.org/debian >"$KVMEM_ENV_ROOT.log" 2>&1; then
+    kvmem_log "debootstrap failed; see $KVMEM_ENV_ROOT.log"; tail -n 20 "$KVMEM_ENV_ROOT.log" >&2; return 1
+  fi
+  # Packaging bug in sid's libkokkos-dev 5.2.2-2: its exported CMake targets (KokkosTargets-*.cmake)
+  # name libkokkosalgorithms.a and libkokkossimd.a, which the package does not ship, so any
+  # find_package(Kokkos) consumer fails at generate time. Both libraries are empty for a header-only
+  # user like kvmem (algorithms and SIMD are header-only in Kokkos 5), so an empty archive satisfies them.
+  local lib
+  for lib in libkokkosalgorithms.a libkokkossimd.a; do
+    for dir in "$KVMEM_ENV_ROOT.tmp"/usr/lib/*-linux-gnu; do
+      if grep -rqs "$lib" "$KVMEM_ENV_ROOT.tmp"/usr/lib/*/cmake/Kokkos/ && [ ! -e "$dir/$lib" ]; then
+        ar rc "$dir/$lib"
+      fi
+    done
+  done
+  rm -rf "$KVMEM_ENV_ROOT"
+  mv "$KVMEM_ENV_ROOT.tmp" "$KVMEM_ENV_ROOT"
+  printf '%s' "$KVMEM_ENV_PACKAGES" >"$stamp"
+}
+
+# Run a command inside the environment, in the current directory.
+kvmem_in_env() {
+  if [ "$KVMEM_ENV" = host ]; then "$@"; return; fi
+  kvmem_env_ensure || return 1
+  local root=$KVMEM_ENV_ROOT
+  unshare --mount --propagation private -- /bin/bash -c '
+    set -e
+    root=$1 repo=$2 cwd=$3; shift 3
+    mkdir -p "$root$repo" "$root/tmp" "$root/proc" "$root/dev"
+    mount --bind "$repo" "$root$repo"
+    mount --bind /tmp "$root/tmp"
+    mount --rbind /dev "$root/dev"
+    mount -t proc proc "$root/proc"
+    cp /etc/resolv.conf "$root/etc/resolv.conf" 2>/dev/null || true
+    exec chroot "$root" /usr/bin/env -i HOME=/root PATH=/usr/local/bin:/usr/bin:/bin \
+      TERM="${TERM:-dumb}" OMP_NUM_THREADS="${OMP_NUM_THREADS:-}" OMP_PROC_BIND="${OMP_PROC_BIND:-false}" \
+      KVMEM_NUM_THREADS="${KVMEM_NUM_THREADS:-}" CI="${CI:-}" \
+      /bin/bash -c "cd \"\$0\" && exec \"\$@\"" "$cwd" "$@"
+  ' kvmem-env "$root" "$KVMEM_REPO" "$PWD" "$@"
+}
+
+# Configure (once) and build the project in KVMEM_BUILD_DIR.
+kvmem_build() {
+  if [ ! -f "$KVMEM_BUILD_DIR/build.ninja" ]; then
+    (cd "$KVMEM_REPO" && kvmem_in_env cmake -S . -B "$KVMEM_BUILD_DIR" -G Ninja -DCMAKE_BUILD_TYPE=Release "$@") || return 1
+  fi
+  (cd "$KVMEM_REPO" && kvmem_in_env cmake --build "$KVMEM_BUILD_DIR" --parallel "${KVMEM_JOBS:-2}")
+}

@@ -1,0 +1,202 @@
+#pragma once
+// Test harness: random KVM inputs for a batch, the kvmem kernels run over them on a chosen execution
+// space, and the naive float64 reference (tests/reference/kvm_reference.hpp) run per sequence.
+
+#include <Kokkos_Core.hpp>
+#include <algorithm>
+#include <cmath>
+#include <random>
+#include <vector>
+
+#include <kvmem/kvmem.hpp>
+
+#include "../reference/kvm_reference.hpp"
+
+namespace kvmem_test {
+
+/// One batch of random inputs; tensors row-major as in the kvmem-run contract.
+struct KvmCase {
+  long B = 1, Hq = 2, Hkv = 1, T = 40, D = 8, Dv = 6;
+  std::vector<long> lengths;  // empty = all T
+  kvmem_ref::KvmParams params;
+  unsigned seed = 1;
+  bool zero_value_rows = false;   // some tokens get all-zero values
+  bool duplicate_tokens = false;  // some tokens repeat an earlier key/value (novelty and argmax ties)
+  std::vector<float> q, k, v, gate, ln_weight, ln_bias, tau_state, tau_bswa;
+
+  long length(long b) const { return lengths.empty() ? T : lengths[b]; }
+
+  void generate() {
+    std::mt19937 rng(seed);
+    std::normal_distribution<float> normal;
+    std::uniform_real_distribution<float> uni(-2.0f, 2.0f);
+    auto fill = [&](std::vector<float>& x, std::size_t n, auto dist) {
+      x.resize(n);
+      for (auto& e : x) e = dist();
+    };
+    fill(q, B * Hq * T * D, [&] { return normal(rng); });
+    fill(k, B * Hkv * T * D, [&] { return normal(rng); });
+    fill(v, B * Hkv * T * Dv, [&] { return normal(rng); });
+    fill(gate, B * Hkv * T, [&] { return uni(rng); });
+    fill(ln_weight, D, [&] { return 1.0f + 0.2f * normal(rng); });
+    fill(ln_bias, D, [&] { return 0.1f * normal(rng); });
+    fill(tau_state, Hq, [&] { return 1.0f + 0.2f * normal(rng); });
+    fill(tau_bswa, Hq, [&] { return 1.0f + 0.2f * normal(rng); });
+    for (long b = 0; b < B; ++b)
+      for (long h = 0; h < Hkv; ++h)
+        for (long t = 0; t < T; ++t) {
+          if (zero_value_rows && t % 5 == 3)
+            std::fill_n(&v[((b * Hkv + h) * T + t) * Dv], Dv, 0.0f);
+          if (duplicate_tokens && t % 4 == 2 && t >= 2) {
+            std::copy_n(&k[((b * Hkv + h) * T + t - 2) * D], D, &k[((b * Hkv + h) * T + t) * D]);
+            std::copy_n(&v[((b * Hkv + h) * T + t - 2) * Dv], Dv, &v[((b * Hkv + h) * T + t) * Dv]);
+            gate[(b * Hkv + h) * T + t] = gate[(b * Hkv + h) * T + t - 2];
+          }
+        }
+  }
+
+  /// Sequence b for the reference (float inputs widened to double).
+  kvmem_ref::KvmSequence sequence(long b) const {
+    kvmem_ref::KvmSequence s;
+    const long n = length(b);
+    s.T = n, s.D = D, s.Dv = Dv, s.Hq = Hq, s.Hkv = Hkv;
+    auto take = [&](const std::vector<float>& x, long heads, long dim) {
+      std::vector<double> out;
+      for (long h = 0; h < heads; ++h)
+        for (long t = 0; t < n; ++t)
+          for (long c = 0; c < dim; ++c) out.push_back(x[((b * heads + h) * T + t) * dim + c]);
+      return out;
+    };
+    s.q = take(q, Hq, D);
+    s.k = take(k, Hkv, D);
+    s.v = take(v, Hkv, Dv);
+    s.gate = take(gate, Hkv, 1);
+    s.ln_weight.assign(ln_weight.begin(), ln_weight.end());
+    s.ln_bias.assign(ln_bias.begin(), ln_bias.end());
+    s.tau_state.assign(tau_state.begin(), tau_state.end());
+    s.tau_bswa.assign(tau_bswa.begin(), tau_bswa.end());
+    return s;
+  }
+
+  kvmem::MemoryConfig config() const {
+    kvmem::MemoryConfig c;
+    c.head_dim = static_cast<int>(D);
+    c.value_dim = static_cast<int>(Dv);
+    c.query_heads = static_cast<int>(Hq);
+    c.kv_heads = static_cast<int>(Hkv);
+    c.chunk = static_cast<int>(params.chunk);
+    c.window_chunks = static_cast<int>(params.window_chunks);
+    c.rope_dims = static_cast<int>(params.rope_dims);
+    c.sinks = static_cast<int>(params.sinks);
+    c.max_chunks = params.max_chunks;
+    return c;
+  }
+};
+
+/// What the kernels produced for a batch: y [B, Hq, T, Dv] and the final state per sequence.
+struct KvmOutput {
+  std::vector<float> y;
+  std::vector<long> rows;                                   // [B]
+  std::vector<std::vector<float>> keys, values, radius;     // per b: [Hkv, rows, D|Dv|1]
+};
+
+template <class MemorySpace>
+Kokkos::View<float*, MemorySpace> device_vector(const std::vector<float>& x, const char* name) {
+  Kokkos::View<float*, MemorySpace> v(name, x.size());
+  Kokkos::deep_copy(v, Kokkos::View<const float*, Kokkos::HostSpace, Kokkos::MemoryUnmanaged>(x.data(), x.size()));
+  return v;
+}
+
+/// Copies the final state of `mem` into `out`.
+template <class Memory>
+void read_state(const Memory& mem, const KvmCase& c, KvmOutput& out) {
+  const auto& st = mem.rows();
+  auto keys = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), st.keys);
+  auto values = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), st.values);
+  auto radius = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), st.radius);
+  out.rows.assign(c.B, 0);
+  out.keys.assign(c.B, {});
+  out.values.assign(c.B, {});
+  out.radius.assign(c.B, {});
+  for (long b = 0; b < c.B; ++b) {
+    const long m = mem.cursor(b).rows;
+    out.rows[b] = m;
+    for (long h = 0; h < c.Hkv; ++h)
+      for (long i = 0; i < m; ++i) {
+        for (long d = 0; d < c.D; ++d) out.keys[b].push_back(keys(b, h, i, d));
+        for (long d = 0; d < c.Dv; ++d) out.values[b].push_back(values(b, h, i, d));
+        out.radius[b].push_back(radius(b, h, i));
+      }
+  }
+}
+
+/// Calls f(budget) with the kvmem budget schedule matching the reference parameters.
+template <class F>
+void with_budget(const kvmem_ref::KvmParams& p, F&& f) {
+  switch (p.schedule) {
+    case kvmem_ref::Schedule::fixed: f(kvmem::budget::Fixed{p.min_len}); break;
+    case kvmem_ref::Schedule::power_law:
+      f(kvmem::budget::PowerLaw{p.min_len, p.growth_factor, p.growth_exponent, p.round_down});
+      break;
+    case kvmem_ref::Schedule::saturation: f(kvmem::budget::Saturating{p.min_len, p.saturation_n, p.round_down}); break;
+  }
+}
+
+enum class Mode { prefill, decode, prefill_then_decode };
+
+/// Runs the kvmem KVM memory on ExecSpace over case `c`. prefill_then_decode prefills the first
+/// `split` tokens of every sequence and decodes the rest.
+template <class ExecSpace>
+KvmOutput run_kvm(const KvmCase& c, Mode mode, long split = 0, const ExecSpace& exec = ExecSpace()) {
+  using space = typename ExecSpace::memory_space;
+  using view4 = Kokkos::View<float****, Kokkos::LayoutRight, space>;
+  using view3 = Kokkos::View<float***, Kokkos::LayoutRight, space>;
+  auto to4 = [&](const std::vector<float>& x, long h, long d, const char* n) {
+    view4 v(n, c.B, h, c.T, d);
+    Kokkos::deep_copy(v, Kokkos::View<const float****, Kokkos::LayoutRight, Kokkos::HostSpace, Kokkos::MemoryUnmanaged>(
+                             x.data(), c.B, h, c.T, d));
+    return v;
+  };
+  const view4 q = to4(c.q, c.Hq, c.D, "q"), k = to4(c.k, c.Hkv, c.D, "k"), v = to4(c.v, c.Hkv, c.Dv, "v");
+  view3 gate("gate", c.B, c.Hkv, c.T);
+  Kokkos::deep_copy(gate, Kokkos::View<const float***, Kokkos::LayoutRight, Kokkos::HostSpace, Kokkos::MemoryUnmanaged>(
+                              c.gate.data(), c.B, c.Hkv, c.T));
+  view4 y("y", c.B, c.Hq, c.T, c.Dv);
+  kvmem::LayerWeights<space> w{device_vector<space>(c.ln_weight, "ln_weight"), device_vector<space>(c.ln_bias, "ln_bias"),
+                               device_vector<space>(c.tau_state, "tau_state"), device_vector<space>(c.tau_bswa, "tau_bswa")};
+  std::vector<long> len(c.B);
+  for (long b = 0; b < c.B; ++b) len[b] = c.length(b);
+  KvmOutput out;
+  with_budget(c.params, [&](const auto& budget) {
+    using budget_t = std::remove_cvref_t<decltype(budget)>;
+    kvmem::KvmMemory<ExecSpace, budget_t> mem(c.config(), budget, w, static_cast<int>(c.B), exec);
+    long first_decoded = 0;
+    if (mode != Mode::decode) {
+      std::vector<long> pre(c.B);
+      for (long b = 0; b < c.B; ++b) pre[b] = mode == Mode::prefill ? len[b] : std::min(len[b], split);
+      mem.prefill(q, k, v, gate, y, pre);
+      first_decoded = mode == Mode::prefill ? c.T : split;
+    }
+    std::vector<unsigned char> active(c.B);
+    for (long t = first_decoded; t < c.T; ++t) {
+      for (long b = 0; b < c.B; ++b) active[b] = t < len[b];
+      const auto at = std::make_pair(t, t + 1);
+      auto s4 = [&](const view4& x) { return Kokkos::subview(x, Kokkos::ALL, Kokkos::ALL, at, Kokkos::ALL); };
+      mem.decode(s4(q), s4(k), s4(v), Kokkos::subview(gate, Kokkos::ALL, Kokkos::ALL, at), s4(y), active);
+    }
+    read_state(mem, c, out);
+  });
+  auto yh = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), y);
+  out.y.assign(yh.data(), yh.data() + yh.size());
+  return out;
+}
+
+/// Largest |a - b| / max(1, max |b|) over a tensor: the relative error measure of the acceptance checks.
+inline double relative_error(const std::vector<float>& got, const std::vector<double>& want) {
+  double worst = 0.0, scale = 1.0;
+  for (double w : want) scale = std::max(scale, std::abs(w));
+  for (std::size_t i = 0; i < want.size(); ++i) worst = std::max(worst, std::abs(double(got[i]) - want[i]));
+  return worst / scale;
+}
+
+}  // namespace kvmem_test

@@ -1,0 +1,92 @@
+// One meaning for prefill and decode, and the same bits on every host backend (spec KVM.md §6).
+#include <catch2/catch_test_macros.hpp>
+
+#include "kvm_harness.hpp"
+
+using kvmem_ref::Schedule;
+using kvmem_test::KvmCase;
+using kvmem_test::Mode;
+
+namespace {
+KvmCase growing_case(long T, long chunk, long B = 1) {
+  KvmCase c;
+  c.B = B;
+  c.T = T;
+  c.Hq = 4;
+  c.Hkv = 2;
+  c.D = 16;
+  c.Dv = 8;
+  c.params.chunk = chunk;
+  c.params.window_chunks = 2;
+  c.params.rope_dims = 4;
+  c.params.sinks = chunk > 1 ? 1 : 0;
+  c.params.schedule = Schedule::power_law;
+  c.params.growth_factor = 2.0;
+  c.params.min_len = chunk;
+  c.params.max_chunks = 1000;
+  c.seed = static_cast<unsigned>(T * 31 + chunk);
+  if (B > 1) {
+    c.lengths.resize(B);
+    for (long b = 0; b < B; ++b) c.lengths[b] = T - (b * 7) % T;
+  }
+  c.generate();
+  return c;
+}
+
+void require_same_bits(const kvmem_test::KvmOutput& a, const kvmem_test::KvmOutput& b) {
+  REQUIRE(a.rows == b.rows);
+  REQUIRE(a.y == b.y);
+  REQUIRE(a.keys == b.keys);
+  REQUIRE(a.values == b.values);
+  REQUIRE(a.radius == b.radius);
+}
+}  // namespace
+
+TEST_CASE("prefill and decode token by token give the same bits", "[kvm][modes]") {
+  for (long T : {1L, 7L, 16L, 33L, 49L, 50L, 131L})
+    for (long chunk : {1L, 4L, 8L}) {
+      INFO("T=" << T << " chunk=" << chunk);
+      const auto c = growing_case(T, chunk);
+      require_same_bits(kvmem_test::run_kvm<Kokkos::DefaultHostExecutionSpace>(c, Mode::prefill),
+                        kvmem_test::run_kvm<Kokkos::DefaultHostExecutionSpace>(c, Mode::decode));
+    }
+}
+
+TEST_CASE("a cache built by prefill continues in decode", "[kvm][modes]") {
+  const auto c = growing_case(101, 8, 3);
+  const auto whole = kvmem_test::run_kvm<Kokkos::DefaultHostExecutionSpace>(c, Mode::prefill);
+  for (long split : {0L, 1L, 8L, 24L, 33L, 64L, 100L}) {
+    INFO("split=" << split);
+    require_same_bits(whole, kvmem_test::run_kvm<Kokkos::DefaultHostExecutionSpace>(c, Mode::prefill_then_decode, split));
+  }
+}
+
+TEST_CASE("reruns give the same bits", "[kvm][determinism]") {
+  const auto c = growing_case(150, 8, 2);
+  require_same_bits(kvmem_test::run_kvm<Kokkos::DefaultHostExecutionSpace>(c, Mode::prefill),
+                    kvmem_test::run_kvm<Kokkos::DefaultHostExecutionSpace>(c, Mode::prefill));
+}
+
+#ifdef KOKKOS_ENABLE_OPENMP
+TEST_CASE("OpenMP on one thread and on every thread give the same bits", "[kvm][backends]") {
+  for (long T : {20L, 97L, 200L}) {
+    const auto c = growing_case(T, 8, 3);
+    for (Mode mode : {Mode::prefill, Mode::decode}) {
+      INFO("T=" << T << " mode=" << static_cast<int>(mode));
+      require_same_bits(kvmem_test::run_kvm(c, mode, 0, Kokkos::OpenMP(1)), kvmem_test::run_kvm(c, mode, 0, Kokkos::OpenMP()));
+    }
+  }
+}
+#endif
+
+#if defined(KOKKOS_ENABLE_OPENMP) && defined(KOKKOS_ENABLE_SERIAL)
+TEST_CASE("Serial and OpenMP give the same bits", "[kvm][backends]") {
+  for (long T : {20L, 97L, 200L}) {
+    const auto c = growing_case(T, 8, 3);
+    for (Mode mode : {Mode::prefill, Mode::decode}) {
+      INFO("T=" << T << " mode=" << static_cast<int>(mode));
+      require_same_bits(kvmem_test::run_kvm<Kokkos::Serial>(c, mode), kvmem_test::run_kvm<Kokkos::OpenMP>(c, mode));
+    }
+  }
+}
+#endif
