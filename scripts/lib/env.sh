@@ -62,16 +62,17 @@ kvmem_in_env() {
   unshare --mount --propagation private -- /bin/bash -c '
     set -e
     root=$1 repo=$2 cwd=$3; shift 3
-    mkdir -p "$root$repo" "$root/tmp" "$root/proc" "$root/dev"
+    mkdir -p "$root/tmp" "$root/proc" "$root/dev"
+    mount --bind /tmp "$root/tmp"          # first: the repository may itself live under /tmp
+    [ -d "$root$repo" ] || mkdir -p "$root$repo"
     mount --bind "$repo" "$root$repo"
-    mount --bind /tmp "$root/tmp"
     mount --rbind /dev "$root/dev"
     mount -t proc proc "$root/proc"
     cp /etc/resolv.conf "$root/etc/resolv.conf" 2>/dev/null || true
-    exec chroot "$root" /usr/bin/env -i HOME=/root PATH=/usr/local/bin:/usr/bin:/bin \
-      TERM="${TERM:-dumb}" OMP_NUM_THREADS="${OMP_NUM_THREADS:-}" OMP_PROC_BIND="${OMP_PROC_BIND:-false}" \
-      KVMEM_NUM_THREADS="${KVMEM_NUM_THREADS:-}" CI="${CI:-}" \
-      /bin/bash -c "cd \"\$0\" && exec \"\$@\"" "$cwd" "$@"
+    exec chroot "$root" /usr/bin/env -i HOME=/root PATH=/usr/local/bin:/usr/bin:/bin LANG=C.UTF-8 \
+      TERM="${TERM:-dumb}" OMP_PROC_BIND="${OMP_PROC_BIND:-false}" ${OMP_NUM_THREADS:+OMP_NUM_THREADS=$OMP_NUM_THREADS} \
+      ${KOKKOS_NUM_THREADS:+KOKKOS_NUM_THREADS=$KOKKOS_NUM_THREADS} ${CI:+CI=$CI} \
+      /bin/bash -c "cd \"\$0\" 2>/dev/null || cd \"$repo\"; exec \"\$@\"" "$cwd" "$@"
   ' kvmem-env "$root" "$KVMEM_REPO" "$PWD" "$@"
 }
 

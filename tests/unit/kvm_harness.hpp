@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cmath>
 #include <random>
+#include <string>
 #include <vector>
 
 #include <kvmem/kvmem.hpp>
@@ -101,7 +102,7 @@ struct KvmOutput {
 };
 
 template <class MemorySpace>
-Kokkos::View<float*, MemorySpace> device_vector(const std::vector<float>& x, const char* name) {
+Kokkos::View<float*, MemorySpace> device_vector(const std::vector<float>& x, const std::string& name) {
   Kokkos::View<float*, MemorySpace> v(name, x.size());
   Kokkos::deep_copy(v, Kokkos::View<const float*, Kokkos::HostSpace, Kokkos::MemoryUnmanaged>(x.data(), x.size()));
   return v;
@@ -151,7 +152,7 @@ KvmOutput run_kvm(const KvmCase& c, Mode mode, long split = 0, const ExecSpace& 
   using space = typename ExecSpace::memory_space;
   using view4 = Kokkos::View<float****, Kokkos::LayoutRight, space>;
   using view3 = Kokkos::View<float***, Kokkos::LayoutRight, space>;
-  auto to4 = [&](const std::vector<float>& x, long h, long d, const char* n) {
+  auto to4 = [&](const std::vector<float>& x, long h, long d, const std::string& n) {
     view4 v(n, c.B, h, c.T, d);
     Kokkos::deep_copy(v, Kokkos::View<const float****, Kokkos::LayoutRight, Kokkos::HostSpace, Kokkos::MemoryUnmanaged>(
                              x.data(), c.B, h, c.T, d));

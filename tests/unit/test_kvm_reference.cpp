@@ -151,3 +151,11 @@ TEST_CASE("kvm kernels match the float64 reference on random configurations", "[
     check_against_reference<Kokkos::DefaultHostExecutionSpace>(c, i % 2 ? Mode::decode : Mode::prefill);
   }
 }
+
+#ifdef KOKKOS_ENABLE_CUDA
+TEST_CASE("kvm kernels match the float64 reference on the edge cases (Cuda)", "[kvm][reference][cuda]") {
+  for (const auto& c : edge_cases())
+    for (Mode mode : {Mode::prefill, Mode::decode, Mode::prefill_then_decode})
+      check_against_reference<Kokkos::Cuda>(c, mode);
+}
+#endif

@@ -28,6 +28,7 @@ struct KvmOptions {
 /// Registers the `kvm` subcommand and its flags on `app`.
 inline CLI::App* add_kvm_command(CLI::App& app, KvmOptions& o) {
   auto* cmd = app.add_subcommand("kvm", "KVM memory (Key-Value Means) over q/k/v/gate of one layer");
+  cmd->option_defaults()->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);  // a repeated flag: the last wins
   cmd->add_option("--input", o.input, "input safetensors: q, k, v, gate, ln_weight, ln_bias, tau_state, tau_bswa [, lengths]")->required();
   cmd->add_option("--output", o.output, "output safetensors: y, state_keys, state_values, state_radius, state_rows")->required();
   cmd->add_option("--mode", o.mode, "prefill (chunk-parallel) or decode (token by token)")
@@ -181,6 +182,23 @@ void run_memory(Memory& mem, const Inputs& in, const KvmOptions& o) {
   std::printf("  output        %s\n", o.output.c_str());
 }
 
+/// Rethrows a kvmem::invalid_argument whose message starts with a config or budget field name
+/// ("chunk = 0: ...") with the command-line flag the user typed instead ("--chunk = 0: ...").
+[[noreturn]] inline void rethrow_with_flag(const invalid_argument& e) {
+  static const char* fields[] = {"chunk", "window_chunks", "rope_dims", "sinks", "max_chunks", "min_rows",
+                                 "growth_factor", "growth_exponent", "round_down", "saturation_n"};
+  std::string msg = e.what();
+  for (const char* f : fields) {
+    const std::string field(f);
+    if (msg.rfind(field + " = ", 0) == 0) {
+      std::string flag = "--" + field;
+      std::replace(flag.begin(), flag.end(), '_', '-');
+      throw invalid_argument(flag + msg.substr(field.size()));
+    }
+  }
+  throw e;
+}
+
 /// `kvmem-run kvm`: builds the KVM memory the options describe and runs it. Throws kvmem::invalid_argument
 /// for bad options or inputs.
 inline void run_kvm(const KvmOptions& o) {
@@ -198,8 +216,16 @@ inline void run_kvm(const KvmOptions& o) {
   cfg.rope_dims = o.rope_dims;
   cfg.sinks = o.sinks;
   cfg.max_chunks = o.max_chunks;
+  require(o.round_down >= 1, "--round-down", o.round_down, "must be an integer >= 1");
   auto launch = [&](const auto& budget) {
     using budget_t = std::remove_cvref_t<decltype(budget)>;
+    try {
+      cfg.validate();
+      cfg.check_sinks(*std::max_element(in.lengths.begin(), in.lengths.end()));
+      budget.validate();
+    } catch (const invalid_argument& e) {
+      rethrow_with_flag(e);
+    }
     KvmMemory<exec, budget_t> mem(cfg, budget, in.weights, static_cast<int>(in.B));
     run_memory(mem, in, o);
   };

@@ -137,7 +137,7 @@ struct SafetensorsFile {
   /// The tensor `name`; throws kvmem::invalid_argument if the file has none.
   [[nodiscard]] const Tensor& at(const std::string& name) const {
     const auto it = tensors.find(name);
-    require(it != tensors.end(), "tensor", "'" + name + "'", "missing from the input file");
+    if (it == tensors.end()) throw invalid_argument("tensor '" + name + "': missing from the file");
     return it->second;
   }
   [[nodiscard]] bool has(const std::string& name) const { return tensors.count(name) != 0; }
