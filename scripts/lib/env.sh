@@ -13,7 +13,9 @@ KVMEM_REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 KVMEM_ENV=${KVMEM_ENV:-sid}
 KVMEM_ENV_ROOT=${KVMEM_ENV_ROOT:-/var/cache/kvmem/sid-root}
 KVMEM_BUILD_DIR=${KVMEM_BUILD_DIR:-$KVMEM_REPO/build}
-KVMEM_ENV_PACKAGES="g++,cmake,ninja-build,libkokkos-dev,catch2,libbenchmark-dev,nlohmann-json3-dev,libcli11-dev,libopenblas-dev,python3,python3-numpy"
+# Debian sid packages of the environment. Changing this list makes the next command install what is
+# new into the existing root (apt-get), or rebuild the root if that fails.
+KVMEM_ENV_PACKAGES="g++,cmake,ninja-build,libkokkos-dev,catch2,libbenchmark-dev,nlohmann-json3-dev,libcli11-dev,libopenblas-dev,python3,python3-numpy,clang,libclang-rt-dev"
 
 kvmem_log() { printf '[kvmem] %s\n' "$*" >&2; }
 
@@ -25,6 +27,17 @@ kvmem_env_ensure() {
   if [ "$(id -u)" != 0 ]; then
     kvmem_log "building the Debian sid environment needs root (debootstrap, chroot); or set KVMEM_ENV=host"
     return 1
+  fi
+  if [ -f "$stamp" ]; then
+    kvmem_log "installing new packages into the Debian sid environment"
+    # sid's Release files can be past their Valid-Until on a cached mirror; the packages are still signed.
+    if KVMEM_ENV=sid-raw kvmem_in_env_raw bash -c "apt-get -o Acquire::Check-Valid-Until=false update -qq && \
+         DEBIAN_FRONTEND=noninteractive apt-get -o Acquire::Check-Valid-Until=false install -y -qq \
+         --no-install-recommends $(echo "$KVMEM_ENV_PACKAGES" | tr ',' ' ')" >"$KVMEM_ENV_ROOT.log" 2>&1; then
+      printf '%s' "$KVMEM_ENV_PACKAGES" >"$stamp"
+      return 0
+    fi
+    kvmem_log "apt-get failed (see $KVMEM_ENV_ROOT.log); rebuilding the environment"
   fi
   if ! command -v debootstrap >/dev/null; then
     kvmem_log "installing debootstrap"
@@ -58,6 +71,11 @@ kvmem_env_ensure() {
 kvmem_in_env() {
   if [ "$KVMEM_ENV" = host ]; then "$@"; return; fi
   kvmem_env_ensure || return 1
+  kvmem_in_env_raw "$@"
+}
+
+# Enter the sid root as it is, without checking its package list.
+kvmem_in_env_raw() {
   local root=$KVMEM_ENV_ROOT
   unshare --mount --propagation private -- /bin/bash -c '
     set -e

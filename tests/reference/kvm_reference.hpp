@@ -300,6 +300,7 @@ inline KvmResult prefill_impl(const KvmSequence& s, const KvmParams& p, std::vec
       const long e = std::min(T, s0 + C);
       const long b = bswa_begin(e, C, L);
       assert(b == cov);
+      (void)cov;
       const StateHat sh = read_state(st, s, p);
       for (long h = j * G; h < (j + 1) * G; ++h)
         for (long u = s0; u < e; ++u) readout(hd, h, u, &sh, b, y(h, u));   // attend first

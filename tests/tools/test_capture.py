@@ -16,6 +16,7 @@ import traceback
 
 import numpy as np
 
+sys.dont_write_bytecode = True  # no __pycache__ in the source tree
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(ROOT, "tools", "capture"))
 import capture  # noqa: E402
@@ -187,7 +188,7 @@ def test_cli_output_file(tmp):
     text = write(os.path.join(tmp, "t.txt"), TEXT)
     out = os.path.join(tmp, "out.safetensors")
     rc, so, se = run_cli(["--model", mdir, "--text", text, "--output", out, "--layer", "2", "--heads", "1,3",
-                          "--window", "24", "--model-name", "tiny-test-bert"])
+                          "--model-name", "tiny-test-bert"])  # --window defaults to max_position_embeddings
     assert rc == 0, se
     assert "T = " in so
     t, meta = capture.read_safetensors(out)
