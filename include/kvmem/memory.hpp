@@ -10,6 +10,7 @@
 
 #include "config.hpp"
 #include "errors.hpp"
+#include "kernels/exact_attention.hpp"
 #include "kernels/readout.hpp"
 #include "kernels/step_plan.hpp"
 #include "kernels/update.hpp"

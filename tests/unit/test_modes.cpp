@@ -90,3 +90,17 @@ TEST_CASE("Serial and OpenMP give the same bits", "[kvm][backends]") {
   }
 }
 #endif
+
+TEST_CASE("exact causal attention equals a memory whose window holds every token", "[exact]") {
+  // With T <= L the memory never reads its state: its output is exact causal attention with tau_bswa.
+  auto c = growing_case(48, 8);
+  c.params.window_chunks = 6;
+  c.tau_bswa.assign(c.Hq, 1.0f);
+  const auto mem = kvmem_test::run_kvm<Kokkos::DefaultHostExecutionSpace>(c, Mode::prefill);
+  using space = Kokkos::HostSpace;
+  Kokkos::View<const float****, Kokkos::LayoutRight, space, Kokkos::MemoryUnmanaged> q(c.q.data(), 1, c.Hq, c.T, c.D),
+      k(c.k.data(), 1, c.Hkv, c.T, c.D), v(c.v.data(), 1, c.Hkv, c.T, c.Dv);
+  Kokkos::View<float****, Kokkos::LayoutRight, space> y("y", 1, c.Hq, c.T, c.Dv);
+  kvmem::kernels::exact_causal_attention(Kokkos::DefaultHostExecutionSpace(), q, k, v, y);
+  REQUIRE(std::vector<float>(y.data(), y.data() + y.size()) == mem.y);
+}

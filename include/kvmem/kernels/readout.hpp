@@ -26,6 +26,20 @@ struct OnlineSoftmax {
   float* acc = nullptr;
   int value_dim = 0;
 
+  /// Starts an empty softmax whose output accumulator is `acc` [dim] (zeroed here).
+  KOKKOS_INLINE_FUNCTION void reset(float* accumulator, int dim) {
+    max_logit = neg_inf();
+    normalizer = 0.0f;
+    acc = accumulator;
+    value_dim = dim;
+    for (int c = 0; c < dim; ++c) acc[c] = 0.0f;
+  }
+  /// Writes acc / normalizer to out [value_dim].
+  KOKKOS_INLINE_FUNCTION void finish(float* out) const {
+    const float inv = 1.0f / normalizer;
+    for (int c = 0; c < value_dim; ++c) out[c] = acc[c] * inv;
+  }
+
   template <class ValueOf>
   KOKKOS_INLINE_FUNCTION void add_tile(const float* logits, int n, ValueOf value_of) {
     float tile_max = neg_inf();
@@ -43,6 +57,20 @@ struct OnlineSoftmax {
     max_logit = new_max;
   }
 };
+
+/// Folds keys [0, count) into `sm` tile by tile: logit_j = q · key_of(j) * scale over `dim` channels,
+/// values value_of(j). `logits` is scratch of readout_key_tile floats. Tiles start at 0, so two calls
+/// over the same keys give the same bits whatever else the caller does.
+template <class KeyOf, class ValueOf>
+KOKKOS_INLINE_FUNCTION void attend(OnlineSoftmax& sm, const float* q, int dim, long count, float scale, float* logits,
+                                   KeyOf key_of, ValueOf value_of) {
+  constexpr int KT = readout_key_tile;
+  for (long j0 = 0; j0 < count; j0 += KT) {
+    const int n = static_cast<int>(count - j0 < KT ? count - j0 : KT);
+    for (int j = 0; j < n; ++j) logits[j] = dot(q, key_of(j0 + j), dim) * scale;
+    sm.add_tile(logits, n, [&](int j) { return value_of(j0 + j); });
+  }
+}
 
 /// Attention output for the queries of every (sequence b, query head hq) at positions
 /// [query_begin, query_end) of plan row b (spec KVM.md §3):
@@ -87,22 +115,13 @@ void readout(const ExecSpace& exec, const MemoryConfig& cfg, const LayerWeightsR
         Kokkos::parallel_for(Kokkos::TeamThreadRange(team, first, last), [&](long u) {
           const float* qu = &q(b, hq, u - off, 0);
           OnlineSoftmax sm;
-          sm.acc = scratch.data() + KT;
-          sm.value_dim = Dv;
-          for (int c = 0; c < Dv; ++c) sm.acc[c] = 0.0f;
-          for (long j0 = 0; j0 < m; j0 += KT) {
-            const int n = static_cast<int>(Kokkos::min<long>(KT, m - j0));
-            for (int j = 0; j < n; ++j) logits[j] = dot(qu, &rows.read_keys(b, h, j0 + j, 0), D) * state_scale;
-            sm.add_tile(logits, n, [&](int j) { return &rows.read_values(b, h, j0 + j, 0); });
-          }
-          for (long p0 = wb; p0 <= u; p0 += KT) {
-            const int n = static_cast<int>(Kokkos::min<long>(KT, u + 1 - p0));
-            for (int j = 0; j < n; ++j) logits[j] = dot(qu, &ring.keys(b, h, ring.slot(p0 + j), 0), D) * window_scale;
-            sm.add_tile(logits, n, [&](int j) { return &ring.values(b, h, ring.slot(p0 + j), 0); });
-          }
-          float* yu = &y(b, hq, u - off, 0);
-          const float inv = 1.0f / sm.normalizer;
-          for (int c = 0; c < Dv; ++c) yu[c] = sm.acc[c] * inv;
+          sm.reset(scratch.data() + KT, Dv);
+          attend(sm, qu, D, m, state_scale, logits, [&](long i) { return &rows.read_keys(b, h, i, 0); },
+                 [&](long i) { return &rows.read_values(b, h, i, 0); });
+          attend(sm, qu, D, u + 1 - wb, window_scale, logits,
+                 [&](long j) { return &ring.keys(b, h, ring.slot(wb + j), 0); },
+                 [&](long j) { return &ring.values(b, h, ring.slot(wb + j), 0); });
+          sm.finish(&y(b, hq, u - off, 0));
         });
       });
 }
