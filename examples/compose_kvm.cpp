@@ -24,7 +24,7 @@ int main() {
   cfg.window_chunks = 2;
   cfg.rope_dims = 32;
   cfg.sinks = 1;
-  cfg.max_chunks = 10000;
+  cfg.max_rows = 1 << 20;
   const kvmem::budget::PowerLaw budget{.min_rows = 64, .growth_factor = 16.0, .growth_exponent = 0.5};
 
   // Learned layer parameters at their initial values: LN_s affine (1, 0), temperatures 1.

@@ -14,7 +14,7 @@ int main() {
   cfg.query_heads = cfg.kv_heads = 1;
   cfg.chunk = 16;
   cfg.rope_dims = 8;
-  cfg.max_chunks = 4;
+  cfg.max_rows = 64;
   Kokkos::View<float*, space> ones("ones", 16), zeros("zeros", 16), tau("tau", 1);
   Kokkos::deep_copy(ones, 1.0f);
   Kokkos::deep_copy(tau, 1.0f);

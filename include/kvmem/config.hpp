@@ -11,7 +11,7 @@ namespace kvmem {
 /// Shape and window parameters of one attention layer's memory (kvm-paper Sec. 4, spec KVM.md §1-§2).
 ///
 /// Units: `chunk` and every window length are tokens; `head_dim`/`value_dim` are channels;
-/// `sinks` and `max_chunks * chunk` are state rows.
+/// `sinks` and `max_rows` are state rows.
 struct MemoryConfig {
   int head_dim = 0;        ///< D: channels of a query and a key.
   int value_dim = 0;       ///< Dv: channels of a value.
@@ -21,14 +21,13 @@ struct MemoryConfig {
   int window_chunks = 2;   ///< n_b: chunks in the block sliding window, L = n_b * C tokens.
   int rope_dims = 64;      ///< r: leading key channels zeroed before the memory LayerNorm (0 = none).
   int sinks = 1;           ///< S: leading state rows that are never merge targets.
-  long max_chunks = 1;     ///< Rows are capped at chunk * max_chunks (KVM code `n_max_d_chunks`).
+  long max_rows = 256;     ///< Cap on state rows (KVM code: chunk * n_max_d_chunks; OVQ: max_centroids N).
   float ln_eps = 1e-5f;    ///< epsilon of the state-key LayerNorm LN_s.
-  float norm_eps = 1e-12f; ///< epsilon of the value-norm guard max(||V||, eps) at readout.
+  float norm_eps = 1e-12f; ///< epsilon of the norm guards max(||x||, eps) (KVM value readout, OVQ row normalization).
+  bool normalize_rows = false;  ///< OVQ `normalize_centroids`: L2-normalize a row's key and value after each fold.
 
   /// Block sliding window length L = window_chunks * chunk, in tokens.
   [[nodiscard]] long window() const { return static_cast<long>(window_chunks) * chunk; }
-  /// Row cap chunk * max_chunks, in rows.
-  [[nodiscard]] long max_rows() const { return static_cast<long>(chunk) * max_chunks; }
   /// GQA group size Hq / Hkv.
   [[nodiscard]] int group() const { return query_heads / kv_heads; }
 
@@ -47,7 +46,7 @@ struct MemoryConfig {
     require(rope_dims >= 0 && rope_dims <= head_dim, "rope_dims", rope_dims,
             "must be in [0, head_dim = " + std::to_string(head_dim) + "]");
     require(sinks >= 0, "sinks", sinks, "must be >= 0");
-    require(max_chunks >= 1, "max_chunks", max_chunks, "must be >= 1");
+    require(max_rows >= 1, "max_rows", max_rows, "must be >= 1");
     require(ln_eps > 0.0f, "ln_eps", ln_eps, "must be > 0");
     require(norm_eps > 0.0f, "norm_eps", norm_eps, "must be > 0");
   }

@@ -4,16 +4,25 @@
 
 #include "config.hpp"
 #include "errors.hpp"
+#include "kernels/exact_attention.hpp"
 #include "memory.hpp"
 #include "policy/budget/fixed.hpp"
+#include "policy/budget/linear.hpp"
+#include "policy/budget/plateau.hpp"
 #include "policy/budget/power_law.hpp"
 #include "policy/budget/saturating.hpp"
 #include "policy/layer_weights.hpp"
+#include "policy/merge/k_means_count.hpp"
 #include "policy/merge/winner_take_all.hpp"
 #include "policy/score/novelty.hpp"
+#include "trellis_memory.hpp"
 
 namespace kvmem {
 /// KVM (kvm-paper): winner-take-all merge, novelty-ranked append, budget schedule of your choice.
 template <class ExecSpace, budget::BudgetSchedule Budget>
 using KvmMemory = Memory<ExecSpace, merge::WinnerTakeAll, Budget, score::Novelty>;
+/// OVQ (ovq-paper): online k-means with counts, plateau budget by default. Configure window_chunks = 1,
+/// sinks = 0 and max_rows = N for the paper's semantics; tau_state = tau_window = beta.
+template <class ExecSpace, budget::BudgetSchedule Budget = budget::Plateau>
+using OvqMemory = Memory<ExecSpace, merge::KMeansCount, Budget, score::Novelty>;
 }  // namespace kvmem

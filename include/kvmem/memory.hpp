@@ -10,7 +10,6 @@
 
 #include "config.hpp"
 #include "errors.hpp"
-#include "kernels/exact_attention.hpp"
 #include "kernels/readout.hpp"
 #include "kernels/step_plan.hpp"
 #include "kernels/update.hpp"
@@ -26,8 +25,9 @@ namespace kvmem {
 
 /// A bounded attention memory for one layer and a batch of sequences, composed at compile time from a
 /// merge policy, a budget schedule and an eviction scorer, running on the Kokkos execution space
-/// `ExecSpace` (kvm-paper Sec. 4 and App. A; spec KVM.md §3-§6 for KVM = WinnerTakeAll x
-/// {Fixed, PowerLaw, Saturating} x Novelty).
+/// `ExecSpace` (kvm-paper Sec. 4 and App. A, spec KVM.md §3-§6: KVM = WinnerTakeAll x Novelty; ovq-paper
+/// Sec. 3.2, spec OVQ.md §2-§6: OVQ = KMeansCount x Novelty with one window chunk and no sinks; any
+/// budget schedule).
 ///
 /// Tensors are views in (sequence, head, token, channel) index order with unit channel stride; any other
 /// strides are accepted, so an engine's [tokens, heads, head_dim] buffer is wrapped without a copy
@@ -47,14 +47,16 @@ class Memory {
   using gates_in = Kokkos::View<const float***, Kokkos::LayoutStride, memory_space>;
   using tokens_out = Kokkos::View<float****, Kokkos::LayoutStride, memory_space>;
 
-  /// A memory for `batch` sequences. Throws kvmem::invalid_argument for a bad config field, budget
-  /// parameter, `batch` < 1, or weights whose extents do not match the config.
+  /// A memory for `batch` sequences. `weights.tau_state`/`tau_window` [Hq] are the per-head factors of
+  /// Merge::logit_scale (KVM temperatures, OVQ beta); `ln_weight`/`ln_bias` [D] are needed when
+  /// Merge::uses_layer_norm. Throws kvmem::invalid_argument for a bad config field, budget parameter,
+  /// `batch` < 1, or weights whose extents do not match the config.
   Memory(const MemoryConfig& config, const Budget& budget, const LayerWeights<memory_space>& weights, int batch,
          const ExecSpace& exec = ExecSpace())
       : cfg_(config), budget_(budget), weights_(weights), exec_(exec) {
     cfg_.validate();
     budget_.validate();
-    weights_.validate(cfg_);
+    weights_.validate(cfg_, Merge::uses_layer_norm);
     require(batch >= 1, "batch", batch, "must be >= 1");
     cursors_.assign(batch, state::SequenceCursor{});
     rows_.allocate(batch, cfg_.kv_heads, cfg_.chunk, cfg_.head_dim, cfg_.value_dim);
@@ -86,42 +88,45 @@ class Memory {
               "prefill needs an empty memory; call reset() first");
     const long longest = *std::max_element(len.begin(), len.end());
     cfg_.check_sinks(longest);
-    long need = 0;
-    for (long n : len) need = std::max(need, state::final_rows(cfg_, budget_, n));
-    rows_.grow(need);
     Kokkos::deep_copy(exec_, y, 0.0f);
 
     const long C = cfg_.chunk, L = cfg_.window();
-    // Front block: exact causal attention over the first min(T, L) tokens; the first chunk becomes the state.
+    // Front block: exact causal attention over the first min(T, L) tokens, no state. Then the first chunk
+    // becomes rows verbatim (KVM), or is committed like any later block when it is due (OVQ).
     plan_.clear();
+    long front_block = 0;
     for (long b = 0; b < batch(); ++b) {
       auto& cur = cursors_[b];
-      const long front = std::min(len[b], L), first = std::min(len[b], C);
+      const long front = std::min(len[b], L);
       set_io(b, 0, 0, front, 0, 0);
-      set_block(b, 0, first, 0, first);
-      cur = {front, first, first};
+      cur.tokens = front;
+      if constexpr (Merge::first_chunk_verbatim) {
+        const long first = std::min(len[b], C);
+        set_block(b, 0, first, 0, first);
+        cur.covered = cur.rows = first;
+        front_block = std::max(front_block, first);
+      } else if (fold_due(cur, len[b], front)) {
+        plan_block(b, cur);
+        front_block = C;
+      }
     }
-    run_step(q, k, v, gate, y, std::min(longest, L), std::min(longest, C), /*update_first=*/false);
-    // Chunks [s, s + C) for s = L, L + C, ...: attend to [state ; window], then fold the block that left.
+    run_step(q, k, v, gate, y, std::min(longest, L), front_block, /*update_first=*/false);
+    // Chunks [s, s + C) for s = L, L + C, ...: attend to [state ; window], then fold the block that is due.
     for (long s = L; s < longest; s += C) {
       plan_.clear();
-      long most_rows = 0;
+      long block = 0;
       for (long b = 0; b < batch(); ++b) {
         if (s >= len[b]) continue;
         auto& cur = cursors_[b];
-        const long e = std::min(len[b], s + C), wb = state::window_begin(e, C, L);
-        set_io(b, 0, s, e, wb, cur.rows);
-        const long nb = state::window_begin(std::min(len[b], e + C), C, L);
-        if (nb > wb) {
-          const auto up = state::plan_update(cfg_, budget_, cur.rows, wb);
-          set_block(b, wb, C, up.rows_before, up.append);
-          cur.rows = up.rows_after();
-          cur.covered = nb;
-        }
+        const long e = std::min(len[b], s + C);
+        set_io(b, 0, s, e, state::window_begin(e, C, L), cur.rows);
         cur.tokens = e;
-        most_rows = std::max(most_rows, cur.rows);
+        if (fold_due(cur, len[b], e)) {
+          plan_block(b, cur);
+          block = C;
+        }
       }
-      run_step(q, k, v, gate, y, C, C, /*update_first=*/false, most_rows);
+      run_step(q, k, v, gate, y, C, block, /*update_first=*/false);
     }
   }
 
@@ -139,36 +144,37 @@ class Memory {
               "must equal the batch size " + std::to_string(batch()));
     const long C = cfg_.chunk, L = cfg_.window();
     plan_.clear();
-    long block = 0, most_rows = 0, queries = 0;
+    long block = 0, queries = 0;
     for (long b = 0; b < batch(); ++b) {
       if (!active.empty() && !active[b]) continue;
       auto& cur = cursors_[b];
-      const long pos = cur.tokens, n = pos + 1;
+      const long pos = cur.tokens, n = pos + 1, nb = state::window_begin(n, C, L);
       cfg_.check_sinks(n);
-      const long direct = std::min(n, C), nb = state::window_begin(n, C, L), target = std::max(direct, nb);
-      if (cur.covered < direct) {
-        set_block(b, cur.covered, direct - cur.covered, cur.rows, direct - cur.covered);
-        block = std::max(block, direct - cur.covered);
-        cur.rows += direct - cur.covered;
-        cur.covered = direct;
-      } else if (cur.covered < target) {
-        const auto up = state::plan_update(cfg_, budget_, cur.rows, cur.covered);
-        set_block(b, cur.covered, C, up.rows_before, up.append);
+      long read = cur.rows;  // an eager policy reads before its fold, a lazy one after
+      if (Merge::first_chunk_verbatim && cur.covered < std::min(n, C)) {
+        set_block(b, cur.covered, n - cur.covered, cur.rows, n - cur.covered);  // the token becomes a row
+        block = std::max(block, n - cur.covered);
+        cur.rows = cur.covered = n;
+      } else if (Merge::commit_eagerly ? fold_due(cur, n, n) : fold_due(cur, n, pos)) {
+        plan_block(b, cur);
         block = C;
-        cur.rows = up.rows_after();
-        cur.covered = target;
       }
-      set_io(b, pos, pos, n, nb, nb > 0 ? cur.rows : 0);
+      if (!Merge::commit_eagerly) read = cur.rows;
       cur.tokens = n;
-      most_rows = std::max(most_rows, cur.rows);
+      set_io(b, pos, pos, n, nb, nb > 0 ? read : 0);
       queries = 1;
     }
-    rows_.grow(most_rows);
-    run_step(q, k, v, gate, y, queries, block, /*update_first=*/true, most_rows);
+    run_step(q, k, v, gate, y, queries, block, /*update_first=*/!Merge::commit_eagerly);
   }
 
   /// Forgets every sequence (state rows and window); keeps the allocations.
-  void reset() { cursors_.assign(cursors_.size(), state::SequenceCursor{}); }
+  void reset() {
+    cursors_.assign(cursors_.size(), state::SequenceCursor{});
+    for (const auto& view : {rows_.keys, rows_.values, rows_.read_keys, rows_.read_values}) Kokkos::deep_copy(exec_, view, 0.0f);
+    Kokkos::deep_copy(exec_, rows_.radius, 0.0f);
+    Kokkos::deep_copy(exec_, rows_.counts, 0.0f);
+    exec_.fence();
+  }
 
   [[nodiscard]] const MemoryConfig& config() const { return cfg_; }
   [[nodiscard]] const Budget& budget() const { return budget_; }
@@ -182,8 +188,8 @@ class Memory {
     const long n = cursors_.at(b).tokens;
     return n - state::window_begin(n, cfg_.chunk, cfg_.window());
   }
-  /// Bytes of memory the batch holds in float32: per kv-head, state rows x (D + Dv + 1) (key sum, value
-  /// sum, radius) plus window tokens x (D + Dv + 1) (key, value, gate). Read caches are derived data and
+  /// Bytes of memory the batch holds in float32: per kv-head, state rows x (D + Dv + 1) (key, value, and
+  /// the row's radius or count) plus window tokens x (D + Dv + 1) (key, value, gate). Read caches are derived data and
   /// are not counted (allocated_bytes() counts them).
   [[nodiscard]] long held_bytes() const {
     long units = 0;
@@ -193,11 +199,10 @@ class Memory {
   /// Bytes this object has allocated on the device (state, read caches, window ring, scratch).
   [[nodiscard]] long allocated_bytes() const {
     return static_cast<long>(rows_.keys.span() + rows_.values.span() + rows_.read_keys.span() +
-                             rows_.read_values.span() + rows_.radius.span() + ring_.keys.span() +
-                             ring_.values.span() + ring_.gates.span() + scratch_.keys.span() +
-                             scratch_.scores.span()) *
+                             rows_.read_values.span() + rows_.radius.span() + rows_.counts.span() + ring_.keys.span() +
+                             ring_.values.span() + ring_.gates.span()) *
                static_cast<long>(sizeof(float)) +
-           static_cast<long>(scratch_.appended.span() * sizeof(int) + scratch_.routes.span() * sizeof(long));
+           scratch_.bytes();
   }
 
  private:
@@ -211,6 +216,20 @@ class Memory {
     h(b, kernels::window_begin_pos) = window_first;
     h(b, kernels::read_rows) = read_rows;
   }
+  /// Whether the next block [covered, covered + C) of `cur` folds in once `seen` tokens of a sequence of
+  /// `length` have been read out: when the window no longer holds it (lazy; spec KVM.md §4, §6) or, for
+  /// an eager policy, as soon as it is complete (spec OVQ.md §5-§6).
+  [[nodiscard]] bool fold_due(const state::SequenceCursor& cur, long length, long seen) const {
+    const long horizon = Merge::commit_eagerly ? seen + 1 : std::min(length, seen + cfg_.chunk);
+    return state::window_begin(horizon, cfg_.chunk, cfg_.window()) > cur.covered;
+  }
+  /// Plans the fold of `cur`'s next block for sequence b and advances the cursor past it.
+  void plan_block(long b, state::SequenceCursor& cur) {
+    const auto up = state::plan_update(cfg_, budget_, cur.rows, cur.covered);
+    set_block(b, cur.covered, cfg_.chunk, up.rows_before, up.append);
+    cur.rows = up.rows_after();
+    cur.covered += cfg_.chunk;
+  }
   void set_block(long b, long first, long count, long rows_before, long append) {
     auto& h = plan_.host;
     h(b, kernels::block_begin) = first;
@@ -219,13 +238,15 @@ class Memory {
     h(b, kernels::append_count) = append;
   }
   void run_step(const tokens_in& q, const tokens_in& k, const tokens_in& v, const gates_in& gate, const tokens_out& y,
-                long tokens, long block, bool update_first, long most_rows = 0) {
+                long tokens, long block, bool update_first) {
+    long most_rows = 1;
+    for (const auto& cur : cursors_) most_rows = std::max(most_rows, cur.rows);
+    rows_.grow(most_rows);
     plan_.upload(exec_);
     const auto w = LayerWeightsRef::of(weights_);
-    if (most_rows == 0) most_rows = block;
-    kernels::write_window(exec_, ring_, plan_, k, v, gate, tokens);
+    kernels::write_window<Merge>(exec_, cfg_, ring_, plan_, k, v, gate, tokens);
     if (update_first) kernels::update_state<Merge, Scorer>(exec_, cfg_, w, rows_, ring_, scratch_, plan_, block, most_rows);
-    kernels::readout(exec_, cfg_, w, rows_, ring_, plan_, q, y, tokens);
+    kernels::readout<Merge>(exec_, cfg_, w, rows_, ring_, plan_, q, y, tokens);
     if (!update_first) kernels::update_state<Merge, Scorer>(exec_, cfg_, w, rows_, ring_, scratch_, plan_, block, most_rows);
     exec_.fence();
   }

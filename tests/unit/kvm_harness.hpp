@@ -89,7 +89,7 @@ struct KvmCase {
     c.window_chunks = static_cast<int>(params.window_chunks);
     c.rope_dims = static_cast<int>(params.rope_dims);
     c.sinks = static_cast<int>(params.sinks);
-    c.max_chunks = params.max_chunks;
+    c.max_rows = params.chunk * params.max_chunks;
     return c;
   }
 };

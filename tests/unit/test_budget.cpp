@@ -21,13 +21,13 @@ TEST_CASE("update plans follow spec KVM.md 5.1", "[budget][plan]") {
   MemoryConfig cfg;
   cfg.chunk = 256;
   cfg.window_chunks = 2;
-  cfg.max_chunks = 10000;
+  cfg.max_rows = 256 * 10000;
   // First update at ctx = 768 with 256 rows (C = 256, L = 512).
   CHECK(state::plan_update(cfg, budget::PowerLaw{256, 16.0, 0.5, 1}, 256, 256).append == 187);
   CHECK(state::plan_update(cfg, budget::Saturating{1, 1024.0, 1}, 256, 256).append == 182);
   CHECK(state::plan_update(cfg, budget::Fixed{256}, 256, 256).append == 0);
-  // The cap C * max_chunks and the tokens available bound growth.
-  cfg.max_chunks = 1;
+  // The cap max_rows and the tokens available bound growth.
+  cfg.max_rows = 256;
   CHECK(state::plan_update(cfg, budget::PowerLaw{256, 16.0, 0.5, 1}, 256, 256).append == 0);
 }
 
@@ -35,7 +35,7 @@ TEST_CASE("the worked trace of spec KVM.md 4: rows 4, 5, 6", "[budget][plan]") {
   MemoryConfig cfg;
   cfg.chunk = 2;
   cfg.window_chunks = 2;
-  cfg.max_chunks = 100;
+  cfg.max_rows = 200;
   const budget::PowerLaw b{2, 2.0, 0.5, 1};
   long rows = 2;
   const long expected_append[] = {2, 1, 1}, expected_ctx[] = {6, 8, 10};

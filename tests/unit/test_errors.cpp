@@ -41,7 +41,7 @@ TEST_CASE("bad config fields are named", "[errors]") {
   expect_config_error([](auto& c) { c.query_heads = 3; }, "query_heads = 3");
   expect_config_error([](auto& c) { c.head_dim = 0; }, "head_dim = 0");
   expect_config_error([](auto& c) { c.sinks = -2; }, "sinks = -2");
-  expect_config_error([](auto& c) { c.max_chunks = 0; }, "max_chunks = 0");
+  expect_config_error([](auto& c) { c.max_rows = 0; }, "max_rows = 0");
   auto c = good_config();
   c.sinks = 4;
   REQUIRE_NOTHROW(c.check_sinks(12));  // T <= L + C: sinks have no effect

@@ -215,7 +215,10 @@ inline void run_kvm(const KvmOptions& o) {
   cfg.window_chunks = o.window_chunks;
   cfg.rope_dims = o.rope_dims;
   cfg.sinks = o.sinks;
-  cfg.max_chunks = o.max_chunks;
+  require(o.chunk >= 1, "--chunk", o.chunk, "must be >= 1");
+  require(o.max_chunks >= 1 && o.max_chunks <= (1L << 40) / o.chunk, "--max-chunks", o.max_chunks,
+          "must be >= 1 and chunk * max-chunks must fit in 2^40 rows");
+  cfg.max_rows = static_cast<long>(o.chunk) * o.max_chunks;
   require(o.round_down >= 1, "--round-down", o.round_down, "must be an integer >= 1");
   auto launch = [&](const auto& budget) {
     using budget_t = std::remove_cvref_t<decltype(budget)>;

@@ -15,6 +15,7 @@
 #include <cstdint>
 #include <cstring>
 #include <fstream>
+#include <limits>
 #include <map>
 #include <nlohmann/json.hpp>
 #include <string>
@@ -49,6 +50,33 @@ struct Tensor {
   return it == sizes.end() ? 0 : it->second;
 }
 
+namespace detail {
+/// Longest header excerpt quoted in an error message, characters.
+inline constexpr std::size_t brief_chars = 80;
+
+/// `text` cut to brief_chars characters (with "..." when cut).
+[[nodiscard]] inline std::string brief(std::string text) {
+  if (text.size() > brief_chars) text = text.substr(0, brief_chars) + "...";
+  return text;
+}
+
+/// A short JSON excerpt of a header value for an error message. Containers are written at most two
+/// levels deep and cut at brief_chars: nlohmann's dump() recurses once per nesting level, so a hostile
+/// header of a million nested arrays would overflow the stack, and a long value would flood the message.
+[[nodiscard]] inline std::string brief(const nlohmann::json& j, int depth = 0) {
+  if (!j.is_structured()) return brief(j.dump());
+  if (depth >= 2) return j.empty() ? (j.is_array() ? "[]" : "{}") : (j.is_array() ? "[...]" : "{...}");
+  std::string s = j.is_array() ? "[" : "{";
+  for (auto it = j.begin(); it != j.end(); ++it) {
+    if (it != j.begin()) s += ",";
+    if (j.is_object()) s += nlohmann::json(it.key()).dump() + ":";
+    s += brief(*it, depth + 1);
+    if (s.size() > brief_chars) return brief(s);
+  }
+  return s + (j.is_array() ? "]" : "}");
+}
+}  // namespace detail
+
 /// A safetensors file in memory: tensors by name plus string metadata.
 struct SafetensorsFile {
   std::map<std::string, Tensor> tensors;
@@ -81,39 +109,43 @@ struct SafetensorsFile {
       if (key == "__metadata__") {
         require(entry.is_object(), where + " __metadata__", entry.type_name(), "must be an object of strings");
         for (const auto& [mk, mv] : entry.items()) {
-          require(mv.is_string(), where + " __metadata__." + mk, mv.dump(), "must be a string");
+          require(mv.is_string(), where + " __metadata__." + detail::brief(mk), detail::brief(mv), "must be a string");
           file.metadata[mk] = mv.get<std::string>();
         }
         continue;
       }
-      const std::string t = where + " tensor '" + key + "'";
+      const std::string t = where + " tensor '" + detail::brief(key) + "'";
       require(entry.is_object() && entry.contains("dtype") && entry.contains("shape") &&
                   entry.contains("data_offsets"),
-              t, entry.dump(), "needs dtype, shape and data_offsets");
+              t, detail::brief(entry), "needs dtype, shape and data_offsets");
       const auto& dt = entry["dtype"];
-      require(dt.is_string(), t + " dtype", dt.dump(), "must be a string");
+      require(dt.is_string(), t + " dtype", detail::brief(dt), "must be a string");
       Tensor tensor;
       tensor.dtype = dt.get<std::string>();
       const std::size_t es = dtype_size(tensor.dtype);
-      require(es != 0, t + " dtype", tensor.dtype, "unknown dtype");
+      require(es != 0, t + " dtype", detail::brief(tensor.dtype), "unknown dtype");
       const auto& shape = entry["shape"];
-      require(shape.is_array(), t + " shape", shape.dump(), "must be an array");
+      require(shape.is_array(), t + " shape", detail::brief(shape), "must be an array");
       std::uint64_t count = 1;
       for (const auto& d : shape) {
         require(d.is_number_unsigned() || (d.is_number_integer() && d.get<std::int64_t>() >= 0), t + " shape",
-                shape.dump(), "entries must be non-negative integers");
+                detail::brief(shape), "entries must be non-negative integers");
         const std::uint64_t dim = d.get<std::uint64_t>();
-        require(dim == 0 || count <= data_size / dim, t + " shape", shape.dump(), "holds more elements than the file");
+        // Shapes are int64 (Tensor::shape); a dimension past that would read back negative.
+        require(dim <= static_cast<std::uint64_t>(std::numeric_limits<std::int64_t>::max()), t + " shape",
+                detail::brief(shape), "entries must be below 2^63");
+        require(dim == 0 || count <= data_size / dim, t + " shape", detail::brief(shape),
+                "holds more elements than the file");
         count *= dim;
         tensor.shape.push_back(static_cast<std::int64_t>(dim));
       }
       const auto& off = entry["data_offsets"];
       require(off.is_array() && off.size() == 2 && off[0].is_number_unsigned() && off[1].is_number_unsigned(),
-              t + " data_offsets", off.dump(), "must be two non-negative integers");
+              t + " data_offsets", detail::brief(off), "must be two non-negative integers");
       const std::uint64_t begin = off[0].get<std::uint64_t>(), end = off[1].get<std::uint64_t>();
-      require(begin <= end && end <= data_size, t + " data_offsets", off.dump(),
+      require(begin <= end && end <= data_size, t + " data_offsets", detail::brief(off),
               "must satisfy begin <= end <= " + std::to_string(data_size) + " (the data section)");
-      require(end - begin == count * es, t + " data_offsets", off.dump(),
+      require(end - begin == count * es, t + " data_offsets", detail::brief(off),
               "span " + std::to_string(end - begin) + " bytes but dtype and shape need " + std::to_string(count * es));
       tensor.bytes.assign(data + begin, data + end);
       if (end > begin) ranges.emplace_back(begin, end);
@@ -158,8 +190,8 @@ struct SafetensorsFile {
     tensors[name] = std::move(t);
   }
 
-  /// Serializes header and data (tensors in name order, 8-byte aligned header) and writes `path`.
-  void write(const std::string& path) const {
+  /// The file's bytes: header and data (tensors in name order, 8-byte aligned header).
+  [[nodiscard]] std::vector<unsigned char> serialize() const {
     nlohmann::json header = nlohmann::json::object();
     if (!metadata.empty()) header["__metadata__"] = metadata;
     std::uint64_t offset = 0;
@@ -169,12 +201,21 @@ struct SafetensorsFile {
     }
     std::string text = header.dump();
     text.append((8 - text.size() % 8) % 8, ' ');
+    const std::uint64_t n = text.size();
+    std::vector<unsigned char> bytes(8 + text.size());
+    std::memcpy(bytes.data(), &n, 8);
+    std::memcpy(bytes.data() + 8, text.data(), text.size());
+    bytes.reserve(bytes.size() + offset);
+    for (const auto& [name, t] : tensors) bytes.insert(bytes.end(), t.bytes.begin(), t.bytes.end());
+    return bytes;
+  }
+
+  /// Writes serialize() to `path`.
+  void write(const std::string& path) const {
+    const auto bytes = serialize();
     std::ofstream out(path, std::ios::binary);
     require(static_cast<bool>(out), "file", path, "cannot be opened for writing");
-    const std::uint64_t n = text.size();
-    out.write(reinterpret_cast<const char*>(&n), 8);
-    out.write(text.data(), static_cast<std::streamsize>(text.size()));
-    for (const auto& [name, t] : tensors) out.write(reinterpret_cast<const char*>(t.bytes.data()), static_cast<std::streamsize>(t.bytes.size()));
+    out.write(reinterpret_cast<const char*>(bytes.data()), static_cast<std::streamsize>(bytes.size()));
     require(static_cast<bool>(out), "file", path, "write failed");
   }
 };

@@ -58,29 +58,36 @@ struct OnlineSoftmax {
   }
 };
 
-/// Folds keys [0, count) into `sm` tile by tile: logit_j = q · key_of(j) * scale over `dim` channels,
-/// values value_of(j). `logits` is scratch of readout_key_tile floats. Tiles start at 0, so two calls
-/// over the same keys give the same bits whatever else the caller does.
-template <class KeyOf, class ValueOf>
+/// No logit bias (window tokens, exact attention).
+struct NoBias {
+  KOKKOS_INLINE_FUNCTION float operator()(long) const { return 0.0f; }
+};
+
+/// Folds keys [0, count) into `sm` tile by tile: logit_j = q · key_of(j) * scale + bias_of(j) over `dim`
+/// channels, values value_of(j). `logits` is scratch of readout_key_tile floats. Tiles start at 0, so two
+/// calls over the same keys give the same bits whatever else the caller does.
+template <class KeyOf, class ValueOf, class BiasOf = NoBias>
 KOKKOS_INLINE_FUNCTION void attend(OnlineSoftmax& sm, const float* q, int dim, long count, float scale, float* logits,
-                                   KeyOf key_of, ValueOf value_of) {
+                                   KeyOf key_of, ValueOf value_of, BiasOf bias_of = {}) {
   constexpr int KT = readout_key_tile;
   for (long j0 = 0; j0 < count; j0 += KT) {
     const int n = static_cast<int>(count - j0 < KT ? count - j0 : KT);
-    for (int j = 0; j < n; ++j) logits[j] = dot(q, key_of(j0 + j), dim) * scale;
+    for (int j = 0; j < n; ++j) logits[j] = dot(q, key_of(j0 + j), dim) * scale + bias_of(j0 + j);
     sm.add_tile(logits, n, [&](int j) { return value_of(j0 + j); });
   }
 }
 
 /// Attention output for the queries of every (sequence b, query head hq) at positions
-/// [query_begin, query_end) of plan row b (spec KVM.md §3):
-///   logit(u, i) = q_u · (tau_state[hq] * read_keys_i) / sqrt(D)   for state rows i < read_rows,
-///   logit(u, p) = q_u · (tau_window[hq] * k_p) / sqrt(D)          for window positions window_begin <= p <= u,
+/// [query_begin, query_end) of plan row b (spec KVM.md §3, OVQ.md §4):
+///   logit(u, i) = q_u · read_keys_i * Merge::logit_scale(tau_state[hq], q_u) + Merge::row_bias(row i)
+///                 for state rows i < read_rows,
+///   logit(u, p) = q_u · k_p * Merge::logit_scale(tau_window[hq], q_u) for window positions
+///                 window_begin <= p <= u (k_p as Merge::window_key stored it),
 ///   y_u = softmax(logits) · [read_values ; v].
 /// q [B, Hq, T, D] and y [B, Hq, T, Dv] are indexed by position - input_offset and need unit channel
 /// stride. Query head hq reads kv-head hq / G (GQA). `max_queries` bounds query_end - query_begin.
 /// Each query is computed by one thread in a fixed order: the same bits on every run of a backend.
-template <class ExecSpace, class QueriesIn, class Out>
+template <class Merge, class ExecSpace, class QueriesIn, class Out>
 void readout(const ExecSpace& exec, const MemoryConfig& cfg, const LayerWeightsRef& w,
              const state::StateRows<typename ExecSpace::memory_space>& rows,
              const state::WindowRing<typename ExecSpace::memory_space>& ring,
@@ -91,7 +98,6 @@ void readout(const ExecSpace& exec, const MemoryConfig& cfg, const LayerWeightsR
   constexpr int QB = readout_query_block, KT = readout_key_tile;
   const long blocks = (max_queries + QB - 1) / QB;
   const int Hq = cfg.query_heads, G = cfg.group(), D = cfg.head_dim, Dv = cfg.value_dim;
-  const float inv_sqrt_d = 1.0f / Kokkos::sqrt(static_cast<float>(D));
   const auto p = plan.device;
   using policy_t = Kokkos::TeamPolicy<ExecSpace>;
   using member_t = typename policy_t::member_type;
@@ -109,16 +115,16 @@ void readout(const ExecSpace& exec, const MemoryConfig& cfg, const LayerWeightsR
         if (first >= last) return;
         scratch_t scratch(team.thread_scratch(0), KT + Dv);
         float* logits = scratch.data();
-        const float state_scale = w.tau_state[hq] * inv_sqrt_d;
-        const float window_scale = w.tau_window[hq] * inv_sqrt_d;
         const long m = p(b, read_rows), wb = p(b, window_begin_pos), off = p(b, input_offset);
         Kokkos::parallel_for(Kokkos::TeamThreadRange(team, first, last), [&](long u) {
           const float* qu = &q(b, hq, u - off, 0);
           OnlineSoftmax sm;
           sm.reset(scratch.data() + KT, Dv);
-          attend(sm, qu, D, m, state_scale, logits, [&](long i) { return &rows.read_keys(b, h, i, 0); },
-                 [&](long i) { return &rows.read_values(b, h, i, 0); });
-          attend(sm, qu, D, u + 1 - wb, window_scale, logits,
+          attend(sm, qu, D, m, Merge::logit_scale(w.tau_state[hq], qu, D), logits,
+                 [&](long i) { return &rows.read_keys(b, h, i, 0); },
+                 [&](long i) { return &rows.read_values(b, h, i, 0); },
+                 [&](long i) { return Merge::row_bias(rows.row(b, h, i)); });
+          attend(sm, qu, D, u + 1 - wb, Merge::logit_scale(w.tau_window[hq], qu, D), logits,
                  [&](long j) { return &ring.keys(b, h, ring.slot(wb + j), 0); },
                  [&](long j) { return &ring.values(b, h, ring.slot(wb + j), 0); });
           sm.finish(&y(b, hq, u - off, 0));

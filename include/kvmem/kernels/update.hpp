@@ -2,15 +2,18 @@
 /// \file update.hpp
 /// State update with one block of tokens: score, append the winners, route and fold the rest in.
 ///
-/// Five deterministic kernels, each parallel over (sequence, kv-head, token or row), none with float
-/// atomics (spec KVM.md §5; kvm-paper Sec. 4 and App. A):
-///   1. stage   memory keys of the block (and their scores when the scorer must choose),
-///   2. select  which tokens become rows: the `append_count` lowest scores, ties to the lower index,
-///   3. append  selected tokens as new rows, in token order,
-///   4. route   every other token to its best row i >= sinks against one post-append snapshot,
-///   5. fold    per row, the routed tokens in token order, then refresh the row's read caches.
-/// The same kernels serve the first chunk's direct copy (append_count == block_count), so prefill and
-/// decode produce identical bits.
+/// Deterministic kernels, each parallel over (sequence, kv-head, token or row), none with float atomics
+/// (kvm-paper Sec. 4, App. A; ovq-paper Sec. 3.2; specs KVM.md §5, OVQ.md §5):
+///   1. stage   memory keys of the block,
+///   2. score   tokens against the rows that exist (or, when none exist and the policy commits its first
+///              block like any other, against the block's first token: OVQ's seeding),
+///   3. select  which tokens become rows: the lowest scores, ties to the lower token index,
+///   4. append  selected tokens as new rows (in token or score order, per policy),
+///   5. route   every other token to its best row (argmax of the gated key's dot product with the read
+///              keys, ties to the lower row) among the rows before or after the append, per policy,
+///   6. fold    per row, its routed tokens in token order, then refresh the row's read caches.
+/// The same kernels serve KVM's first-chunk copy (every token appended), so prefill and decode produce
+/// identical bits.
 
 #include <Kokkos_Core.hpp>
 
@@ -24,29 +27,40 @@
 
 namespace kvmem::kernels {
 
-/// Scratch of one update for a batch: memory keys [B, Hkv, C, D], scores, append flags and routes
-/// [B, Hkv, C] of the block's tokens.
+/// Scratch of one update for a batch: memory keys [B, Hkv, C, D]; scores, score ranks, new-row index or
+/// -1, and routes [B, Hkv, C] of the block's tokens.
 template <class MemorySpace>
 struct UpdateScratch {
   Kokkos::View<float****, Kokkos::LayoutRight, MemorySpace> keys;
   Kokkos::View<float***, Kokkos::LayoutRight, MemorySpace> scores;
-  Kokkos::View<int***, Kokkos::LayoutRight, MemorySpace> appended;
-  Kokkos::View<long***, Kokkos::LayoutRight, MemorySpace> routes;
+  Kokkos::View<long***, Kokkos::LayoutRight, MemorySpace> ranks, new_rows, routes;
 
   void allocate(int batch, int kv_heads, int chunk, int head_dim) {
     keys = decltype(keys)("kvmem::block_keys", batch, kv_heads, chunk, head_dim);
     scores = decltype(scores)("kvmem::block_scores", batch, kv_heads, chunk);
-    appended = decltype(appended)("kvmem::block_appended", batch, kv_heads, chunk);
+    ranks = decltype(ranks)("kvmem::block_ranks", batch, kv_heads, chunk);
+    new_rows = decltype(new_rows)("kvmem::block_new_rows", batch, kv_heads, chunk);
     routes = decltype(routes)("kvmem::block_routes", batch, kv_heads, chunk);
+  }
+  [[nodiscard]] long bytes() const {
+    return static_cast<long>((keys.span() + scores.span()) * sizeof(float) +
+                             (ranks.span() + new_rows.span() + routes.span()) * sizeof(long));
   }
 };
 
+/// Seeding: the policy commits its first block like any other and no row exists yet (OVQ's m == 0):
+/// tokens are scored against the block's first token, row 0 takes the block's first token and every
+/// token not selected, and selected tokens found rows 1, 2, ... (spec OVQ.md §5.1).
+template <class Merge>
+KOKKOS_INLINE_FUNCTION bool seeding(long rows_before) {
+  return !Merge::first_chunk_verbatim && rows_before == 0;
+}
+
 /// Folds the block [block_begin, block_begin + block_count) of every plan row into that sequence's
-/// state (all kv-heads): `append_count` tokens become rows rows_before.. (lowest Scorer score first,
-/// ties to lower token index; all tokens if append_count == block_count), the others are routed to
-/// argmax_{i >= min(sinks, rows)} (g_j * memory_key_j) · read_key_i (ties to the lower row) and folded
-/// with weight g_j = Merge::gate(z_j). Rows of plan rows with block_count == 0 are untouched.
-/// `max_block` bounds block_count over the batch (<= chunk).
+/// state (all kv-heads). `append_count` is the plan's growth M* - m (spec KVM.md §5.1, OVQ.md §3): that
+/// many tokens found rows, lowest Scorer score first (when seeding, row 0 is one of them). Plan rows with
+/// block_count == 0 are untouched. `max_block` bounds block_count over the batch (<= chunk) and
+/// `max_rows_after` bounds the rows any sequence has afterwards (at least 1).
 template <merge::MergePolicy Merge, score::EvictionScorer Scorer, class ExecSpace>
 void update_state(const ExecSpace& exec, const MemoryConfig& cfg, const LayerWeightsRef& w,
                   const state::StateRows<typename ExecSpace::memory_space>& st,
@@ -55,73 +69,99 @@ void update_state(const ExecSpace& exec, const MemoryConfig& cfg, const LayerWei
                   const StepPlan<typename ExecSpace::memory_space>& plan, long max_block, long max_rows_after) {
   const long B = static_cast<long>(st.keys.extent(0)), H = static_cast<long>(st.keys.extent(1));
   if (max_block <= 0 || B == 0) return;
-  const int D = cfg.head_dim, Dv = cfg.value_dim;
-  const long C = max_block;
+  const int D = cfg.head_dim;
+  const long C = max_block, R = max_rows_after > 1 ? max_rows_after : 1;
   const auto p = plan.device;
   const auto keys = scratch.keys;
   const auto scores = scratch.scores;
-  const auto appended = scratch.appended;
+  const auto ranks = scratch.ranks;
+  const auto new_rows = scratch.new_rows;
   const auto routes = scratch.routes;
   using range = Kokkos::RangePolicy<ExecSpace>;
+  // Tokens selected for new rows: M* - m, or one fewer when seeding (row 0 is founded by the fold).
+  auto selected = [=] KOKKOS_FUNCTION(long b) {
+    const long app = p(b, append_count);
+    return seeding<Merge>(p(b, rows_before)) ? (app > 1 ? app - 1 : 0) : app;
+  };
+  auto must_rank = [=] KOKKOS_FUNCTION(long b) {
+    const long n = selected(b);
+    return n > 0 && (n < p(b, block_count) || Merge::rows_in_score_order);
+  };
 
-  // 1. stage: memory keys, and scores where the scorer must choose.
+  // 1. stage: memory keys.
   Kokkos::parallel_for("kvmem::update_stage", range(exec, 0, B * H * C), KOKKOS_LAMBDA(long idx) {
     const long j = idx % C, h = (idx / C) % H, b = idx / (C * H);
-    const long count = p(b, block_count), app = p(b, append_count);
-    if (j >= count) return;
-    const long s = ring.slot(p(b, block_begin) + j);
-    float* kbar = &keys(b, h, j, 0);
-    Merge::memory_key(cfg, w, &ring.keys(b, h, s, 0), kbar);
-    if (app > 0 && app < count) scores(b, h, j) = Scorer::score(kbar, &st.read_keys(b, h, 0, 0), p(b, rows_before), D);
+    if (j >= p(b, block_count)) return;
+    Merge::memory_key(cfg, w, &ring.keys(b, h, ring.slot(p(b, block_begin) + j), 0), &keys(b, h, j, 0));
   });
-  // 2. select: rank by (score asc, token index asc); append the first append_count.
+  // 2. score: against the existing rows' read keys, or (seeding) against the block's first token.
+  Kokkos::parallel_for("kvmem::update_score", range(exec, 0, B * H * C), KOKKOS_LAMBDA(long idx) {
+    const long j = idx % C, h = (idx / C) % H, b = idx / (C * H);
+    if (j >= p(b, block_count) || !must_rank(b)) return;
+    const long m = p(b, rows_before);
+    if (seeding<Merge>(m))
+      scores(b, h, j) = j == 0 ? -neg_inf() : dot(&keys(b, h, j, 0), &keys(b, h, 0, 0), D);
+    else
+      scores(b, h, j) = Scorer::score(&keys(b, h, j, 0), &st.read_keys(b, h, 0, 0), m, D);
+  });
+  // 3. select: rank by (score asc, token index asc); the first `selected` found rows.
   Kokkos::parallel_for("kvmem::update_select", range(exec, 0, B * H * C), KOKKOS_LAMBDA(long idx) {
     const long j = idx % C, h = (idx / C) % H, b = idx / (C * H);
-    const long count = p(b, block_count), app = p(b, append_count);
+    const long count = p(b, block_count), n = selected(b);
     if (j >= count) return;
-    if (app == 0 || app == count) {
-      appended(b, h, j) = app == count ? 1 : 0;
-      return;
+    long rank = j;  // every token selected in token order when no ranking is needed
+    if (must_rank(b)) {
+      const float sj = scores(b, h, j);
+      rank = 0;
+      for (long i = 0; i < count; ++i) {
+        const float si = scores(b, h, i);
+        rank += (si < sj || (si == sj && i < j)) ? 1 : 0;
+      }
     }
-    const float sj = scores(b, h, j);
-    long rank = 0;
-    for (long i = 0; i < count; ++i) {
-      const float si = scores(b, h, i);
-      rank += (si < sj || (si == sj && i < j)) ? 1 : 0;
-    }
-    appended(b, h, j) = rank < app ? 1 : 0;
+    ranks(b, h, j) = rank;
   });
-  // 3. append selected tokens as rows, in token order (ungated, spec KVM.md §5.4).
+  // 4. append: selected tokens become rows base.. in token or score order (spec KVM.md §5.4, OVQ.md §5.1).
   Kokkos::parallel_for("kvmem::update_append", range(exec, 0, B * H * C), KOKKOS_LAMBDA(long idx) {
     const long j = idx % C, h = (idx / C) % H, b = idx / (C * H);
-    if (j >= p(b, block_count) || !appended(b, h, j)) return;
-    long row = p(b, rows_before);
-    for (long i = 0; i < j; ++i) row += appended(b, h, i);
-    const float* kbar = &keys(b, h, j, 0);
-    const float* v = &ring.values(b, h, ring.slot(p(b, block_begin) + j), 0);
-    for (int c = 0; c < D; ++c) st.keys(b, h, row, c) = kbar[c];
-    for (int c = 0; c < Dv; ++c) st.values(b, h, row, c) = v[c];
-    const float radius = norm2(v, Dv);
-    st.radius(b, h, row) = radius;
-    Merge::read_key(cfg, w, kbar, &st.read_keys(b, h, row, 0));
-    Merge::read_value(cfg, v, radius, &st.read_values(b, h, row, 0));
+    const long n = selected(b), m = p(b, rows_before);
+    if (j >= p(b, block_count)) return;
+    if (ranks(b, h, j) >= n) {
+      new_rows(b, h, j) = -1;
+      return;
+    }
+    long order = ranks(b, h, j);
+    if (!Merge::rows_in_score_order) {
+      order = 0;
+      for (long i = 0; i < j; ++i) order += ranks(b, h, i) < n ? 1 : 0;
+    }
+    const long row = (seeding<Merge>(m) ? 1 : m) + order;
+    new_rows(b, h, j) = row;
+    const merge::Row r = st.row(b, h, row);
+    Merge::new_row(cfg, r, &keys(b, h, j, 0), &ring.values(b, h, ring.slot(p(b, block_begin) + j), 0));
+    Merge::read_key(cfg, w, r, &st.read_keys(b, h, row, 0));
+    Merge::read_value(cfg, r, &st.read_values(b, h, row, 0));
   });
-  // 4. route merged tokens against the post-append snapshot (batched, spec KVM.md §5.5, §9 #2-#3).
+  // 5. route the other tokens: seeding -> row 0; else argmax over the rows before or after the append,
+  //    from the first non-sink row (spec KVM.md §5.5 and §9 #2-#3, OVQ.md §5.1).
   const long sinks = cfg.sinks;
   Kokkos::parallel_for("kvmem::update_route", range(exec, 0, B * H * C), KOKKOS_LAMBDA(long idx) {
     const long j = idx % C, h = (idx / C) % H, b = idx / (C * H);
-    const long count = p(b, block_count), app = p(b, append_count);
-    if (j >= count || app == count || appended(b, h, j)) return;
-    const long rows_now = p(b, rows_before) + app;
-    const long first = Kokkos::min(sinks, rows_now);
+    if (j >= p(b, block_count) || new_rows(b, h, j) >= 0) return;
+    const long m = p(b, rows_before);
+    if (seeding<Merge>(m)) {
+      routes(b, h, j) = 0;
+      return;
+    }
+    const long end = Merge::route_after_append ? m + selected(b) : m;
+    const long first = Kokkos::min(sinks, end);
     const float g = Merge::gate(ring.gates(b, h, ring.slot(p(b, block_begin) + j)));
-    const float* kbar = &keys(b, h, j, 0);
+    const float* key = &keys(b, h, j, 0);
     long best_row = first;
     float best = neg_inf();
-    for (long i = first; i < rows_now; ++i) {
+    for (long i = first; i < end; ++i) {
       const float* khat = &st.read_keys(b, h, i, 0);
       float s = 0.0f;
-      for (int c = 0; c < D; ++c) s += (g * kbar[c]) * khat[c];
+      for (int c = 0; c < D; ++c) s += (g * key[c]) * khat[c];
       if (s > best || i == first) {
         best = s;
         best_row = i;
@@ -129,23 +169,23 @@ void update_state(const ExecSpace& exec, const MemoryConfig& cfg, const LayerWei
     }
     routes(b, h, j) = best_row;
   });
-  // 5. fold routed tokens into their rows in token order, then refresh the rows' read caches.
-  Kokkos::parallel_for("kvmem::update_fold", range(exec, 0, B * H * max_rows_after), KOKKOS_LAMBDA(long idx) {
-    const long i = idx % max_rows_after, h = (idx / max_rows_after) % H, b = idx / (max_rows_after * H);
-    const long count = p(b, block_count), app = p(b, append_count);
-    if (count == 0 || app == count || i >= p(b, rows_before) + app) return;
+  // 6. fold routed tokens into their rows in token order, then refresh the rows' read caches.
+  Kokkos::parallel_for("kvmem::update_fold", range(exec, 0, B * H * R), KOKKOS_LAMBDA(long idx) {
+    const long i = idx % R, h = (idx / R) % H, b = idx / (R * H);
+    const long count = p(b, block_count);
     bool touched = false;
+    const merge::Row r = st.row(b, h, i);
     for (long j = 0; j < count; ++j) {
-      if (appended(b, h, j) || routes(b, h, j) != i) continue;
-      const long s = ring.slot(p(b, block_begin) + j);
-      const float g = Merge::gate(ring.gates(b, h, s));
-      Merge::fold(&st.keys(b, h, i, 0), &keys(b, h, j, 0), g, D);
-      Merge::fold(&st.values(b, h, i, 0), &ring.values(b, h, s, 0), g, Dv);
+      if (new_rows(b, h, j) >= 0 || routes(b, h, j) != i) continue;
+      if (!touched) Merge::begin_fold(cfg, r);
       touched = true;
+      const long s = ring.slot(p(b, block_begin) + j);
+      Merge::fold(cfg, r, &keys(b, h, j, 0), &ring.values(b, h, s, 0), Merge::gate(ring.gates(b, h, s)));
     }
     if (touched) {
-      Merge::read_key(cfg, w, &st.keys(b, h, i, 0), &st.read_keys(b, h, i, 0));
-      Merge::read_value(cfg, &st.values(b, h, i, 0), st.radius(b, h, i), &st.read_values(b, h, i, 0));
+      Merge::end_fold(cfg, r);
+      Merge::read_key(cfg, w, r, &st.read_keys(b, h, i, 0));
+      Merge::read_value(cfg, r, &st.read_values(b, h, i, 0));
     }
   });
 }

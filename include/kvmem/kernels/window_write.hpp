@@ -4,21 +4,23 @@
 
 #include <Kokkos_Core.hpp>
 
+#include "../config.hpp"
 #include "../state/state_rows.hpp"
 #include "step_plan.hpp"
 
 namespace kvmem::kernels {
 
 /// For every sequence b and kv-head h, copies tokens at positions [write_begin, write_end) of plan row b
-/// from k [B, Hkv, T, D], v [B, Hkv, T, Dv] (input index = position - input_offset) and gate [B, Hkv, T]
-/// into ring slot position % slots. `max_tokens` bounds write_end - write_begin over the batch.
-/// An empty `gate` view writes z = 0.
-template <class ExecSpace, class KeysIn, class GateIn>
-void write_window(const ExecSpace& exec, const state::WindowRing<typename ExecSpace::memory_space>& ring,
+/// from k [B, Hkv, T, D] (through Merge::window_key), v [B, Hkv, T, Dv] (input index = position -
+/// input_offset) and gate [B, Hkv, T] into ring slot position % slots. `max_tokens` bounds
+/// write_end - write_begin over the batch. An empty `gate` view writes z = 0.
+template <class Merge, class ExecSpace, class KeysIn, class GateIn>
+void write_window(const ExecSpace& exec, const MemoryConfig& cfg,
+                  const state::WindowRing<typename ExecSpace::memory_space>& ring,
                   const StepPlan<typename ExecSpace::memory_space>& plan, const KeysIn& k, const KeysIn& v,
                   const GateIn& gate, long max_tokens) {
   const long B = static_cast<long>(ring.keys.extent(0)), H = static_cast<long>(ring.keys.extent(1));
-  const int D = static_cast<int>(ring.keys.extent(3)), Dv = static_cast<int>(ring.values.extent(3));
+  const int Dv = static_cast<int>(ring.values.extent(3));
   if (max_tokens <= 0 || B == 0) return;
   const auto p = plan.device;
   const bool has_gate = gate.data() != nullptr;
@@ -28,7 +30,7 @@ void write_window(const ExecSpace& exec, const state::WindowRing<typename ExecSp
         const long pos = p(b, write_begin) + i;
         if (pos >= p(b, write_end)) return;
         const long t = pos - p(b, input_offset), s = ring.slot(pos);
-        for (int c = 0; c < D; ++c) ring.keys(b, h, s, c) = k(b, h, t, c);
+        Merge::window_key(cfg, &k(b, h, t, 0), &ring.keys(b, h, s, 0));
         for (int c = 0; c < Dv; ++c) ring.values(b, h, s, c) = v(b, h, t, c);
         ring.gates(b, h, s) = has_gate ? gate(b, h, t) : 0.0f;
       });

@@ -19,14 +19,17 @@ struct LayerWeights {
   using vector = Kokkos::View<const float*, MemorySpace>;
   vector ln_weight, ln_bias, tau_state, tau_window;
 
-  /// Throws kvmem::invalid_argument naming the view whose extent does not match `cfg`.
-  void validate(const MemoryConfig& cfg) const {
+  /// Throws kvmem::invalid_argument naming the view whose extent does not match `cfg`; ln_weight and
+  /// ln_bias are checked only when `uses_layer_norm`.
+  void validate(const MemoryConfig& cfg, bool uses_layer_norm = true) const {
     auto check = [](const vector& v, const char* name, long want, const char* what) {
       require(static_cast<long>(v.extent(0)) == want, std::string(name) + ".extent(0)", v.extent(0),
               std::string("must equal ") + what + " = " + std::to_string(want));
     };
-    check(ln_weight, "ln_weight", cfg.head_dim, "head_dim");
-    check(ln_bias, "ln_bias", cfg.head_dim, "head_dim");
+    if (uses_layer_norm) {
+      check(ln_weight, "ln_weight", cfg.head_dim, "head_dim");
+      check(ln_bias, "ln_bias", cfg.head_dim, "head_dim");
+    }
     check(tau_state, "tau_state", cfg.query_heads, "query_heads");
     check(tau_window, "tau_bswa", cfg.query_heads, "query_heads");
   }

@@ -29,7 +29,7 @@ struct UpdatePlan {
   [[nodiscard]] long rows_after() const { return rows_before + append; }
 };
 
-/// Desired size M* = max(m, min(B(ctx), avail, C * max_chunks)) and n_app = min(M* - m, C)
+/// Desired size M* = max(m, min(B(ctx), avail, max_rows)) and n_app = min(M* - m, C)
 /// for the block starting at `block_begin`, with ctx = L + block_begin and avail = block_begin + C.
 template <budget::BudgetSchedule Budget>
 [[nodiscard]] UpdatePlan plan_update(const MemoryConfig& cfg, const Budget& budget, long rows, long block_begin) {
@@ -38,7 +38,7 @@ template <budget::BudgetSchedule Budget>
   p.ctx = cfg.window() + block_begin;
   p.rows_before = rows;
   const long avail = block_begin + cfg.chunk;
-  const long target = std::max(rows, std::min({budget.rows(p.ctx), avail, cfg.max_rows()}));
+  const long target = std::max(rows, std::min({budget.rows(p.ctx), avail, cfg.max_rows}));
   p.append = std::min(target - rows, static_cast<long>(cfg.chunk));
   return p;
 }

@@ -3,13 +3,17 @@
 /// Device storage of the state rows of every (sequence, kv-head), with their readout caches.
 
 #include <Kokkos_Core.hpp>
+#include <algorithm>
+
+#include "../policy/merge/row.hpp"
 
 namespace kvmem::state {
 
 /// State rows of a batch, LayoutRight, float32 (spec KVM.md §2 "State"):
 /// - `keys`        [B, Hkv, capacity, D]  running sums K_i of gated memory keys (not normalized)
 /// - `values`      [B, Hkv, capacity, Dv] running sums V_i of gated values
-/// - `radius`      [B, Hkv, capacity]     rho_i, the value radius fixed when the row was created
+/// - `radius`      [B, Hkv, capacity]     rho_i, the value radius fixed when the row was created (KVM)
+/// - `counts`      [B, Hkv, capacity]     tokens folded into the row (OVQ's k-means counts)
 /// - `read_keys`   [B, Hkv, capacity, D]  LN_s(K_i), refreshed after every change of K_i
 /// - `read_values` [B, Hkv, capacity, Dv] rho_i * V_i / max(||V_i||, eps), refreshed likewise
 /// Rows [0, rows) of a (sequence, kv-head) are live; `rows` is tracked on the host (SequenceCursor).
@@ -19,7 +23,7 @@ struct StateRows {
   using matrix4 = Kokkos::View<float****, Kokkos::LayoutRight, MemorySpace>;
   using matrix3 = Kokkos::View<float***, Kokkos::LayoutRight, MemorySpace>;
   matrix4 keys, values, read_keys, read_values;
-  matrix3 radius;
+  matrix3 radius, counts;
 
   /// Allocates zeroed rows for `batch` sequences x `kv_heads` kv-heads x `capacity` rows.
   void allocate(int batch, int kv_heads, long capacity, int head_dim, int value_dim) {
@@ -28,6 +32,7 @@ struct StateRows {
     read_keys = matrix4("kvmem::state_read_keys", batch, kv_heads, capacity, head_dim);
     read_values = matrix4("kvmem::state_read_values", batch, kv_heads, capacity, value_dim);
     radius = matrix3("kvmem::state_radius", batch, kv_heads, capacity);
+    counts = matrix3("kvmem::state_counts", batch, kv_heads, capacity);
   }
   /// Rows allocated per (sequence, kv-head).
   [[nodiscard]] long capacity() const { return static_cast<long>(keys.extent(2)); }
@@ -41,6 +46,11 @@ struct StateRows {
     Kokkos::resize(read_keys, b, h, cap, read_keys.extent(3));
     Kokkos::resize(read_values, b, h, cap, read_values.extent(3));
     Kokkos::resize(radius, b, h, cap);
+    Kokkos::resize(counts, b, h, cap);
+  }
+  /// Row i of kv-head h of sequence b as the merge hooks see it.
+  KOKKOS_INLINE_FUNCTION merge::Row row(long b, long h, long i) const {
+    return {&keys(b, h, i, 0), &values(b, h, i, 0), &radius(b, h, i), &counts(b, h, i)};
   }
 };
 

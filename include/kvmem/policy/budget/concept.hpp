@@ -9,7 +9,7 @@ namespace kvmem::budget {
 
 /// A budget schedule is a small host-side value type. `rows(ctx)` gives the budget B(ctx) in rows for a
 /// context of `ctx` tokens; it must be non-decreasing in ctx and may be negative (meaning "no growth").
-/// The memory caps it by the tokens available and by MemoryConfig::max_rows() (spec KVM.md §5.1), so a
+/// The memory caps it by the tokens available and by MemoryConfig::max_rows (spec KVM.md §5.1), so a
 /// schedule needs no knowledge of the merge policy. `validate()` throws kvmem::invalid_argument for bad
 /// parameters; `name` is the identifier used by tools and in messages.
 template <class B>

@@ -1,0 +1,254 @@
+#pragma once
+/// \file trellis.hpp
+/// Kernels of the Trellis memory: one chunk of the two-pass stale-gradient compress for a batch
+/// (trellis-paper eqs. 9-14; spec TRELLIS.md §3.2, corrected chunkwise form §3.3, two passes §4).
+///
+/// A chunk of sequence b covers input tokens [first, first + L_b) with L_b = min(chunk, max(0, len_b - first)).
+/// Three launches per chunk, each output element computed by one thread in a fixed order (no atomics):
+///   1. trellis_gradients: U1[r] = g * J^T(phi(S1 k_r) - alpha_r), U2[r] = g * J^T(phi(S2 v_r) - alpha_r)
+///      at the stale states S1, S2 = M1, M2 before the chunk (§3.2, §7 A11);
+///   2. trellis_readout: per token r, pass 1 yhat_r = mu_r S1 q_r - sum_{i<=r} Gam[r,i] (q_r.k_i) u1_i,
+///      p_r = f(yhat_r), pass 2 y_r = phi(mu2_r S2^T p_r - sum_{i<=r} Gam2[r,i] (p_r.u2_i) v_i) (§3.3);
+///   3. trellis_state_update: S <- mu_{L-1} S - sum_i gamma_i omega[L-1,i] u_i key_i^T (§3.3 end state).
+/// omega[r,i] = prod_{j=i+1..r} beta_j is a running product walked from i = r down to 0, and mu_r is
+/// that walk continued through beta_0: nothing is ever divided by a product of betas, so beta = 0 (erase)
+/// is exact. A decode step is the same three launches with chunk = 1 (then omega = 1, mu = beta and the
+/// readout mu S q - gamma (q.k) u equals M_t q of the recurrence §3.1), so prefill with C = 1 and decode
+/// give the same bits.
+
+#include <Kokkos_Core.hpp>
+#include <string>
+
+#include "../policy/merge/gradient_descent.hpp"
+#include "../trellis_config.hpp"
+#include "vector_ops.hpp"
+
+namespace kvmem::kernels {
+
+/// The TrellisConfig fields the kernels read, as a trivially copyable value for device lambdas.
+struct TrellisParams {
+  int m = 0, D = 0, Dv = 0, H = 0;
+  long chunk = 1;
+  merge::Phi phi = merge::Phi::silu;
+  merge::Activation f = merge::Activation::ln_silu;
+  bool readout2_phi = true;
+  float grad_scale = 2.0f, ln_eps = 1e-5f, l2_eps = 1e-12f;
+
+  /// Copies the fields of `cfg`; `chunk` is the C of the launch (cfg.chunk in prefill, 1 in decode).
+  static TrellisParams of(const TrellisConfig& cfg, long chunk) {
+    TrellisParams p;
+    p.m = cfg.slots, p.D = cfg.head_dim, p.Dv = cfg.value_dim, p.H = cfg.heads, p.chunk = chunk;
+    p.phi = cfg.phi, p.f = cfg.f, p.readout2_phi = cfg.readout2_phi;
+    p.grad_scale = cfg.grad_scale, p.ln_eps = cfg.ln_eps, p.l2_eps = cfg.l2_eps;
+    return p;
+  }
+};
+
+/// Tokens of the chunk starting at input token `first` for a sequence of `length` tokens: in [0, chunk].
+KOKKOS_INLINE_FUNCTION long chunk_tokens(long length, long first, long chunk) {
+  const long left = length - first;
+  return left <= 0 ? 0 : (left < chunk ? left : chunk);
+}
+
+/// Memories of a batch: M1 [B, H, m, D] and M2 [B, H, m, Dv], slot-major (spec TRELLIS.md §6 layout).
+template <class MemorySpace>
+struct TrellisState {
+  Kokkos::View<float****, Kokkos::LayoutRight, MemorySpace> m1, m2;
+};
+
+/// Per-chunk scratch: U1, U2 (loss gradients at the stale states) and P (f of the pass-1 readout),
+/// each [B, H, capacity, m] with capacity >= the tokens of a chunk.
+template <class MemorySpace>
+struct TrellisScratch {
+  Kokkos::View<float****, Kokkos::LayoutRight, MemorySpace> u1, u2, p;
+
+  [[nodiscard]] long capacity() const { return static_cast<long>(u1.extent(2)); }
+  /// Makes room for chunks of `tokens` tokens (reallocates only to grow; contents are not kept).
+  void reserve(long batch, long heads, long tokens, long slots) {
+    if (tokens <= capacity() && u1.data() != nullptr) return;
+    const auto alloc = [](const char* n) { return Kokkos::view_alloc(Kokkos::WithoutInitializing, std::string(n)); };
+    u1 = decltype(u1)(alloc("kvmem::trellis_u1"), batch, heads, tokens, slots);
+    u2 = decltype(u2)(alloc("kvmem::trellis_u2"), batch, heads, tokens, slots);
+    p = decltype(p)(alloc("kvmem::trellis_p"), batch, heads, tokens, slots);
+  }
+};
+
+/// The runtime inputs of a call, in (sequence, head, token, channel) order with unit channel stride:
+/// q, k [B, H, T, D], v [B, H, T, Dv], alpha [B, H, T, m]; gates beta1, gamma1, beta2, gamma2 [B, H, T].
+template <class Tokens, class Gates>
+struct TrellisInputs {
+  Tokens q, k, v, alpha;
+  Gates beta1, gamma1, beta2, gamma2;
+};
+
+/// Kernel 1 of a chunk: for every (b, h) and local token r < L_b (input token t = first + r),
+///   u1[b,h,r] = grad_scale * J_phi(z)^T (phi(z) - alpha_t) with z = M1[b,h] k_t   (pass 1),
+///   u2[b,h,r] = the same with z = M2[b,h] v_t                                     (pass 2)
+/// (spec TRELLIS.md §2.2 at the stale state §3.2). `max_tokens` >= every L_b.
+template <class ExecSpace, class Tokens, class Gates, class Lengths>
+void trellis_gradients(const ExecSpace& exec, const TrellisParams& prm,
+                       const TrellisState<typename ExecSpace::memory_space>& st,
+                       const TrellisScratch<typename ExecSpace::memory_space>& sc, const TrellisInputs<Tokens, Gates>& in,
+                       const Lengths& lengths, long first, long max_tokens) {
+  const long B = static_cast<long>(lengths.extent(0)), H = prm.H, n = B * H * max_tokens * 2;
+  if (n == 0) return;
+  const auto m1 = st.m1, m2 = st.m2, u1 = sc.u1, u2 = sc.u2;
+  Kokkos::parallel_for(
+      "kvmem::trellis_gradients", Kokkos::RangePolicy<ExecSpace, Kokkos::IndexType<long>>(exec, 0, n),
+      KOKKOS_LAMBDA(const long idx) {
+        const long pass = idx % 2, r = (idx / 2) % max_tokens, bh = idx / (2 * max_tokens);
+        const long h = bh % H, b = bh / H;
+        if (r >= chunk_tokens(lengths(b), first, prm.chunk)) return;
+        const long t = first + r;
+        float* u = pass == 0 ? &u1(b, h, r, 0) : &u2(b, h, r, 0);
+        const float* key = pass == 0 ? &in.k(b, h, t, 0) : &in.v(b, h, t, 0);
+        const int dim = pass == 0 ? prm.D : prm.Dv;
+        for (int s = 0; s < prm.m; ++s) u[s] = dot(pass == 0 ? &m1(b, h, s, 0) : &m2(b, h, s, 0), key, dim);
+        merge::GradientDescent::loss_gradient(prm.phi, u, &in.alpha(b, h, t, 0), prm.m, prm.grad_scale);
+      });
+}
+
+/// Kernel 2 of a chunk: the readouts of both passes for every (b, h) and local token r < L_b, with
+/// S1, S2 the states before the chunk and omega/mu/Gam the running products of §3.3:
+///   yhat_r = mu1_r (S1 q_r) - sum_{i<=r} gamma1_i omega1[r,i] (q_r . k_i) u1_i        [m]
+///   p_r    = f(yhat_r)  (kept in scratch p)                                            [m]
+///   y_r    = phi(mu2_r (S2^T p_r) - sum_{i<=r} gamma2_i omega2[r,i] (p_r . u2_i) v_i)  [Dv]
+/// (phi only if readout2_phi). y [B, H, T, Dv] is written at token first + r. `ln_weight`/`ln_bias` are
+/// [m] or empty.
+template <class ExecSpace, class Tokens, class Gates, class Lengths, class Out, class Weights>
+void trellis_readout(const ExecSpace& exec, const TrellisParams& prm,
+                     const TrellisState<typename ExecSpace::memory_space>& st,
+                     const TrellisScratch<typename ExecSpace::memory_space>& sc, const TrellisInputs<Tokens, Gates>& in,
+                     const Weights& ln_weight, const Weights& ln_bias, const Out& y, const Lengths& lengths, long first,
+                     long max_tokens) {
+  const long B = static_cast<long>(lengths.extent(0)), H = prm.H, n = B * H * max_tokens;
+  if (n == 0) return;
+  const auto m1 = st.m1, m2 = st.m2, u1 = sc.u1, u2 = sc.u2, pbuf = sc.p;
+  const bool affine = ln_weight.data() != nullptr;
+  Kokkos::parallel_for(
+      "kvmem::trellis_readout", Kokkos::RangePolicy<ExecSpace, Kokkos::IndexType<long>>(exec, 0, n),
+      KOKKOS_LAMBDA(const long idx) {
+        const long r = idx % max_tokens, bh = idx / max_tokens, h = bh % H, b = bh / H;
+        if (r >= chunk_tokens(lengths(b), first, prm.chunk)) return;
+        const long t = first + r;
+        const int m = prm.m, D = prm.D, Dv = prm.Dv;
+        // Pass 1 (key memory): p <- yhat.
+        float* p = &pbuf(b, h, r, 0);
+        const float* q = &in.q(b, h, t, 0);
+        for (int s = 0; s < m; ++s) p[s] = 0.0f;
+        float w = 1.0f;  // omega1[r, i]
+        for (long i = r; i >= 0; --i) {
+          const float c = in.gamma1(b, h, first + i) * w * dot(q, &in.k(b, h, first + i, 0), D);
+          const float* ui = &u1(b, h, i, 0);
+          for (int s = 0; s < m; ++s) p[s] += c * ui[s];
+          w *= in.beta1(b, h, first + i);
+        }
+        for (int s = 0; s < m; ++s) p[s] = w * dot(&m1(b, h, s, 0), q, D) - p[s];  // w = mu1_r
+        merge::GradientDescent::activate(prm.f, p, m, prm.ln_eps, prm.l2_eps, affine ? ln_weight.data() : nullptr,
+                                         affine ? ln_bias.data() : nullptr);
+        // Pass 2 (value memory), query p.
+        float* out = &y(b, h, t, 0);
+        for (int c = 0; c < Dv; ++c) out[c] = 0.0f;
+        w = 1.0f;  // omega2[r, i]
+        for (long i = r; i >= 0; --i) {
+          const float c = in.gamma2(b, h, first + i) * w * dot(p, &u2(b, h, i, 0), m);
+          const float* vi = &in.v(b, h, first + i, 0);
+          for (int ch = 0; ch < Dv; ++ch) out[ch] += c * vi[ch];
+          w *= in.beta2(b, h, first + i);
+        }
+        for (int ch = 0; ch < Dv; ++ch) {
+          float sp = 0.0f;
+          for (int s = 0; s < m; ++s) sp += p[s] * m2(b, h, s, ch);
+          out[ch] = w * sp - out[ch];  // w = mu2_r
+        }
+        if (prm.readout2_phi) merge::GradientDescent::apply_phi(prm.phi, out, Dv);
+      });
+}
+
+/// Kernel 3 of a chunk: the end state of both memories (spec TRELLIS.md §3.3), element by element:
+///   M1[b,h,s,c] <- mu1 M1[b,h,s,c] - sum_{i=L-1..0} gamma1_i omega1[L-1,i] u1_i[s] k_i[c]
+///   M2[b,h,s,c] <- mu2 M2[b,h,s,c] - sum_{i=L-1..0} gamma2_i omega2[L-1,i] u2_i[s] v_i[c]
+/// with L = L_b and mu = prod of the chunk's betas; sequences with L_b = 0 keep their state.
+template <class ExecSpace, class Tokens, class Gates, class Lengths>
+void trellis_state_update(const ExecSpace& exec, const TrellisParams& prm,
+                          const TrellisState<typename ExecSpace::memory_space>& st,
+                          const TrellisScratch<typename ExecSpace::memory_space>& sc,
+                          const TrellisInputs<Tokens, Gates>& in, const Lengths& lengths, long first) {
+  const long B = static_cast<long>(lengths.extent(0)), H = prm.H, m = prm.m, width = prm.D + prm.Dv;
+  const long n = B * H * m * width;
+  if (n == 0) return;
+  const auto m1 = st.m1, m2 = st.m2, u1 = sc.u1, u2 = sc.u2;
+  Kokkos::parallel_for(
+      "kvmem::trellis_state_update", Kokkos::RangePolicy<ExecSpace, Kokkos::IndexType<long>>(exec, 0, n),
+      KOKKOS_LAMBDA(const long idx) {
+        const long c = idx % width, s = (idx / width) % m, bh = idx / (width * m), h = bh % H, b = bh / H;
+        const long L = chunk_tokens(lengths(b), first, prm.chunk);
+        if (L == 0) return;
+        const bool pass1 = c < prm.D;
+        const long ch = pass1 ? c : c - prm.D;
+        float acc = 0.0f, w = 1.0f;  // w = omega[L-1, i], then mu after the loop
+        for (long i = L - 1; i >= 0; --i) {
+          const long t = first + i;
+          if (pass1) {
+            acc += in.gamma1(b, h, t) * w * u1(b, h, i, s) * in.k(b, h, t, ch);
+            w *= in.beta1(b, h, t);
+          } else {
+            acc += in.gamma2(b, h, t) * w * u2(b, h, i, s) * in.v(b, h, t, ch);
+            w *= in.beta2(b, h, t);
+          }
+        }
+        float& x = pass1 ? m1(b, h, s, ch) : m2(b, h, s, ch);
+        x = w * x - acc;
+      });
+}
+
+/// One chunk of both passes for a batch: the three kernels above in order on `exec`.
+template <class ExecSpace, class Tokens, class Gates, class Lengths, class Out, class Weights>
+void trellis_chunk(const ExecSpace& exec, const TrellisParams& prm, const TrellisState<typename ExecSpace::memory_space>& st,
+                   const TrellisScratch<typename ExecSpace::memory_space>& sc, const TrellisInputs<Tokens, Gates>& in,
+                   const Weights& ln_weight, const Weights& ln_bias, const Out& y, const Lengths& lengths, long first,
+                   long max_tokens) {
+  trellis_gradients(exec, prm, st, sc, in, lengths, first, max_tokens);
+  trellis_readout(exec, prm, st, sc, in, ln_weight, ln_bias, y, lengths, first, max_tokens);
+  trellis_state_update(exec, prm, st, sc, in, lengths, first);
+}
+
+/// Writes zeros to y[b, h, t, :] for every t >= lengths(b) (the padding of a ragged batch).
+template <class ExecSpace, class Out, class Lengths>
+void trellis_zero_tail(const ExecSpace& exec, const Out& y, const Lengths& lengths) {
+  const long B = static_cast<long>(y.extent(0)), H = static_cast<long>(y.extent(1)), T = static_cast<long>(y.extent(2));
+  const long Dv = static_cast<long>(y.extent(3)), n = B * H * T;
+  if (n == 0) return;
+  Kokkos::parallel_for(
+      "kvmem::trellis_zero_tail", Kokkos::RangePolicy<ExecSpace, Kokkos::IndexType<long>>(exec, 0, n),
+      KOKKOS_LAMBDA(const long idx) {
+        const long t = idx % T, h = (idx / T) % H, b = idx / (T * H);
+        if (t < lengths(b)) return;
+        for (long c = 0; c < Dv; ++c) y(b, h, t, c) = 0.0f;
+      });
+}
+
+/// The first out-of-range gate in the order beta1, gamma1, beta2, gamma2, then (b, h, t), among tokens
+/// t < lengths(b): a beta outside [0, 1] or a gamma that is negative or not finite (NaN included), as the
+/// flat index ((g * B + b) * H + h) * T + t with g the gate's position in that order; -1 when all are good.
+/// Blocks until the reduction is done (one device-to-host read).
+template <class ExecSpace, class Tokens, class Gates, class Lengths>
+long trellis_first_bad_gate(const ExecSpace& exec, const TrellisInputs<Tokens, Gates>& in, const Lengths& lengths,
+                            long H, long T) {
+  const long B = static_cast<long>(lengths.extent(0)), n = 4 * B * H * T;
+  if (n == 0) return -1;
+  long first_bad = 0;
+  Kokkos::parallel_reduce(
+      "kvmem::trellis_check_gates", Kokkos::RangePolicy<ExecSpace, Kokkos::IndexType<long>>(exec, 0, n),
+      KOKKOS_LAMBDA(const long idx, long& best) {
+        const long t = idx % T, h = (idx / T) % H, b = (idx / (T * H)) % B, g = idx / (T * H * B);
+        if (t >= lengths(b)) return;
+        const float x = g == 0 ? in.beta1(b, h, t) : g == 1 ? in.gamma1(b, h, t) : g == 2 ? in.beta2(b, h, t) : in.gamma2(b, h, t);
+        const bool ok = g % 2 == 0 ? (x >= 0.0f && x <= 1.0f) : (x >= 0.0f && Kokkos::isfinite(x));
+        if (!ok && idx < best) best = idx;
+      },
+      Kokkos::Min<long>(first_bad));
+  return first_bad < n ? first_bad : -1;
+}
+
+}  // namespace kvmem::kernels

@@ -1,0 +1,257 @@
+#pragma once
+/// \file trellis_memory.hpp
+/// TrellisMemory<ExecSpace>: a fixed-slot attention memory trained at test time by online gradient descent
+/// (Trellis; trellis-paper Sec. 3, eqs. 4-14; spec TRELLIS.md).
+
+#include <Kokkos_Core.hpp>
+#include <algorithm>
+#include <span>
+#include <string>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#include "errors.hpp"
+#include "kernels/trellis.hpp"
+#include "policy/merge/gradient_descent.hpp"
+#include "trellis_config.hpp"
+
+namespace kvmem {
+
+/// The Trellis memory of one layer for a batch of sequences, running on the Kokkos execution space
+/// `ExecSpace` with merge::GradientDescent (spec TRELLIS.md §1-§4).
+///
+/// Per (sequence b, head h) the memory holds two fast-weight matrices, M1 [m, D] (keys, pass 1) and
+/// M2 [m, Dv] (values, pass 2), float32, zero after construction and reset() (§1 [R]). For every token t,
+/// both memories take one gradient step on ||phi(M kin_t) - alpha_t||^2 with forget gate beta and step gamma
+/// (trellis-paper eq. 8; spec §3.1):
+///   M1_t = beta1_t M1_{t-1} - gamma1_t u1_t k_t^T,  u1_t = 2 J_phi(M1_{t-1} k_t)^T (phi(M1_{t-1} k_t) - alpha_t)
+///   M2_t = beta2_t M2_{t-1} - gamma2_t u2_t v_t^T,  u2_t = 2 J_phi(M2_{t-1} v_t)^T (phi(M2_{t-1} v_t) - alpha_t)
+/// and the layer output is read after the update through both passes (eqs. 13-14; spec §2.4, §4):
+///   yhat_t = M1_t q_t [m],  p_t = f(yhat_t) [m],  y_t = phi(M2_t^T p_t) [Dv].
+/// prefill() runs the stale-gradient chunkwise form (§3.2/3.3: the gradients of a chunk of C tokens are
+/// taken at the state before the chunk); decode() runs the exact recurrence one token at a time. With
+/// chunk = 1 the two are the same computation and give the same bits; a prefill continues from the state
+/// left by earlier calls, so a prompt split into prefills whose lengths (except the last) are multiples of
+/// C gives the same bits as one prefill, and decode continues either.
+///
+/// Tensors are views in (sequence, head, token, channel) order with unit channel stride and any other
+/// strides (LayoutStride), in ExecSpace's memory space, float32:
+///   q, k [B, H, T, D], v [B, H, T, Dv], alpha [B, H, T, m] (latent target, eq. 4),
+///   beta1, gamma1, beta2, gamma2 [B, H, T] (forget gates in [0, 1] and step sizes >= 0 of passes 1, 2),
+///   y [B, H, T, Dv] (written; must not alias an input).
+/// Results are deterministic: no atomics, every sum in a fixed order, the same bits on every run and on
+/// any number of threads of a backend.
+template <class ExecSpace>
+class TrellisMemory {
+ public:
+  using execution_space = ExecSpace;
+  using memory_space = typename ExecSpace::memory_space;
+  using merge_policy = merge::GradientDescent;
+  /// q, k, v, alpha: [B, H, T, channels], unit channel stride.
+  using tokens_in = Kokkos::View<const float****, Kokkos::LayoutStride, memory_space>;
+  /// beta1, gamma1, beta2, gamma2: [B, H, T].
+  using gates_in = Kokkos::View<const float***, Kokkos::LayoutStride, memory_space>;
+  /// y: [B, H, T, Dv], unit channel stride.
+  using tokens_out = Kokkos::View<float****, Kokkos::LayoutStride, memory_space>;
+  /// M1 [B, H, m, D] and M2 [B, H, m, Dv], slot-major.
+  using state_view = Kokkos::View<float****, Kokkos::LayoutRight, memory_space>;
+
+  /// A zero memory for `batch` sequences without an LN affine. Throws kvmem::invalid_argument for a bad
+  /// config field (TrellisConfig::validate) or `batch` < 1.
+  TrellisMemory(const TrellisConfig& config, int batch, const ExecSpace& exec = ExecSpace())
+      : TrellisMemory(config, TrellisWeights<memory_space>{}, batch, exec) {}
+
+  /// A zero memory for `batch` sequences with the optional LN-SiLU affine `weights` (ln_weight, ln_bias [m]).
+  /// Throws kvmem::invalid_argument for a bad config field, bad weights or `batch` < 1.
+  TrellisMemory(const TrellisConfig& config, const TrellisWeights<memory_space>& weights, int batch,
+                const ExecSpace& exec = ExecSpace())
+      : cfg_(config), weights_(weights), exec_(exec) {
+    cfg_.validate();
+    weights_.validate(cfg_);
+    require(batch >= 1, "batch", batch, "must be >= 1");
+    tokens_.assign(batch, 0);
+    state_.m1 = state_view("kvmem::trellis_m1", batch, cfg_.heads, cfg_.slots, cfg_.head_dim);
+    state_.m2 = state_view("kvmem::trellis_m2", batch, cfg_.heads, cfg_.slots, cfg_.value_dim);
+    lengths_ = Kokkos::View<long*, memory_space>("kvmem::trellis_lengths", batch);
+    lengths_host_ = Kokkos::create_mirror_view(lengths_);
+  }
+
+  /// Runs T tokens of every sequence through the memory with the chunkwise stale-gradient form
+  /// (spec TRELLIS.md §3.2/3.3, chunk C = config().chunk; trellis-paper eqs. 9-14 as corrected in §7 A3, A5),
+  /// continuing from the current state. Chunks start at token 0 of this call; the last may be short.
+  /// Sequence b uses tokens [0, lengths[b]) (all T when `lengths` is empty); y[b, :, t] for t >= lengths[b]
+  /// is written as zeros. T = 0 does nothing. Throws kvmem::invalid_argument, before any kernel runs, for
+  /// mismatched shapes, a non-contiguous channel axis, a length outside [0, T], or (with check_gates) a
+  /// beta outside [0, 1] or a negative or non-finite gamma among the tokens used.
+  void prefill(const tokens_in& q, const tokens_in& k, const tokens_in& v, const tokens_in& alpha,
+               const gates_in& beta1, const gates_in& gamma1, const gates_in& beta2, const gates_in& gamma2,
+               const tokens_out& y, std::span<const long> lengths = {}) {
+    const long T = static_cast<long>(q.extent(2));
+    check_inputs(q, k, v, alpha, beta1, gamma1, beta2, gamma2, y, T, "prefill");
+    bool ragged = false;
+    if (!lengths.empty())
+      require(static_cast<long>(lengths.size()) == batch(), "lengths.size()", lengths.size(),
+              "must equal the batch size " + std::to_string(batch()));
+    for (long b = 0; b < batch(); ++b) {
+      const long n = lengths.empty() ? T : lengths[b];
+      require(n >= 0 && n <= T, "lengths[" + std::to_string(b) + "]", n, "must be in [0, T = " + std::to_string(T) + "]");
+      lengths_host_(b) = n;
+      ragged = ragged || n < T;
+    }
+    const inputs_t in{q, k, v, alpha, beta1, gamma1, beta2, gamma2};
+    Kokkos::deep_copy(exec_, lengths_, lengths_host_);
+    if (cfg_.check_gates) check_gates(in, T);
+    if (ragged) kernels::trellis_zero_tail(exec_, y, lengths_);
+    const long longest = *std::max_element(lengths_host_.data(), lengths_host_.data() + batch());
+    const long C = cfg_.chunk;
+    scratch_.reserve(batch(), cfg_.heads, std::max(1L, std::min(C, longest)), cfg_.slots);
+    const auto prm = kernels::TrellisParams::of(cfg_, C);
+    for (long first = 0; first < longest; first += C)
+      kernels::trellis_chunk(exec_, prm, state_, scratch_, in, weights_.ln_weight, weights_.ln_bias, y, lengths_, first,
+                             std::min(C, longest - first));
+    exec_.fence();
+    for (long b = 0; b < batch(); ++b) tokens_[b] += lengths_host_(b);
+  }
+
+  /// Runs one token of every sequence b with active[b] != 0 (all when `active` is empty) through the exact
+  /// recurrence (spec TRELLIS.md §3.1, trellis-paper eq. 8; both passes, §4), continuing from the current
+  /// state: q, k [B, H, 1, D], v [B, H, 1, Dv], alpha [B, H, 1, m], gates [B, H, 1], y [B, H, 1, Dv].
+  /// Inactive sequences keep their state and their rows of y are left untouched. Throws
+  /// kvmem::invalid_argument, before any kernel runs, for mismatched shapes, a token count other than 1,
+  /// or (with check_gates) an out-of-range gate of an active sequence.
+  void decode(const tokens_in& q, const tokens_in& k, const tokens_in& v, const tokens_in& alpha,
+              const gates_in& beta1, const gates_in& gamma1, const gates_in& beta2, const gates_in& gamma2,
+              const tokens_out& y, std::span<const unsigned char> active = {}) {
+    require(q.extent(2) == 1, "q.extent(2)", q.extent(2), "decode takes one token per sequence");
+    check_inputs(q, k, v, alpha, beta1, gamma1, beta2, gamma2, y, 1, "decode");
+    if (!active.empty())
+      require(static_cast<long>(active.size()) == batch(), "active.size()", active.size(),
+              "must equal the batch size " + std::to_string(batch()));
+    for (long b = 0; b < batch(); ++b) lengths_host_(b) = active.empty() || active[b] ? 1 : 0;
+    const inputs_t in{q, k, v, alpha, beta1, gamma1, beta2, gamma2};
+    Kokkos::deep_copy(exec_, lengths_, lengths_host_);
+    if (cfg_.check_gates) check_gates(in, 1);
+    scratch_.reserve(batch(), cfg_.heads, 1, cfg_.slots);
+    kernels::trellis_chunk(exec_, kernels::TrellisParams::of(cfg_, 1), state_, scratch_, in, weights_.ln_weight,
+                           weights_.ln_bias, y, lengths_, 0, 1);
+    exec_.fence();
+    for (long b = 0; b < batch(); ++b) tokens_[b] += lengths_host_(b);
+  }
+
+  /// Sets both memories of every sequence to zero (the initial state, spec TRELLIS.md §1) and the token
+  /// counts to 0; keeps the allocations.
+  void reset() {
+    Kokkos::deep_copy(exec_, state_.m1, 0.0f);
+    Kokkos::deep_copy(exec_, state_.m2, 0.0f);
+    exec_.fence();
+    tokens_.assign(tokens_.size(), 0);
+  }
+
+  /// Loads a caller-supplied state (spec TRELLIS.md §1: "allow a caller-supplied state"): m1 [B, H, m, D],
+  /// m2 [B, H, m, Dv], any layout of this memory space. Token counts are kept. Throws
+  /// kvmem::invalid_argument for other extents.
+  template <class M1, class M2>
+  void set_state(const M1& m1, const M2& m2) {
+    static_assert(M1::rank() == 4 && M2::rank() == 4, "set_state takes rank-4 views [B, H, m, D] and [B, H, m, Dv]");
+    check_state_extents(m1, "m1", cfg_.head_dim);
+    check_state_extents(m2, "m2", cfg_.value_dim);
+    Kokkos::deep_copy(exec_, state_.m1, m1);
+    Kokkos::deep_copy(exec_, state_.m2, m2);
+    exec_.fence();
+  }
+
+  [[nodiscard]] const TrellisConfig& config() const { return cfg_; }
+  [[nodiscard]] const TrellisWeights<memory_space>& weights() const { return weights_; }
+  [[nodiscard]] long batch() const { return static_cast<long>(tokens_.size()); }
+  /// Tokens sequence b has seen since construction or reset().
+  [[nodiscard]] long tokens(long b) const { return tokens_.at(b); }
+  /// Key memory M1 [B, H, m, D] (pass 1), the state after the last token.
+  [[nodiscard]] const state_view& m1() const { return state_.m1; }
+  /// Value memory M2 [B, H, m, Dv] (pass 2), the state after the last token.
+  [[nodiscard]] const state_view& m2() const { return state_.m2; }
+  /// Bytes of state the batch holds, float32: B * H * m * (D + Dv) * 4, whatever the token count.
+  [[nodiscard]] long held_bytes() const {
+    return batch() * cfg_.heads * static_cast<long>(cfg_.slots) * (cfg_.head_dim + cfg_.value_dim) *
+           static_cast<long>(sizeof(float));
+  }
+  /// Bytes this object has allocated on the device (state, per-chunk scratch, lengths).
+  [[nodiscard]] long allocated_bytes() const {
+    return static_cast<long>(state_.m1.span() + state_.m2.span() + scratch_.u1.span() + scratch_.u2.span() +
+                             scratch_.p.span()) *
+               static_cast<long>(sizeof(float)) +
+           static_cast<long>(lengths_.span() * sizeof(long));
+  }
+
+ private:
+  using inputs_t = kernels::TrellisInputs<tokens_in, gates_in>;
+
+  void check_gates(const inputs_t& in, long T) const {
+    const long H = cfg_.heads;
+    const long bad = kernels::trellis_first_bad_gate(exec_, in, lengths_, H, T);
+    if (bad < 0) return;
+    const long B = batch(), t = bad % T, h = (bad / T) % H, b = (bad / (T * H)) % B, g = bad / (T * H * B);
+    static const char* names[] = {"beta1", "gamma1", "beta2", "gamma2"};
+    const gates_in& view = g == 0 ? in.beta1 : g == 1 ? in.gamma1 : g == 2 ? in.beta2 : in.gamma2;
+    float value = 0.0f;
+    Kokkos::deep_copy(value, Kokkos::subview(view, b, h, t));
+    const std::string where = std::string(names[g]) + "[" + std::to_string(b) + ", " + std::to_string(h) + ", " +
+                              std::to_string(t) + "]";
+    if (g % 2 == 0)
+      throw invalid_argument(detail::describe(where, value, "a forget gate must be in [0, 1] (spec TRELLIS.md §1)"));
+    throw invalid_argument(detail::describe(where, value, "a step size must be finite and >= 0 (spec TRELLIS.md §1)"));
+  }
+
+  template <class V>
+  void check_state_extents(const V& x, const char* name, long channels) const {
+    const std::string n(name);
+    require(static_cast<long>(x.extent(0)) == batch(), n + ".extent(0)", x.extent(0),
+            "must equal the batch size " + std::to_string(batch()));
+    require(static_cast<long>(x.extent(1)) == cfg_.heads, n + ".extent(1)", x.extent(1),
+            "must equal the head count " + std::to_string(cfg_.heads));
+    require(static_cast<long>(x.extent(2)) == cfg_.slots, n + ".extent(2)", x.extent(2),
+            "must equal the slot count m = " + std::to_string(cfg_.slots));
+    require(static_cast<long>(x.extent(3)) == channels, n + ".extent(3)", x.extent(3),
+            "must equal " + std::to_string(channels) + " channels");
+  }
+
+  void check_inputs(const tokens_in& q, const tokens_in& k, const tokens_in& v, const tokens_in& alpha,
+                    const gates_in& beta1, const gates_in& gamma1, const gates_in& beta2, const gates_in& gamma2,
+                    const tokens_out& y, long T, const char* where) const {
+    const std::string at = std::string(" (") + where + ")";
+    auto dims = [&](const auto& x, const char* name, long c, const char* what) {
+      const std::string n(name);
+      require(static_cast<long>(x.extent(0)) == batch(), n + ".extent(0)", x.extent(0),
+              "must equal the batch size " + std::to_string(batch()) + at);
+      require(static_cast<long>(x.extent(1)) == cfg_.heads, n + ".extent(1)", x.extent(1),
+              "must equal the head count " + std::to_string(cfg_.heads) + at);
+      require(static_cast<long>(x.extent(2)) == T, n + ".extent(2)", x.extent(2),
+              "must equal the token count " + std::to_string(T) + " of q" + at);
+      if constexpr (std::remove_cvref_t<decltype(x)>::rank() == 4) {
+        require(static_cast<long>(x.extent(3)) == c, n + ".extent(3)", x.extent(3),
+                "must equal " + std::string(what) + " = " + std::to_string(c) + at);
+        require(x.stride(3) == 1 || x.extent(3) <= 1, n + ".stride(3)", x.stride(3), "channels must be contiguous" + at);
+      }
+    };
+    dims(q, "q", cfg_.head_dim, "head_dim D");
+    dims(k, "k", cfg_.head_dim, "head_dim D");
+    dims(v, "v", cfg_.value_dim, "value_dim Dv");
+    dims(alpha, "alpha", cfg_.slots, "the slot count m");
+    dims(beta1, "beta1", 0, "");
+    dims(gamma1, "gamma1", 0, "");
+    dims(beta2, "beta2", 0, "");
+    dims(gamma2, "gamma2", 0, "");
+    dims(y, "y", cfg_.value_dim, "value_dim Dv");
+  }
+
+  TrellisConfig cfg_;
+  TrellisWeights<memory_space> weights_;
+  ExecSpace exec_;
+  std::vector<long> tokens_;
+  kernels::TrellisState<memory_space> state_;
+  kernels::TrellisScratch<memory_space> scratch_;
+  Kokkos::View<long*, memory_space> lengths_;
+  decltype(Kokkos::create_mirror_view(std::declval<Kokkos::View<long*, memory_space>>())) lengths_host_;
+};
+
+}  // namespace kvmem
