@@ -43,6 +43,9 @@ class Memory {
  public:
   using execution_space = ExecSpace;
   using memory_space = typename ExecSpace::memory_space;
+  using merge_type = Merge;
+  using budget_type = Budget;
+  using scorer_type = Scorer;
   using tokens_in = Kokkos::View<const float****, Kokkos::LayoutStride, memory_space>;
   using gates_in = Kokkos::View<const float***, Kokkos::LayoutStride, memory_space>;
   using tokens_out = Kokkos::View<float****, Kokkos::LayoutStride, memory_space>;

@@ -27,8 +27,9 @@ namespace kvmem {
 /// (trellis-paper eq. 8; spec §3.1):
 ///   M1_t = beta1_t M1_{t-1} - gamma1_t u1_t k_t^T,  u1_t = 2 J_phi(M1_{t-1} k_t)^T (phi(M1_{t-1} k_t) - alpha_t)
 ///   M2_t = beta2_t M2_{t-1} - gamma2_t u2_t v_t^T,  u2_t = 2 J_phi(M2_{t-1} v_t)^T (phi(M2_{t-1} v_t) - alpha_t)
-/// and the layer output is read after the update through both passes (eqs. 13-14; spec §2.4, §4):
-///   yhat_t = M1_t q_t [m],  p_t = f(yhat_t) [m],  y_t = phi(M2_t^T p_t) [Dv].
+/// (the factor 2 is TrellisConfig::grad_scale, §7 A2) and the layer output is read after the update through
+/// both passes (eqs. 13-14; spec §2.4, §4):
+///   yhat_t = M1_t q_t [m],  p_t = f(yhat_t) [m],  y_t = phi(M2_t^T p_t) [Dv]  (phi if readout2_phi).
 /// prefill() runs the stale-gradient chunkwise form (§3.2/3.3: the gradients of a chunk of C tokens are
 /// taken at the state before the chunk); decode() runs the exact recurrence one token at a time. With
 /// chunk = 1 the two are the same computation and give the same bits; a prefill continues from the state
@@ -42,6 +43,13 @@ namespace kvmem {
 ///   y [B, H, T, Dv] (written; must not alias an input).
 /// Results are deterministic: no atomics, every sum in a fixed order, the same bits on every run and on
 /// any number of threads of a backend.
+///
+/// \code
+/// kvmem::TrellisConfig cfg{.slots = 64, .head_dim = 64, .value_dim = 64, .heads = 12, .chunk = 16};
+/// kvmem::TrellisMemory<Kokkos::DefaultExecutionSpace> memory(cfg, batch);
+/// memory.prefill(q, k, v, alpha, beta1, gamma1, beta2, gamma2, y);      // the prompt, chunkwise
+/// memory.decode(q1, k1, v1, alpha1, beta1_1, gamma1_1, beta2_1, gamma2_1, y1);  // then one token at a time
+/// \endcode
 template <class ExecSpace>
 class TrellisMemory {
  public:
@@ -81,9 +89,10 @@ class TrellisMemory {
   /// (spec TRELLIS.md §3.2/3.3, chunk C = config().chunk; trellis-paper eqs. 9-14 as corrected in §7 A3, A5),
   /// continuing from the current state. Chunks start at token 0 of this call; the last may be short.
   /// Sequence b uses tokens [0, lengths[b]) (all T when `lengths` is empty); y[b, :, t] for t >= lengths[b]
-  /// is written as zeros. T = 0 does nothing. Throws kvmem::invalid_argument, before any kernel runs, for
-  /// mismatched shapes, a non-contiguous channel axis, a length outside [0, T], or (with check_gates) a
-  /// beta outside [0, 1] or a negative or non-finite gamma among the tokens used.
+  /// is written as zeros. T = 0 does nothing. Throws kvmem::invalid_argument, before the state or y
+  /// changes, for mismatched shapes, a non-contiguous channel axis, a length outside [0, T], or (with
+  /// check_gates) a beta outside [0, 1] or a negative or non-finite gamma among the tokens used; the message
+  /// names the view or the gate element, e.g. "gamma1[0, 3, 17] = -0.5: ...".
   void prefill(const tokens_in& q, const tokens_in& k, const tokens_in& v, const tokens_in& alpha,
                const gates_in& beta1, const gates_in& gamma1, const gates_in& beta2, const gates_in& gamma2,
                const tokens_out& y, std::span<const long> lengths = {}) {
@@ -118,8 +127,8 @@ class TrellisMemory {
   /// recurrence (spec TRELLIS.md §3.1, trellis-paper eq. 8; both passes, §4), continuing from the current
   /// state: q, k [B, H, 1, D], v [B, H, 1, Dv], alpha [B, H, 1, m], gates [B, H, 1], y [B, H, 1, Dv].
   /// Inactive sequences keep their state and their rows of y are left untouched. Throws
-  /// kvmem::invalid_argument, before any kernel runs, for mismatched shapes, a token count other than 1,
-  /// or (with check_gates) an out-of-range gate of an active sequence.
+  /// kvmem::invalid_argument, before the state or y changes, for mismatched shapes, a token count other
+  /// than 1, or (with check_gates) an out-of-range gate of an active sequence.
   void decode(const tokens_in& q, const tokens_in& k, const tokens_in& v, const tokens_in& alpha,
               const gates_in& beta1, const gates_in& gamma1, const gates_in& beta2, const gates_in& gamma2,
               const tokens_out& y, std::span<const unsigned char> active = {}) {
@@ -178,7 +187,7 @@ class TrellisMemory {
   /// Bytes this object has allocated on the device (state, per-chunk scratch, lengths).
   [[nodiscard]] long allocated_bytes() const {
     return static_cast<long>(state_.m1.span() + state_.m2.span() + scratch_.u1.span() + scratch_.u2.span() +
-                             scratch_.p.span()) *
+                             scratch_.g1.span() + scratch_.g2.span() + scratch_.p.span()) *
                static_cast<long>(sizeof(float)) +
            static_cast<long>(lengths_.span() * sizeof(long));
   }

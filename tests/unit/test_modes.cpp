@@ -62,18 +62,29 @@ TEST_CASE("a cache built by prefill continues in decode", "[kvm][modes]") {
 }
 
 TEST_CASE("reruns give the same bits", "[kvm][determinism]") {
-  const auto c = growing_case(150, 8, 2);
-  require_same_bits(kvmem_test::run_kvm<Kokkos::DefaultHostExecutionSpace>(c, Mode::prefill),
-                    kvmem_test::run_kvm<Kokkos::DefaultHostExecutionSpace>(c, Mode::prefill));
+  // Prefill, decode and prefill-then-decode, each run twice on the same inputs (a ragged batch with ties).
+  auto c = growing_case(150, 8, 3);
+  c.duplicate_tokens = true;
+  c.zero_value_rows = true;
+  c.generate();
+  for (Mode mode : {Mode::prefill, Mode::decode, Mode::prefill_then_decode}) {
+    INFO("mode=" << static_cast<int>(mode));
+    require_same_bits(kvmem_test::run_kvm<Kokkos::DefaultHostExecutionSpace>(c, mode, 61),
+                      kvmem_test::run_kvm<Kokkos::DefaultHostExecutionSpace>(c, mode, 61));
+  }
 }
 
 #ifdef KOKKOS_ENABLE_OPENMP
-TEST_CASE("OpenMP on one thread and on every thread give the same bits", "[kvm][backends]") {
+TEST_CASE("OpenMP on one thread, on two threads and on every thread give the same bits", "[kvm][backends][determinism]") {
+  const int all = Kokkos::OpenMP().concurrency();
+  if (all < 2) WARN("the OpenMP pool has " << all << " thread(s): nothing to compare against one thread");
   for (long T : {20L, 97L, 200L}) {
     const auto c = growing_case(T, 8, 3);
-    for (Mode mode : {Mode::prefill, Mode::decode}) {
+    for (Mode mode : {Mode::prefill, Mode::decode, Mode::prefill_then_decode}) {
       INFO("T=" << T << " mode=" << static_cast<int>(mode));
-      require_same_bits(kvmem_test::run_kvm(c, mode, 0, Kokkos::OpenMP(1)), kvmem_test::run_kvm(c, mode, 0, Kokkos::OpenMP()));
+      const auto one = kvmem_test::run_kvm(c, mode, 13, Kokkos::OpenMP(1));
+      if (all >= 2) require_same_bits(one, kvmem_test::run_kvm(c, mode, 13, Kokkos::OpenMP(2)));
+      if (all > 2) require_same_bits(one, kvmem_test::run_kvm(c, mode, 13, Kokkos::OpenMP()));
     }
   }
 }

@@ -14,7 +14,7 @@
 #include <string>
 #include <vector>
 
-#include <kvmem/kvmem.hpp>
+#include <kvmem/trellis_memory.hpp>
 
 #include "../reference/trellis_reference.hpp"
 
@@ -559,6 +559,17 @@ TEST_CASE("trellis: kernels match the reference on the spec's edge cases", "[tre
 // ---------------------------------------------------------------------------------------------------
 // One meaning for prefill and decode, continuation, determinism
 
+TEST_CASE("trellis: kernels on the default execution space match the reference", "[trellis][reference][device]") {
+  // Kokkos::DefaultExecutionSpace is the GPU in a Cuda build (a host space otherwise).
+  unsigned seed = 500;
+  for (auto phi : all_phi) {
+    TrellisCase c;
+    c.phi = phi, c.chunk = 5, c.B = 2, c.lengths = {23, 9}, c.initial_state = true, c.zero_beta_every = 4,
+    c.seed = ++seed;
+    check_both_modes<Kokkos::DefaultExecutionSpace>(c);
+  }
+}
+
 TEST_CASE("trellis: prefill with C = 1 and decode give the same bits", "[trellis][modes]") {
   for (auto phi : all_phi) {
     TrellisCase c;
@@ -685,7 +696,10 @@ TEST_CASE("trellis: bad Trellis shapes, lengths, gates, weights and states are n
   const long B = 2, H = 2, T = 5;
   V4 q("q", B, H, T, 8), k("k", B, H, T, 8), v("v", B, H, T, 6), a("alpha", B, H, T, 4), y("y", B, H, T, 6);
   V3 b1("beta1", B, H, T), g1("gamma1", B, H, T), b2("beta2", B, H, T), g2("gamma2", B, H, T);
-  for (const V4& x : {q, k, v, a}) Kokkos::deep_copy(x, 0.3f);
+  Kokkos::deep_copy(q, 0.3f);
+  Kokkos::deep_copy(k, 0.3f);
+  Kokkos::deep_copy(v, 0.3f);
+  Kokkos::deep_copy(a, 0.3f);
   Kokkos::deep_copy(b1, 0.9f);
   Kokkos::deep_copy(g1, 0.1f);
   Kokkos::deep_copy(b2, 0.9f);

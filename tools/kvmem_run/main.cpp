@@ -9,12 +9,18 @@
 #include <exception>
 
 #include "kvm_command.hpp"
+#include "ovq_command.hpp"
+#include "trellis_command.hpp"
 
 int main(int argc, char** argv) {
   CLI::App app{"kvmem-run: run a kvmem attention memory over a captured layer"};
   app.require_subcommand(1);
   kvmem::tools::KvmOptions kvm;
   auto* kvm_cmd = kvmem::tools::add_kvm_command(app, kvm);
+  kvmem::tools::OvqOptions ovq;
+  auto* ovq_cmd = kvmem::tools::add_ovq_command(app, ovq);
+  kvmem::tools::TrellisOptions trellis;
+  auto* trellis_cmd = kvmem::tools::add_trellis_command(app, trellis);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -23,6 +29,8 @@ int main(int argc, char** argv) {
   Kokkos::ScopeGuard guard;
   try {
     if (kvm_cmd->parsed()) kvmem::tools::run_kvm(kvm);
+    if (ovq_cmd->parsed()) kvmem::tools::run_ovq(ovq);
+    if (trellis_cmd->parsed()) kvmem::tools::run_trellis(trellis);
   } catch (const kvmem::invalid_argument& e) {
     std::fprintf(stderr, "kvmem-run: error: %s\n", e.what());
     return 2;

@@ -81,6 +81,8 @@ inline constexpr std::size_t brief_chars = 80;
 struct SafetensorsFile {
   std::map<std::string, Tensor> tensors;
   std::map<std::string, std::string> metadata;
+  /// Size of the parsed file, bytes (0 for a file built in memory): a bound for sizes its header implies.
+  std::uint64_t file_bytes = 0;
 
   /// Largest header accepted, bytes (the format's own limit is 100 MB).
   static constexpr std::uint64_t max_header_bytes = 100u << 20;
@@ -104,6 +106,7 @@ struct SafetensorsFile {
     const std::uint64_t data_size = bytes.size() - 8 - n;
     const unsigned char* data = bytes.data() + 8 + n;
     SafetensorsFile file;
+    file.file_bytes = bytes.size();
     std::vector<std::pair<std::uint64_t, std::uint64_t>> ranges;
     for (const auto& [key, entry] : header.items()) {
       if (key == "__metadata__") {
@@ -127,6 +130,9 @@ struct SafetensorsFile {
       const auto& shape = entry["shape"];
       require(shape.is_array(), t + " shape", detail::brief(shape), "must be an array");
       std::uint64_t count = 1;
+      std::uint64_t nonzero = 1;  // product of the non-zero dimensions
+      bool no_elements = false;   // a zero dimension anywhere: the tensor holds nothing
+      for (const auto& d : shape) no_elements = no_elements || (d.is_number_integer() && d.get<std::int64_t>() == 0);
       for (const auto& d : shape) {
         require(d.is_number_unsigned() || (d.is_number_integer() && d.get<std::int64_t>() >= 0), t + " shape",
                 detail::brief(shape), "entries must be non-negative integers");
@@ -134,8 +140,13 @@ struct SafetensorsFile {
         // Shapes are int64 (Tensor::shape); a dimension past that would read back negative.
         require(dim <= static_cast<std::uint64_t>(std::numeric_limits<std::int64_t>::max()), t + " shape",
                 detail::brief(shape), "entries must be below 2^63");
-        require(dim == 0 || count <= data_size / dim, t + " shape", detail::brief(shape),
-                "holds more elements than the file");
+        if (no_elements) {  // holds nothing, but the other dimensions must still multiply below 2^63 (numel())
+          require(dim == 0 || nonzero <= static_cast<std::uint64_t>(std::numeric_limits<std::int64_t>::max()) / dim,
+                  t + " shape", detail::brief(shape), "dimensions multiply past 2^63");
+          if (dim != 0) nonzero *= dim;
+        } else {
+          require(count <= data_size / dim, t + " shape", detail::brief(shape), "holds more elements than the file");
+        }
         count *= dim;
         tensor.shape.push_back(static_cast<std::int64_t>(dim));
       }

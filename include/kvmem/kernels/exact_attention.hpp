@@ -12,8 +12,9 @@ namespace kvmem::kernels {
 /// y[b, hq, u] = softmax_{p <= u}(q_u · k_p * scale[hq]) · v_p with scale[hq] = tau[hq] / sqrt(D)
 /// (tau = 1 when `tau` is null), query head hq reading kv-head hq / (Hq / Hkv) (GQA).
 /// q [B, Hq, T, D], k [B, Hkv, T, D], v [B, Hkv, T, Dv], y [B, Hq, T, Dv], unit channel stride; `tau`
-/// [Hq] device pointer or null. Same online-softmax tiles as the memories' readout, so a memory whose
-/// window holds every token returns the same bits. Throws kvmem::invalid_argument for mismatched shapes.
+/// [Hq] device pointer or null. Same query blocks and online-softmax tiles as the memories' readout, so a
+/// memory whose window holds every token returns the same bits. Throws kvmem::invalid_argument for
+/// mismatched shapes.
 template <class ExecSpace, class In, class Out>
 void exact_causal_attention(const ExecSpace& exec, const In& q, const In& k, const In& v, const Out& y,
                             const float* tau = nullptr) {
@@ -29,28 +30,34 @@ void exact_causal_attention(const ExecSpace& exec, const In& q, const In& k, con
   require(v.extent(1) == k.extent(1) && y.extent(1) == q.extent(1) && y.extent(3) == v.extent(3), "v/y extents",
           v.extent(1), "v must match k's heads and y must be [B, Hq, T, Dv]");
   if (B == 0 || T == 0) return;
-  constexpr int QB = readout_query_block, KT = readout_key_tile;
+  constexpr int QB = readout_query_block;
   const long blocks = (T + QB - 1) / QB, G = Hq / Hkv;
-  const float inv_sqrt_d = 1.0f / Kokkos::sqrt(static_cast<float>(D));
+  const float sqrt_d = Kokkos::sqrt(static_cast<float>(D));
   using policy_t = Kokkos::TeamPolicy<ExecSpace>;
   using member_t = typename policy_t::member_type;
   using scratch_t = Kokkos::View<float*, typename ExecSpace::scratch_memory_space, Kokkos::MemoryUnmanaged>;
+  const long floats = QueryBlock::scratch_floats(D, Dv);
   policy_t policy(exec, B * Hq * blocks, Kokkos::AUTO);
-  policy = policy.set_scratch_size(0, Kokkos::PerThread(scratch_t::shmem_size(KT + Dv)));
+  policy = policy.set_scratch_size(0, Kokkos::PerTeam(scratch_t::shmem_size(floats)));
   Kokkos::parallel_for(
       "kvmem::exact_causal_attention", policy, KOKKOS_LAMBDA(const member_t& team) {
         const long league = team.league_rank();
-        const long blk = league % blocks, hq = (league / blocks) % Hq, b = league / (blocks * Hq), h = hq / G;
-        const long first = blk * QB, last = Kokkos::min(T, first + QB);
-        scratch_t scratch(team.thread_scratch(0), KT + Dv);
-        const float scale = (tau ? tau[hq] : 1.0f) * inv_sqrt_d;
-        Kokkos::parallel_for(Kokkos::TeamThreadRange(team, first, last), [&](long u) {
-          OnlineSoftmax sm;
-          sm.reset(scratch.data() + KT, Dv);
-          attend(sm, &q(b, hq, u, 0), D, u + 1, scale, scratch.data(), [&](long p) { return &k(b, h, p, 0); },
-                 [&](long p) { return &v(b, h, p, 0); });
-          sm.finish(&y(b, hq, u, 0));
+        const long blk_index = league % blocks, hq = (league / blocks) % Hq, b = league / (blocks * Hq), h = hq / G;
+        const long first = blk_index * QB, last = Kokkos::min(T, first + QB);
+        scratch_t scratch(team.team_scratch(0), floats);
+        QueryBlock blk;
+        blk.carve(scratch.data(), static_cast<int>(last - first), D, Dv);
+        const float scale = (tau ? tau[hq] : 1.0f) / sqrt_d;  // as merge::Defaults::logit_scale
+        Kokkos::parallel_for(Kokkos::TeamThreadRange(team, QB), [&](int u) {
+          blk.load(u, u < blk.queries ? &q(b, hq, first + u, 0) : nullptr);
+          blk.scales[u] = scale;
         });
+        team.team_barrier();
+        attend_block(
+            team, blk, blk.scales, last, [&](int u) { return first + u + 1; }, [&](long p) { return &k(b, h, p, 0); },
+            [&](long p) { return &v(b, h, p, 0); }, NoBias{});
+        Kokkos::parallel_for(Kokkos::TeamThreadRange(team, blk.queries),
+                             [&](int u) { blk.finish(u, &y(b, hq, first + u, 0)); });
       });
 }
 

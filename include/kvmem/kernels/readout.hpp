@@ -14,12 +14,37 @@ namespace kvmem::kernels {
 
 /// Keys processed per online-softmax tile.
 inline constexpr int readout_key_tile = 32;
-/// Queries handled by one team.
+/// Queries handled by one team (the lanes of a query block).
 inline constexpr int readout_query_block = 16;
+
+/// exp(x) for the softmax, where x = logit - running max <= 0 (or -inf): Cody-Waite reduction by ln 2
+/// and a degree-6 polynomial (Cephes expf): within 1 ulp of glibc expf on [-86, 0], 0 below -87, NaN for NaN.
+/// Plain arithmetic (mul_add, a float-to-int conversion and an exponent written into the bits), so
+/// the compiler vectorizes it and a lane of a vector gives the same bits as the scalar call.
+KOKKOS_INLINE_FUNCTION float softmax_exp(float x) {
+  const bool in_range = x > -87.0f;  // false for -inf, NaN and underflow
+  float xc = in_range ? x : -87.0f;
+  xc = xc < 88.0f ? xc : 88.0f;
+  const float magic = 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
+  const float n = mul_add(xc, 1.44269504088896341f, magic) - magic;
+  float r = mul_add(n, -0.693359375f, xc);  // ln 2 = 0.693359375 - 2.12194440e-4, hi part exact in n
+  r = mul_add(n, 2.12194440e-4f, r);
+  float poly = 1.9875691500e-4f;
+  poly = mul_add(poly, r, 1.3981999507e-3f);
+  poly = mul_add(poly, r, 8.3334519073e-3f);
+  poly = mul_add(poly, r, 4.1665795894e-2f);
+  poly = mul_add(poly, r, 1.6666665459e-1f);
+  poly = mul_add(poly, r, 5.0000001201e-1f);
+  const float e = mul_add(poly, r * r, r) + 1.0f;
+  const float two_n = Kokkos::bit_cast<float>((static_cast<int>(n) + 127) << 23);
+  const float result = e * two_n;
+  return in_range ? result : (x == x ? 0.0f : x);
+}
 
 /// Running online-softmax state of one query: max logit, normalizer and the un-normalized output
 /// (acc [Dv], in scratch). `add_tile` folds a tile of logits and values in; the tiles' order and
-/// boundaries fix the bits, so prefill and decode, which walk the same tiles, agree exactly.
+/// boundaries fix the bits, so prefill and decode, which walk the same tiles, agree exactly. This is
+/// the one-query form of QueryBlock below and gives the same bits operation for operation.
 struct OnlineSoftmax {
   float max_logit = neg_inf();
   float normalizer = 0.0f;
@@ -40,19 +65,20 @@ struct OnlineSoftmax {
     for (int c = 0; c < value_dim; ++c) out[c] = acc[c] * inv;
   }
 
+  /// Folds n >= 1 logits and their values in: rescale by exp(old max - new max), then add
+  /// p_j = exp(logit_j - new max) to the normalizer and p_j * v_j to acc, in key order.
   template <class ValueOf>
   KOKKOS_INLINE_FUNCTION void add_tile(const float* logits, int n, ValueOf value_of) {
     float tile_max = neg_inf();
     for (int j = 0; j < n; ++j) tile_max = logits[j] > tile_max ? logits[j] : tile_max;
     const float new_max = tile_max > max_logit ? tile_max : max_logit;
-    const float correction = Kokkos::exp(max_logit - new_max);
-    normalizer *= correction;
+    const float correction = softmax_exp(max_logit - new_max);
     for (int c = 0; c < value_dim; ++c) acc[c] *= correction;
     for (int j = 0; j < n; ++j) {
-      const float pj = Kokkos::exp(logits[j] - new_max);
-      normalizer += pj;
+      const float pj = softmax_exp(logits[j] - new_max);
+      normalizer = j == 0 ? mul_add(normalizer, correction, pj) : normalizer + pj;
       const float* vj = value_of(j);
-      for (int c = 0; c < value_dim; ++c) acc[c] += pj * vj[c];
+      for (int c = 0; c < value_dim; ++c) acc[c] = mul_add(pj, vj[c], acc[c]);
     }
     max_logit = new_max;
   }
@@ -65,15 +91,181 @@ struct NoBias {
 
 /// Folds keys [0, count) into `sm` tile by tile: logit_j = q · key_of(j) * scale + bias_of(j) over `dim`
 /// channels, values value_of(j). `logits` is scratch of readout_key_tile floats. Tiles start at 0, so two
-/// calls over the same keys give the same bits whatever else the caller does.
+/// calls over the same keys give the same bits whatever else the caller does (and the same bits as
+/// attend_block for that query).
 template <class KeyOf, class ValueOf, class BiasOf = NoBias>
 KOKKOS_INLINE_FUNCTION void attend(OnlineSoftmax& sm, const float* q, int dim, long count, float scale, float* logits,
                                    KeyOf key_of, ValueOf value_of, BiasOf bias_of = {}) {
   constexpr int KT = readout_key_tile;
   for (long j0 = 0; j0 < count; j0 += KT) {
     const int n = static_cast<int>(count - j0 < KT ? count - j0 : KT);
-    for (int j = 0; j < n; ++j) logits[j] = dot(q, key_of(j0 + j), dim) * scale + bias_of(j0 + j);
+    for (int j = 0; j < n; ++j) logits[j] = mul_add(dot(q, key_of(j0 + j), dim), scale, bias_of(j0 + j));
     sm.add_tile(logits, n, [&](int j) { return value_of(j0 + j); });
+  }
+}
+
+/// The online softmaxes of a block of up to readout_query_block queries that read the same keys, in one
+/// team's scratch. Each key tile is read once for the whole block: the logits of all queries against the
+/// tile come from a register-blocked product (queries in vector lanes, several keys at a time), then each
+/// query folds its row of logits in. Every logit and every softmax step is the same sequence of
+/// operations as OnlineSoftmax/attend for that query alone, so a block of 16 queries, a block of one
+/// (decode) and attend() give the same bits.
+struct QueryBlock {
+  static constexpr int lanes = readout_query_block;
+  static constexpr int tile = readout_key_tile;
+  int queries = 0;  ///< live queries (lanes [queries, lanes) hold zero queries)
+  int dim = 0, value_dim = 0;
+  float* qt = nullptr;          ///< [dim][lanes] queries, transposed
+  float* scales = nullptr;      ///< [2][lanes] logit scales (two sets: state rows, window)
+  float* max_logit = nullptr;   ///< [lanes]
+  float* normalizer = nullptr;  ///< [lanes]
+  float* acc = nullptr;         ///< [lanes][value_dim]
+  float* logits = nullptr;      ///< [lanes][tile]
+  float* probs = nullptr;       ///< [lanes][tile]
+
+  /// Scratch floats of one block.
+  KOKKOS_INLINE_FUNCTION static constexpr long scratch_floats(int d, int dv) {
+    return long(d) * lanes + 4L * lanes + long(lanes) * dv + 2L * lanes * tile;
+  }
+  /// Lays the block out in `scratch` (scratch_floats(d, dv) floats) for `n` live queries.
+  KOKKOS_INLINE_FUNCTION void carve(float* scratch, int n, int d, int dv) {
+    queries = n, dim = d, value_dim = dv;
+    qt = scratch;
+    scales = qt + long(d) * lanes;
+    max_logit = scales + 2 * lanes;
+    normalizer = max_logit + lanes;
+    acc = normalizer + lanes;
+    logits = acc + long(lanes) * dv;
+    probs = logits + lanes * tile;
+  }
+  /// Lane u: query q (null for a padding lane) and an empty softmax.
+  KOKKOS_INLINE_FUNCTION void load(int u, const float* q) const {
+    for (int c = 0; c < dim; ++c) qt[long(c) * lanes + u] = q ? q[c] : 0.0f;
+    max_logit[u] = neg_inf();
+    normalizer[u] = 0.0f;
+    for (int c = 0; c < value_dim; ++c) acc[long(u) * value_dim + c] = 0.0f;
+  }
+  /// y_u = acc_u / normalizer_u into out [value_dim].
+  KOKKOS_INLINE_FUNCTION void finish(int u, float* out) const {
+    const float inv = 1.0f / normalizer[u];
+    for (int c = 0; c < value_dim; ++c) out[c] = acc[long(u) * value_dim + c] * inv;
+  }
+
+  /// logits[u][j + jj] for all lanes u and NK keys; scale [lanes].
+  template <int NK, class BiasOf>
+  KOKKOS_INLINE_FUNCTION void logits_lanes(const float* const* keys, const float* scale, int j, long j_abs,
+                                           BiasOf bias_of) const {
+    float s[NK][lanes];
+    for (int jj = 0; jj < NK; ++jj)
+      for (int u = 0; u < lanes; ++u) s[jj][u] = 0.0f;
+    for (int c = 0; c < dim; ++c) {
+      const float* qc = qt + long(c) * lanes;
+      for (int jj = 0; jj < NK; ++jj) {
+        const float kc = keys[jj][c];
+        for (int u = 0; u < lanes; ++u) s[jj][u] = mul_add(qc[u], kc, s[jj][u]);
+      }
+    }
+    for (int jj = 0; jj < NK; ++jj) {
+      const float bias = bias_of(j_abs + jj);
+      for (int u = 0; u < lanes; ++u) logits[u * tile + j + jj] = mul_add(s[jj][u], scale[u], bias);
+    }
+  }
+  /// logits[0][j + jj] of lane 0 alone (one live query: decode) for NK keys as independent chains.
+  template <int NK, class BiasOf>
+  KOKKOS_INLINE_FUNCTION void logits_one(const float* const* keys, const float* scale, int j, long j_abs,
+                                         BiasOf bias_of) const {
+    float s[NK];
+    for (int jj = 0; jj < NK; ++jj) s[jj] = 0.0f;
+    for (int c = 0; c < dim; ++c) {
+      const float qc = qt[long(c) * lanes];
+      for (int jj = 0; jj < NK; ++jj) s[jj] = mul_add(qc, keys[jj][c], s[jj]);
+    }
+    for (int jj = 0; jj < NK; ++jj) logits[j + jj] = mul_add(s[jj], scale[0], bias_of(j_abs + jj));
+  }
+
+  /// Folds logits[u][0, n) (n >= 1) and their values into lane u's softmax (OnlineSoftmax::add_tile).
+  template <class ValueOf>
+  KOKKOS_INLINE_FUNCTION void add_tile(int u, int n, ValueOf value_of) const {
+    const float* lg = logits + u * tile;
+    float* pr = probs + u * tile;
+    float* a = acc + long(u) * value_dim;
+    float tile_max = neg_inf();
+    for (int j = 0; j < n; ++j) tile_max = lg[j] > tile_max ? lg[j] : tile_max;
+    const float old_max = max_logit[u];
+    const float new_max = tile_max > old_max ? tile_max : old_max;
+    const float correction = softmax_exp(old_max - new_max);
+    for (int j = 0; j < n; ++j) pr[j] = softmax_exp(lg[j] - new_max);
+    float norm = mul_add(normalizer[u], correction, pr[0]);
+    for (int j = 1; j < n; ++j) norm += pr[j];
+    normalizer[u] = norm;
+    max_logit[u] = new_max;
+    constexpr int CW = 32;  // output channels held in registers across the tile's keys
+    int c0 = 0;
+    for (; c0 + CW <= value_dim; c0 += CW) {
+      float r[CW];
+      for (int c = 0; c < CW; ++c) r[c] = a[c0 + c] * correction;
+      for (int j = 0; j < n; ++j) {
+        const float* vj = value_of(j) + c0;
+        const float pj = pr[j];
+        for (int c = 0; c < CW; ++c) r[c] = mul_add(pj, vj[c], r[c]);
+      }
+      for (int c = 0; c < CW; ++c) a[c0 + c] = r[c];
+    }
+    for (int c = c0; c < value_dim; ++c) {
+      float r = a[c] * correction;
+      for (int j = 0; j < n; ++j) r = mul_add(pr[j], value_of(j)[c], r);
+      a[c] = r;
+    }
+  }
+};
+
+/// Folds keys [0, count(u)) into lane u of `blk` for every live lane, tile by tile from key 0 (the tiles
+/// of attend): logit = q_u · key_of(j) * scale[u] + bias_of(j), values value_of(j). `max_count` is the
+/// largest count(u). Collective over `team`; ends with a team barrier.
+template <class Member, class CountOf, class KeyOf, class ValueOf, class BiasOf>
+KOKKOS_INLINE_FUNCTION void attend_block(const Member& team, const QueryBlock& blk, const float* scale, long max_count,
+                                         CountOf count_of, KeyOf key_of, ValueOf value_of, BiasOf bias_of) {
+  constexpr int KT = readout_key_tile;
+  for (long j0 = 0; j0 < max_count; j0 += KT) {
+    const int n = static_cast<int>(max_count - j0 < KT ? max_count - j0 : KT);
+    if (blk.queries == 1) {
+      constexpr int NK = 8;
+      Kokkos::parallel_for(Kokkos::TeamThreadRange(team, (n + NK - 1) / NK), [&](int g) {
+        const int j = g * NK;
+        if (j + NK <= n) {
+          const float* keys[NK];
+          for (int jj = 0; jj < NK; ++jj) keys[jj] = key_of(j0 + j + jj);
+          blk.logits_one<NK>(keys, scale, j, j0 + j, bias_of);
+        } else {
+          for (int jj = j; jj < n; ++jj) {
+            const float* key[1] = {key_of(j0 + jj)};
+            blk.logits_one<1>(key, scale, jj, j0 + jj, bias_of);
+          }
+        }
+      });
+    } else {
+      constexpr int NK = 4;
+      Kokkos::parallel_for(Kokkos::TeamThreadRange(team, (n + NK - 1) / NK), [&](int g) {
+        const int j = g * NK;
+        if (j + NK <= n) {
+          const float* keys[NK];
+          for (int jj = 0; jj < NK; ++jj) keys[jj] = key_of(j0 + j + jj);
+          blk.logits_lanes<NK>(keys, scale, j, j0 + j, bias_of);
+        } else {
+          for (int jj = j; jj < n; ++jj) {
+            const float* key[1] = {key_of(j0 + jj)};
+            blk.logits_lanes<1>(key, scale, jj, j0 + jj, bias_of);
+          }
+        }
+      });
+    }
+    team.team_barrier();
+    Kokkos::parallel_for(Kokkos::TeamThreadRange(team, blk.queries), [&](int u) {
+      const long count = count_of(u);
+      if (j0 >= count) return;
+      blk.add_tile(u, static_cast<int>(count - j0 < KT ? count - j0 : KT), [&](int j) { return value_of(j0 + j); });
+    });
+    team.team_barrier();
   }
 }
 
@@ -86,7 +278,8 @@ KOKKOS_INLINE_FUNCTION void attend(OnlineSoftmax& sm, const float* q, int dim, l
 ///   y_u = softmax(logits) · [read_values ; v].
 /// q [B, Hq, T, D] and y [B, Hq, T, Dv] are indexed by position - input_offset and need unit channel
 /// stride. Query head hq reads kv-head hq / G (GQA). `max_queries` bounds query_end - query_begin.
-/// Each query is computed by one thread in a fixed order: the same bits on every run of a backend.
+/// A team computes a block of readout_query_block queries of one (b, hq) (QueryBlock, attend_block), in a
+/// fixed order: the same bits on every run of a backend, for any block size and on any thread count.
 template <class Merge, class ExecSpace, class QueriesIn, class Out>
 void readout(const ExecSpace& exec, const MemoryConfig& cfg, const LayerWeightsRef& w,
              const state::StateRows<typename ExecSpace::memory_space>& rows,
@@ -95,40 +288,45 @@ void readout(const ExecSpace& exec, const MemoryConfig& cfg, const LayerWeightsR
              long max_queries) {
   const long B = static_cast<long>(plan.device.extent(0));
   if (max_queries <= 0 || B == 0) return;
-  constexpr int QB = readout_query_block, KT = readout_key_tile;
+  constexpr int QB = readout_query_block;
   const long blocks = (max_queries + QB - 1) / QB;
   const int Hq = cfg.query_heads, G = cfg.group(), D = cfg.head_dim, Dv = cfg.value_dim;
   const auto p = plan.device;
   using policy_t = Kokkos::TeamPolicy<ExecSpace>;
   using member_t = typename policy_t::member_type;
   using scratch_t = Kokkos::View<float*, typename ExecSpace::scratch_memory_space, Kokkos::MemoryUnmanaged>;
-  const size_t per_thread = scratch_t::shmem_size(KT + Dv);
+  const long floats = QueryBlock::scratch_floats(D, Dv);
   policy_t policy(exec, B * Hq * blocks, Kokkos::AUTO);
-  policy = policy.set_scratch_size(0, Kokkos::PerThread(per_thread));
+  policy = policy.set_scratch_size(0, Kokkos::PerTeam(scratch_t::shmem_size(floats)));
   Kokkos::parallel_for(
       "kvmem::readout", policy, KOKKOS_LAMBDA(const member_t& team) {
         const long league = team.league_rank();
-        const long blk = league % blocks, hq = (league / blocks) % Hq, b = league / (blocks * Hq);
+        const long blk_index = league % blocks, hq = (league / blocks) % Hq, b = league / (blocks * Hq);
         const long h = hq / G;
-        const long first = p(b, query_begin) + blk * QB;
+        const long first = p(b, query_begin) + blk_index * QB;
         const long last = Kokkos::min(p(b, query_end), first + QB);
         if (first >= last) return;
-        scratch_t scratch(team.thread_scratch(0), KT + Dv);
-        float* logits = scratch.data();
         const long m = p(b, read_rows), wb = p(b, window_begin_pos), off = p(b, input_offset);
-        Kokkos::parallel_for(Kokkos::TeamThreadRange(team, first, last), [&](long u) {
-          const float* qu = &q(b, hq, u - off, 0);
-          OnlineSoftmax sm;
-          sm.reset(scratch.data() + KT, Dv);
-          attend(sm, qu, D, m, Merge::logit_scale(w.tau_state[hq], qu, D), logits,
-                 [&](long i) { return &rows.read_keys(b, h, i, 0); },
-                 [&](long i) { return &rows.read_values(b, h, i, 0); },
-                 [&](long i) { return Merge::row_bias(rows.row(b, h, i)); });
-          attend(sm, qu, D, u + 1 - wb, Merge::logit_scale(w.tau_window[hq], qu, D), logits,
-                 [&](long j) { return &ring.keys(b, h, ring.slot(wb + j), 0); },
-                 [&](long j) { return &ring.values(b, h, ring.slot(wb + j), 0); });
-          sm.finish(&y(b, hq, u - off, 0));
+        scratch_t scratch(team.team_scratch(0), floats);
+        QueryBlock blk;
+        blk.carve(scratch.data(), static_cast<int>(last - first), D, Dv);
+        Kokkos::parallel_for(Kokkos::TeamThreadRange(team, QB), [&](int u) {
+          const float* qu = u < blk.queries ? &q(b, hq, first + u - off, 0) : nullptr;
+          blk.load(u, qu);
+          blk.scales[u] = qu ? Merge::logit_scale(w.tau_state[hq], qu, D) : 0.0f;
+          blk.scales[QB + u] = qu ? Merge::logit_scale(w.tau_window[hq], qu, D) : 0.0f;
         });
+        team.team_barrier();
+        attend_block(
+            team, blk, blk.scales, m, [&](int) { return m; }, [&](long i) { return &rows.read_keys(b, h, i, 0); },
+            [&](long i) { return &rows.read_values(b, h, i, 0); },
+            [&](long i) { return Merge::row_bias(rows.row(b, h, i)); });
+        attend_block(
+            team, blk, blk.scales + QB, last - wb, [&](int u) { return first + u + 1 - wb; },
+            [&](long j) { return &ring.keys(b, h, ring.slot(wb + j), 0); },
+            [&](long j) { return &ring.values(b, h, ring.slot(wb + j), 0); }, NoBias{});
+        Kokkos::parallel_for(Kokkos::TeamThreadRange(team, blk.queries),
+                             [&](int u) { blk.finish(u, &y(b, hq, first + u - off, 0)); });
       });
 }
 

@@ -5,11 +5,12 @@
 ///
 /// A chunk of sequence b covers input tokens [first, first + L_b) with L_b = min(chunk, max(0, len_b - first)).
 /// Three launches per chunk, each output element computed by one thread in a fixed order (no atomics):
-///   1. trellis_gradients: U1[r] = g * J^T(phi(S1 k_r) - alpha_r), U2[r] = g * J^T(phi(S2 v_r) - alpha_r)
-///      at the stale states S1, S2 = M1, M2 before the chunk (§3.2, §7 A11);
+///   1. trellis_gradients: u1_r = grad_scale J^T(phi(S1 k_r) - alpha_r), u2_r = grad_scale J^T(phi(S2 v_r) - alpha_r)
+///      at the stale states S1, S2 = M1, M2 before the chunk (§2.2, §3.2, §7 A11);
 ///   2. trellis_readout: per token r, pass 1 yhat_r = mu_r S1 q_r - sum_{i<=r} Gam[r,i] (q_r.k_i) u1_i,
 ///      p_r = f(yhat_r), pass 2 y_r = phi(mu2_r S2^T p_r - sum_{i<=r} Gam2[r,i] (p_r.u2_i) v_i) (§3.3);
-///   3. trellis_state_update: S <- mu_{L-1} S - sum_i gamma_i omega[L-1,i] u_i key_i^T (§3.3 end state).
+///   3. trellis_state_update: S <- mu_{L-1} S - sum_i gamma_i omega[L-1,i] u_i key_i^T (§3.3 end state;
+///      kernel 1 stores the rows gamma_i omega[L-1,i] u_i).
 /// omega[r,i] = prod_{j=i+1..r} beta_j is a running product walked from i = r down to 0, and mu_r is
 /// that walk continued through beta_0: nothing is ever divided by a product of betas, so beta = 0 (erase)
 /// is exact. A decode step is the same three launches with chunk = 1 (then omega = 1, mu = beta and the
@@ -56,11 +57,12 @@ struct TrellisState {
   Kokkos::View<float****, Kokkos::LayoutRight, MemorySpace> m1, m2;
 };
 
-/// Per-chunk scratch: U1, U2 (loss gradients at the stale states) and P (f of the pass-1 readout),
-/// each [B, H, capacity, m] with capacity >= the tokens of a chunk.
+/// Per-chunk scratch, each [B, H, capacity, m] with capacity >= the tokens of a chunk: U1, U2 (loss
+/// gradients at the stale states), G1, G2 (the same rows scaled for the end state,
+/// g_i = gamma_i omega[L-1, i] u_i) and P (f of the pass-1 readout).
 template <class MemorySpace>
 struct TrellisScratch {
-  Kokkos::View<float****, Kokkos::LayoutRight, MemorySpace> u1, u2, p;
+  Kokkos::View<float****, Kokkos::LayoutRight, MemorySpace> u1, u2, g1, g2, p;
 
   [[nodiscard]] long capacity() const { return static_cast<long>(u1.extent(2)); }
   /// Makes room for chunks of `tokens` tokens (reallocates only to grow; contents are not kept).
@@ -69,6 +71,8 @@ struct TrellisScratch {
     const auto alloc = [](const char* n) { return Kokkos::view_alloc(Kokkos::WithoutInitializing, std::string(n)); };
     u1 = decltype(u1)(alloc("kvmem::trellis_u1"), batch, heads, tokens, slots);
     u2 = decltype(u2)(alloc("kvmem::trellis_u2"), batch, heads, tokens, slots);
+    g1 = decltype(g1)(alloc("kvmem::trellis_g1"), batch, heads, tokens, slots);
+    g2 = decltype(g2)(alloc("kvmem::trellis_g2"), batch, heads, tokens, slots);
     p = decltype(p)(alloc("kvmem::trellis_p"), batch, heads, tokens, slots);
   }
 };
@@ -84,7 +88,9 @@ struct TrellisInputs {
 /// Kernel 1 of a chunk: for every (b, h) and local token r < L_b (input token t = first + r),
 ///   u1[b,h,r] = grad_scale * J_phi(z)^T (phi(z) - alpha_t) with z = M1[b,h] k_t   (pass 1),
 ///   u2[b,h,r] = the same with z = M2[b,h] v_t                                     (pass 2)
-/// (spec TRELLIS.md §2.2 at the stale state §3.2). `max_tokens` >= every L_b.
+/// (spec TRELLIS.md §2.2 at the stale state §3.2), and g[b,h,r] = (gamma_t omega[L_b-1, r]) u[b,h,r] with
+/// omega[L-1, r] = beta_{L-1} ... beta_{r+1} multiplied in that order (the end-state weights of §3.3).
+/// `max_tokens` >= every L_b.
 template <class ExecSpace, class Tokens, class Gates, class Lengths>
 void trellis_gradients(const ExecSpace& exec, const TrellisParams& prm,
                        const TrellisState<typename ExecSpace::memory_space>& st,
@@ -92,19 +98,25 @@ void trellis_gradients(const ExecSpace& exec, const TrellisParams& prm,
                        const Lengths& lengths, long first, long max_tokens) {
   const long B = static_cast<long>(lengths.extent(0)), H = prm.H, n = B * H * max_tokens * 2;
   if (n == 0) return;
-  const auto m1 = st.m1, m2 = st.m2, u1 = sc.u1, u2 = sc.u2;
+  const auto m1 = st.m1, m2 = st.m2, u1 = sc.u1, u2 = sc.u2, g1 = sc.g1, g2 = sc.g2;
   Kokkos::parallel_for(
       "kvmem::trellis_gradients", Kokkos::RangePolicy<ExecSpace, Kokkos::IndexType<long>>(exec, 0, n),
       KOKKOS_LAMBDA(const long idx) {
         const long pass = idx % 2, r = (idx / 2) % max_tokens, bh = idx / (2 * max_tokens);
         const long h = bh % H, b = bh / H;
-        if (r >= chunk_tokens(lengths(b), first, prm.chunk)) return;
+        const long L = chunk_tokens(lengths(b), first, prm.chunk);
+        if (r >= L) return;
         const long t = first + r;
         float* u = pass == 0 ? &u1(b, h, r, 0) : &u2(b, h, r, 0);
         const float* key = pass == 0 ? &in.k(b, h, t, 0) : &in.v(b, h, t, 0);
         const int dim = pass == 0 ? prm.D : prm.Dv;
         for (int s = 0; s < prm.m; ++s) u[s] = dot(pass == 0 ? &m1(b, h, s, 0) : &m2(b, h, s, 0), key, dim);
         merge::GradientDescent::loss_gradient(prm.phi, u, &in.alpha(b, h, t, 0), prm.m, prm.grad_scale);
+        float w = 1.0f;  // omega[L-1, r]
+        for (long j = L - 1; j > r; --j) w *= pass == 0 ? in.beta1(b, h, first + j) : in.beta2(b, h, first + j);
+        const float c = (pass == 0 ? in.gamma1(b, h, t) : in.gamma2(b, h, t)) * w;
+        float* g = pass == 0 ? &g1(b, h, r, 0) : &g2(b, h, r, 0);
+        for (int s = 0; s < prm.m; ++s) g[s] = c * u[s];
       });
 }
 
@@ -166,39 +178,42 @@ void trellis_readout(const ExecSpace& exec, const TrellisParams& prm,
 }
 
 /// Kernel 3 of a chunk: the end state of both memories (spec TRELLIS.md §3.3), element by element:
-///   M1[b,h,s,c] <- mu1 M1[b,h,s,c] - sum_{i=L-1..0} gamma1_i omega1[L-1,i] u1_i[s] k_i[c]
-///   M2[b,h,s,c] <- mu2 M2[b,h,s,c] - sum_{i=L-1..0} gamma2_i omega2[L-1,i] u2_i[s] v_i[c]
-/// with L = L_b and mu = prod of the chunk's betas; sequences with L_b = 0 keep their state.
+///   M1[b,h,s,c] <- mu1 M1[b,h,s,c] - sum_{i=L-1..0} g1[b,h,i,s] k_i[c]
+///   M2[b,h,s,c] <- mu2 M2[b,h,s,c] - sum_{i=L-1..0} g2[b,h,i,s] v_i[c]
+/// with g = gamma_i omega[L-1,i] u_i from kernel 1, L = L_b and mu = beta_{L-1} ... beta_0; sequences with
+/// L_b = 0 keep their state. One team per slot row (b, h, s), its threads over the D + Dv channels; each
+/// element is summed by one thread in the order above.
 template <class ExecSpace, class Tokens, class Gates, class Lengths>
 void trellis_state_update(const ExecSpace& exec, const TrellisParams& prm,
                           const TrellisState<typename ExecSpace::memory_space>& st,
                           const TrellisScratch<typename ExecSpace::memory_space>& sc,
                           const TrellisInputs<Tokens, Gates>& in, const Lengths& lengths, long first) {
-  const long B = static_cast<long>(lengths.extent(0)), H = prm.H, m = prm.m, width = prm.D + prm.Dv;
-  const long n = B * H * m * width;
-  if (n == 0) return;
-  const auto m1 = st.m1, m2 = st.m2, u1 = sc.u1, u2 = sc.u2;
+  const long B = static_cast<long>(lengths.extent(0)), H = prm.H, m = prm.m;
+  if (B * H * m == 0) return;
+  const auto m1 = st.m1, m2 = st.m2, g1 = sc.g1, g2 = sc.g2;
+  using policy_t = Kokkos::TeamPolicy<ExecSpace>;
+  using member_t = typename policy_t::member_type;
   Kokkos::parallel_for(
-      "kvmem::trellis_state_update", Kokkos::RangePolicy<ExecSpace, Kokkos::IndexType<long>>(exec, 0, n),
-      KOKKOS_LAMBDA(const long idx) {
-        const long c = idx % width, s = (idx / width) % m, bh = idx / (width * m), h = bh % H, b = bh / H;
+      "kvmem::trellis_state_update", policy_t(exec, static_cast<int>(B * H * m), Kokkos::AUTO),
+      KOKKOS_LAMBDA(const member_t& team) {
+        const long row = team.league_rank(), s = row % m, bh = row / m, h = bh % H, b = bh / H;
         const long L = chunk_tokens(lengths(b), first, prm.chunk);
         if (L == 0) return;
-        const bool pass1 = c < prm.D;
-        const long ch = pass1 ? c : c - prm.D;
-        float acc = 0.0f, w = 1.0f;  // w = omega[L-1, i], then mu after the loop
+        float mu1 = 1.0f, mu2 = 1.0f;
         for (long i = L - 1; i >= 0; --i) {
-          const long t = first + i;
-          if (pass1) {
-            acc += in.gamma1(b, h, t) * w * u1(b, h, i, s) * in.k(b, h, t, ch);
-            w *= in.beta1(b, h, t);
-          } else {
-            acc += in.gamma2(b, h, t) * w * u2(b, h, i, s) * in.v(b, h, t, ch);
-            w *= in.beta2(b, h, t);
-          }
+          mu1 *= in.beta1(b, h, first + i);
+          mu2 *= in.beta2(b, h, first + i);
         }
-        float& x = pass1 ? m1(b, h, s, ch) : m2(b, h, s, ch);
-        x = w * x - acc;
+        Kokkos::parallel_for(Kokkos::TeamThreadRange(team, prm.D), [&](const int c) {
+          float acc = 0.0f;
+          for (long i = L - 1; i >= 0; --i) acc += g1(b, h, i, s) * in.k(b, h, first + i, c);
+          m1(b, h, s, c) = mu1 * m1(b, h, s, c) - acc;
+        });
+        Kokkos::parallel_for(Kokkos::TeamThreadRange(team, prm.Dv), [&](const int c) {
+          float acc = 0.0f;
+          for (long i = L - 1; i >= 0; --i) acc += g2(b, h, i, s) * in.v(b, h, first + i, c);
+          m2(b, h, s, c) = mu2 * m2(b, h, s, c) - acc;
+        });
       });
 }
 

@@ -104,7 +104,10 @@ void update_state(const ExecSpace& exec, const MemoryConfig& cfg, const LayerWei
     else
       scores(b, h, j) = Scorer::score(&keys(b, h, j, 0), &st.read_keys(b, h, 0, 0), m, D);
   });
-  // 3. select: rank by (score asc, token index asc); the first `selected` found rows.
+  // 3. select: rank by (score asc, token index asc); the first `selected` found rows. NaN scores (from a
+  //    non-finite key) rank after every number, so the ranks stay a permutation of 0..count-1: with plain
+  //    `<` every NaN would rank 0, more tokens than planned would found rows, past the rows the host
+  //    planned and allocated, or several tokens would write one row.
   Kokkos::parallel_for("kvmem::update_select", range(exec, 0, B * H * C), KOKKOS_LAMBDA(long idx) {
     const long j = idx % C, h = (idx / C) % H, b = idx / (C * H);
     const long count = p(b, block_count), n = selected(b);
@@ -112,10 +115,13 @@ void update_state(const ExecSpace& exec, const MemoryConfig& cfg, const LayerWei
     long rank = j;  // every token selected in token order when no ranking is needed
     if (must_rank(b)) {
       const float sj = scores(b, h, j);
+      const bool nan_j = sj != sj;
       rank = 0;
       for (long i = 0; i < count; ++i) {
         const float si = scores(b, h, i);
-        rank += (si < sj || (si == sj && i < j)) ? 1 : 0;
+        const bool nan_i = si != si;
+        const bool before = nan_i || nan_j ? (nan_j && (!nan_i || i < j)) : (si < sj || (si == sj && i < j));
+        rank += before ? 1 : 0;
       }
     }
     ranks(b, h, j) = rank;
@@ -158,10 +164,31 @@ void update_state(const ExecSpace& exec, const MemoryConfig& cfg, const LayerWei
     const float* key = &keys(b, h, j, 0);
     long best_row = first;
     float best = neg_inf();
-    for (long i = first; i < end; ++i) {
+    // Each score is sum_c (g key[c]) khat[c] in channel order; eight rows are scored at a time as
+    // independent chains (the one-row loop waits on every add), then compared in row order.
+    constexpr int NR = 8;
+    long i = first;
+    for (; i + NR <= end; i += NR) {
+      const float* khat[NR];
+      float s[NR];
+      for (int r = 0; r < NR; ++r) {
+        khat[r] = &st.read_keys(b, h, i + r, 0);
+        s[r] = 0.0f;
+      }
+      for (int c = 0; c < D; ++c) {
+        const float gk = g * key[c];
+        for (int r = 0; r < NR; ++r) s[r] = mul_add(gk, khat[r][c], s[r]);
+      }
+      for (int r = 0; r < NR; ++r)
+        if (s[r] > best || i + r == first) {
+          best = s[r];
+          best_row = i + r;
+        }
+    }
+    for (; i < end; ++i) {
       const float* khat = &st.read_keys(b, h, i, 0);
       float s = 0.0f;
-      for (int c = 0; c < D; ++c) s += (g * key[c]) * khat[c];
+      for (int c = 0; c < D; ++c) s = mul_add(g * key[c], khat[c], s);
       if (s > best || i == first) {
         best = s;
         best_row = i;

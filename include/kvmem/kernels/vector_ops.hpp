@@ -7,10 +7,24 @@
 
 namespace kvmem::kernels {
 
-/// sum_c a[c] * b[c] over n channels, float accumulation, increasing c.
+/// a * b + c rounded once where the target has a fused multiply-add (x86 with FMA, ARM, GPUs) and
+/// twice where it has none. Written out, so the rounding never depends on whether the compiler chose
+/// to contract an expression (it may contract the same source differently in a vectorized loop, a
+/// peeled iteration or another inlining context): kernels that must agree bit for bit across code paths
+/// (one query or a block of queries, prefill or decode) use this for every multiply-add.
+KOKKOS_INLINE_FUNCTION float mul_add(float a, float b, float c) {
+#if defined(__FP_FAST_FMAF) || defined(FP_FAST_FMAF) || defined(__FMA__)
+  return Kokkos::fma(a, b, c);
+#else
+  KOKKOS_IF_ON_DEVICE((return Kokkos::fma(a, b, c);))
+  KOKKOS_IF_ON_HOST((return a * b + c;))
+#endif
+}
+
+/// sum_c a[c] * b[c] over n channels, float accumulation, increasing c (each step one mul_add).
 KOKKOS_INLINE_FUNCTION float dot(const float* a, const float* b, int n) {
   float s = 0.0f;
-  for (int c = 0; c < n; ++c) s += a[c] * b[c];
+  for (int c = 0; c < n; ++c) s = mul_add(a[c], b[c], s);
   return s;
 }
 

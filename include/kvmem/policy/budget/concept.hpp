@@ -3,6 +3,7 @@
 /// The BudgetSchedule concept: how many state rows a memory may hold after a number of tokens.
 
 #include <concepts>
+#include <limits>
 #include <string_view>
 
 namespace kvmem::budget {
@@ -20,9 +21,12 @@ concept BudgetSchedule = std::copyable<B> && requires(const B& b, long ctx) {
 };
 
 namespace detail {
-/// rd(x) of spec KVM.md §5.2: floor(max(x, 0) / R) * R for an already floored x, R >= 1.
+/// rd(x) of spec KVM.md §5.2: floor(max(x, 0) / R) * R for an already floored x, R >= 1. An x past the
+/// range of long (a huge growth factor or exponent, or +inf) saturates to LONG_MAX instead of converting,
+/// which would be undefined behaviour; NaN counts as 0. The memory caps the result by max_rows anyway.
 [[nodiscard]] inline long round_down(double floored, long multiple) {
-  const long x = floored > 0.0 ? static_cast<long>(floored) : 0L;
+  constexpr double past_long = 9223372036854775808.0;  // 2^63
+  const long x = floored > 0.0 ? (floored < past_long ? static_cast<long>(floored) : std::numeric_limits<long>::max()) : 0L;
   return (x / multiple) * multiple;
 }
 }  // namespace detail

@@ -1,0 +1,183 @@
+// kvmem_bench_decode: decode step time of the KVM memory (fixed 256 rows, power-law 16 sqrt(N)) at a
+// position P, against an exact-attention decode step over a full KV cache of P tokens, in one process.
+//
+//   kvmem_bench_decode [--grid=standard|quick] [--steps=512] [Google Benchmark flags]
+//
+// A memory's state at position P is built by prefilling P tokens (not timed); then `steps` decode steps
+// (a multiple of the chunk, so the amortized fold of a block every 256 tokens is included) are timed
+// one by one, each a Google Benchmark iteration. The exact baseline's KV cache is filled with random
+// keys and values (building it costs nothing), then each step appends a token and reads all P + 1 keys.
+//
+// Names: decode/<memory>/pos:<P>/D:<head_dim>/G:<GQA group>/B:<batch>/Hkv:<kv-heads>/threads:<threads>.
+
+#include "common.hpp"
+
+namespace {
+
+using namespace kvbench;
+
+long g_steps = 512;
+
+struct Key {
+  static std::string of(const Shape& s, long pos) { return "pos:" + std::to_string(pos) + "/" + s.key(); }
+};
+
+std::map<std::string, double>& exact_step_seconds() {
+  static std::map<std::string, double> m;
+  return m;
+}
+/// Step time at the first position measured per (memory, shape), for the ratio against position.
+std::map<std::string, std::pair<long, double>>& first_position() {
+  static std::map<std::string, std::pair<long, double>> m;
+  return m;
+}
+
+template <class V>
+auto token(const V& x, long t) {
+  return Kokkos::subview(x, Kokkos::ALL, Kokkos::ALL, std::make_pair(t, t + 1), Kokkos::ALL);
+}
+auto token(const view3& x, long t) { return Kokkos::subview(x, Kokkos::ALL, Kokkos::ALL, std::make_pair(t, t + 1)); }
+
+void set_counters(benchmark::State& st, const std::string& memory, const Shape& s, long pos, const Work& w,
+                  double step_sec, double readout_sec, double held) {
+  using benchmark::Counter;
+  const double steps = double(g_steps);
+  const double flops = w.flops(s) / steps;
+  const double bytes = (w.rows_read + w.window_read) / steps * (2.0 * s.D) * sizeof(float) * s.Hkv * s.B;
+  st.counters["step_us"] = step_sec * 1e6;
+  st.counters["tokens/s"] = Counter(double(s.B), Counter::kIsIterationInvariantRate);
+  st.counters["GFLOP/s"] = Counter(flops / 1e9, Counter::kIsIterationInvariantRate);
+  st.counters["bytes_read"] = bytes;
+  st.counters["GB/s"] = bytes / step_sec / 1e9;
+  st.counters["frac_copy_bw"] = bytes / step_sec / ceilings().copy(s.threads);
+  if (readout_sec > 0) {
+    st.counters["readout_share"] = readout_sec / step_sec;
+    st.counters["readout_frac_copy_bw"] = bytes / readout_sec / ceilings().copy(s.threads);
+  }
+  st.counters["bytes_held"] = held;
+  st.counters["held_vs_kv_cache"] = held / kv_cache_bytes(s, pos);
+  const auto e = exact_step_seconds().find(Key::of(s, pos));
+  if (e != exact_step_seconds().end()) st.counters["speedup_vs_exact"] = e->second / step_sec;
+  auto [it, fresh] = first_position().try_emplace(memory + "/" + s.key(), pos, step_sec);
+  if (!fresh) {
+    st.counters["vs_first_pos"] = step_sec / it->second.second;
+    st.counters["first_pos"] = double(it->second.first);
+  }
+}
+
+void bm_exact(benchmark::State& st, Shape s, long pos) {
+  const exec_t exec = make_exec(s.threads);
+  Inputs in(s, g_steps);
+  KvCache cache{view4(Kokkos::view_alloc(Kokkos::WithoutInitializing, "cache_k"), s.B, s.Hkv, pos + g_steps, s.D),
+                view4(Kokkos::view_alloc(Kokkos::WithoutInitializing, "cache_v"), s.B, s.Hkv, pos + g_steps, s.D)};
+  Kokkos::Random_XorShift64_Pool<exec_t> pool(777);
+  Kokkos::fill_random(cache.k, pool, -1.0f, 1.0f);
+  Kokkos::fill_random(cache.v, pool, -1.0f, 1.0f);
+  Kokkos::fence();
+  Work w;
+  for (long i = 0; i < g_steps; ++i) {
+    w.pairs += double(pos + i + 1);
+    w.window_read += double(pos + i + 1);
+  }
+  double total = 0;
+  long i = 0;
+  KernelClock::reset();
+  for (auto _ : st) {
+    const auto t0 = clock_t_::now();
+    exact_decode_step(exec, cache, token(in.q, i), token(in.k, i), token(in.v, i), token(in.y, i), pos + i,
+                      in.tau.data());
+    exec.fence();
+    total += seconds_since(t0);
+    ++i;
+  }
+  const double sec = total / i;
+  exact_step_seconds()[Key::of(s, pos)] = sec;
+  set_counters(st, "exact", s, pos, w, sec, KernelClock::seconds("bench::exact_decode") / i,
+               kv_cache_bytes(s, pos));
+}
+
+template <class Budget>
+void bm_kvm(benchmark::State& st, const std::string& memory, Shape s, long pos, Budget budget) {
+  const exec_t exec = make_exec(s.threads);
+  const auto cfg = memory_config(s);
+  kvmem::KvmMemory<exec_t, Budget> mem(cfg, budget, Inputs(s, 1).weights, s.B, exec);
+  {  // build the state at `pos` by prefill (not timed)
+    Inputs prompt(s, pos);
+    mem.prefill(prompt.q, prompt.k, prompt.v, prompt.gate, prompt.y);
+  }
+  Inputs in(s, g_steps, 4321);
+  const Work w = decode_work(cfg, budget, mem.cursor(0), g_steps);
+  double total = 0;
+  long i = 0;
+  KernelClock::reset();
+  for (auto _ : st) {
+    const auto t0 = clock_t_::now();
+    mem.decode(token(in.q, i), token(in.k, i), token(in.v, i), token(in.gate, i), token(in.y, i));
+    total += seconds_since(t0);
+    ++i;
+  }
+  const double sec = total / i;
+  KernelClock::report(st.name(), i);
+  set_counters(st, memory, s, pos, w, sec, KernelClock::seconds("kvmem::readout") / i, double(mem.held_bytes()));
+  st.counters["state_rows"] = double(mem.cursor(0).rows);
+  st.counters["update_share"] = KernelClock::seconds("kvmem::update_") / i / sec;
+}
+
+void add(const std::string& memory, const Shape& s, long pos, std::function<void(benchmark::State&)> fn) {
+  benchmark::RegisterBenchmark("decode/" + memory + "/" + Key::of(s, pos), [fn](benchmark::State& st) { fn(st); })
+      ->UseRealTime()
+      ->Iterations(g_steps)
+      ->Unit(benchmark::kMicrosecond);
+}
+
+void add_position(Shape s, long pos, bool exact, bool fixed, bool power) {
+  if (s.threads == 0) s.threads = all_threads();
+  if (exact) add("exact", s, pos, [s, pos](benchmark::State& st) { bm_exact(st, s, pos); });
+  if (fixed)
+    add("kvm-fixed256", s, pos, [s, pos](benchmark::State& st) { bm_kvm(st, "kvm-fixed256", s, pos, fixed256()); });
+  if (power)
+    add("kvm-power-law", s, pos, [s, pos](benchmark::State& st) { bm_kvm(st, "kvm-power-law", s, pos, power_law()); });
+}
+
+void register_grid(const std::string& grid) {
+  const int all = all_threads();
+  if (grid == "quick") {
+    for (long pos : {4096L, 16384L}) add_position({0, 64, 1, 1, 2, all}, pos, true, true, true);
+    add_position({0, 64, 1, 1, 2, 1}, 4096, true, true, false);
+    return;
+  }
+  // standard (documented in bench/README.md):
+  // 1. step time against position, B = 1, 8 kv-heads, G = 1, D = 128.
+  for (long pos : {4096L, 16384L, 65536L, 262144L})
+    add_position({0, 128, 1, 1, 8, all}, pos, true, true, pos <= 65536);
+  // 2. the shape grid at position 4096: G in {1, 4}, B in {1, 8}, D in {64, 128}.
+  for (int D : {64, 128})
+    for (int G : {1, 4})
+      for (int B : {1, 8})
+        if (!(D == 128 && G == 1 && B == 1)) add_position({0, D, G, B, 8, all}, 4096, true, true, true);
+  // 3. one thread against all threads.
+  if (all > 1)
+    for (int threads : {1, all}) add_position({0, 128, 1, 8, 8, threads}, 4096, true, true, false);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const std::string grid = kvbench::take_flag(argc, argv, "grid", "standard");
+  g_steps = std::stol(kvbench::take_flag(argc, argv, "steps", "512"));
+  Kokkos::initialize(argc, argv);
+  {
+    benchmark::Initialize(&argc, argv);
+    if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
+    kvbench::KernelClock::install();
+    kvbench::measure_ceilings();
+    benchmark::AddCustomContext("kvmem_grid", grid);
+    benchmark::AddCustomContext("decode_steps_per_benchmark", std::to_string(g_steps));
+    register_grid(grid);
+    benchmark::RunSpecifiedBenchmarks();
+    benchmark::Shutdown();
+    kvbench::release_execs();
+  }
+  Kokkos::finalize();
+  return 0;
+}

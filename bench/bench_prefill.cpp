@@ -1,0 +1,192 @@
+// kvmem_bench_prefill: prefill of the KVM memory (fixed 256 rows, power-law 16 sqrt(N)) against exact
+// causal attention and the naive float64 reference of the tests, in one process.
+//
+//   kvmem_bench_prefill [--grid=standard|quick|full] [Google Benchmark flags, e.g.
+//                       --benchmark_out=prefill.json --benchmark_min_time=0.2s --benchmark_filter=...]
+//
+// Benchmarks are named prefill/<memory>/T:<tokens>/D:<head_dim>/G:<GQA group>/B:<batch>/Hkv:<kv-heads>/
+// threads:<OpenMP threads>. For each shape exact attention runs first; the memories after it report
+// speedup_vs_exact against that time. Counters are defined in bench/README.md.
+
+#include "common.hpp"
+
+#include "reference/kvm_reference.hpp"
+
+namespace {
+
+using namespace kvbench;
+
+std::map<std::string, double>& kvm_fixed_seconds() {
+  static std::map<std::string, double> m;
+  return m;
+}
+
+void set_counters(benchmark::State& st, const Shape& s, double readout_flops, double merge_flops, double sec,
+                  double readout_sec, double held) {
+  using benchmark::Counter;
+  const double flops = readout_flops + merge_flops;
+  const double sgemm = ceilings().sgemm(s.threads);
+  st.counters["tokens/s"] = Counter(double(s.B) * s.T, Counter::kIsIterationInvariantRate);
+  st.counters["GFLOP/s"] = Counter(flops / 1e9, Counter::kIsIterationInvariantRate);
+  st.counters["GFLOP"] = flops / 1e9;
+  st.counters["merge_GFLOP"] = merge_flops / 1e9;
+  st.counters["frac_sgemm"] = flops / sec / sgemm;
+  if (readout_sec > 0) {
+    st.counters["readout_GFLOP/s"] = readout_flops / readout_sec / 1e9;
+    st.counters["readout_frac_sgemm"] = readout_flops / readout_sec / sgemm;
+    st.counters["readout_share"] = readout_sec / sec;
+  }
+  st.counters["bytes_held"] = held;
+  st.counters["held_vs_kv_cache"] = held / kv_cache_bytes(s, s.T);
+  const auto it = exact_seconds().find(s.key());
+  if (it != exact_seconds().end()) st.counters["speedup_vs_exact"] = it->second / sec;
+  st.counters["seconds"] = sec;
+}
+
+void bm_exact(benchmark::State& st, Shape s) {
+  const exec_t exec = make_exec(s.threads);
+  Inputs in(s, s.T);
+  const Work w = exact_prefill_work(s.T);
+  double total = 0;
+  long iters = 0;
+  KernelClock::reset();
+  for (auto _ : st) {
+    const auto t0 = clock_t_::now();
+    kvmem::kernels::exact_causal_attention(exec, in.q, in.k, in.v, in.y, in.tau.data());
+    exec.fence();
+    total += seconds_since(t0);
+    ++iters;
+  }
+  const double sec = total / iters;
+  exact_seconds()[s.key()] = sec;
+  set_counters(st, s, w.readout_flops(s), 0.0, sec, KernelClock::seconds("kvmem::exact_causal_attention") / iters,
+               kv_cache_bytes(s, s.T));
+}
+
+template <class Budget>
+void bm_kvm(benchmark::State& st, Shape s, Budget budget, bool record) {
+  const exec_t exec = make_exec(s.threads);
+  Inputs in(s, s.T);
+  const auto cfg = memory_config(s);
+  kvmem::KvmMemory<exec_t, Budget> mem(cfg, budget, in.weights, s.B, exec);
+  const Work w = prefill_work(cfg, budget, s.T);
+  double total = 0;
+  long iters = 0;
+  KernelClock::reset();
+  for (auto _ : st) {
+    const auto t0 = clock_t_::now();
+    mem.reset();
+    mem.prefill(in.q, in.k, in.v, in.gate, in.y);
+    total += seconds_since(t0);
+    ++iters;
+  }
+  const double sec = total / iters;
+  KernelClock::report(st.name(), iters);
+  if (record) kvm_fixed_seconds()[s.key()] = sec;
+  set_counters(st, s, w.readout_flops(s), w.merge_flops(s), sec, KernelClock::seconds("kvmem::readout") / iters,
+               double(mem.held_bytes()));
+  st.counters["update_share"] = KernelClock::seconds("kvmem::update_") / iters / sec;
+  st.counters["state_rows"] = double(mem.cursor(0).rows);
+}
+
+/// The naive float64 reference of the tests (tests/reference/kvm_reference.hpp), fixed 256 rows, one
+/// sequence, one thread.
+void bm_reference(benchmark::State& st, Shape s) {
+  Inputs in(s, s.T);
+  auto q = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), in.q);
+  auto k = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), in.k);
+  auto v = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), in.v);
+  auto g = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), in.gate);
+  kvmem_ref::KvmSequence seq;
+  seq.T = s.T, seq.D = s.D, seq.Dv = s.D, seq.Hq = s.Hq(), seq.Hkv = s.Hkv;
+  seq.q.assign(q.data(), q.data() + q.size());
+  seq.k.assign(k.data(), k.data() + k.size());
+  seq.v.assign(v.data(), v.data() + v.size());
+  seq.gate.assign(g.data(), g.data() + g.size());
+  seq.ln_weight.assign(s.D, 1.0);
+  seq.ln_bias.assign(s.D, 0.0);
+  seq.tau_state.assign(s.Hq(), 1.0);
+  seq.tau_bswa.assign(s.Hq(), 1.0);
+  const auto cfg = memory_config(s);
+  kvmem_ref::KvmParams p;
+  p.chunk = cfg.chunk, p.window_chunks = cfg.window_chunks, p.rope_dims = cfg.rope_dims, p.sinks = cfg.sinks;
+  p.schedule = kvmem_ref::Schedule::fixed, p.min_len = 256, p.max_chunks = cfg.max_rows / cfg.chunk;
+  const Work w = prefill_work(cfg, fixed256(), s.T);
+  double total = 0;
+  long iters = 0;
+  double held = 0;
+  for (auto _ : st) {
+    const auto t0 = clock_t_::now();
+    auto r = kvmem_ref::kvm_prefill(seq, p);
+    benchmark::DoNotOptimize(r.y.data());
+    total += seconds_since(t0);
+    ++iters;
+    held = double(r.rows + std::min(s.T, cfg.window())) * s.Hkv * (2 * s.D + 1) * sizeof(double);
+  }
+  const double sec = total / iters;
+  set_counters(st, s, w.readout_flops(s), w.merge_flops(s), sec, 0.0, held);
+  const auto it = kvm_fixed_seconds().find(s.key());
+  if (it != kvm_fixed_seconds().end()) st.counters["slowdown_vs_kvmem"] = sec / it->second;
+}
+
+void add(const std::string& memory, const Shape& s, std::function<void(benchmark::State&)> fn) {
+  benchmark::RegisterBenchmark("prefill/" + memory + "/" + s.key(), [fn](benchmark::State& st) { fn(st); })
+      ->UseRealTime()
+      ->Unit(benchmark::kMillisecond);
+}
+
+/// Exact attention, then the memories, for one shape.
+void add_shape(Shape s, bool exact, bool reference = false) {
+  if (s.threads == 0) s.threads = all_threads();
+  if (exact) add("exact", s, [s](benchmark::State& st) { bm_exact(st, s); });
+  add("kvm-fixed256", s, [s](benchmark::State& st) { bm_kvm(st, s, fixed256(), true); });
+  add("kvm-power-law", s, [s](benchmark::State& st) { bm_kvm(st, s, power_law(), false); });
+  if (reference) add("reference-fixed256", s, [s](benchmark::State& st) { bm_reference(st, s); });
+}
+
+void register_grid(const std::string& grid) {
+  const int all = all_threads();
+  if (grid == "quick") {  // a smoke test: seconds
+    for (long T : {1024L, 4096L}) add_shape({T, 64, 1, 1, 2, all}, true, T == 1024);
+    add_shape({4096, 64, 1, 1, 2, 1}, true);
+    return;
+  }
+  if (grid == "full") {  // the whole grid; exact attention at 64K takes hours on 2 cores
+    for (int D : {64, 128})
+      for (int G : {1, 4})
+        for (int B : {1, 8})
+          for (long T : {1024L, 4096L, 16384L, 65536L}) add_shape({T, D, G, B, 8, all}, true);
+    return;
+  }
+  // standard (documented in bench/README.md):
+  // 1. scaling in T, 2 kv-heads, G = 1, B = 1, D = 64 and 128: every memory against exact attention.
+  for (int D : {64, 128})
+    for (long T : {1024L, 4096L, 16384L, 65536L}) add_shape({T, D, 1, 1, 2, all}, true, D == 64 && T == 1024);
+  // 2. the shape (8 kv-heads), G in {1, 4}, B in {1, 8}, D in {64, 128}, at T = 4096.
+  for (int D : {64, 128})
+    for (int G : {1, 4})
+      for (int B : {1, 8}) add_shape({4096, D, G, B, 8, all}, true);
+  // 3. one thread against all threads.
+  if (all > 1)
+    for (int threads : {1, all}) add_shape({16384, 64, 1, 1, 2, threads}, true);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const std::string grid = kvbench::take_flag(argc, argv, "grid", "standard");
+  Kokkos::initialize(argc, argv);
+  {
+    benchmark::Initialize(&argc, argv);
+    if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
+    kvbench::KernelClock::install();
+    kvbench::measure_ceilings();
+    benchmark::AddCustomContext("kvmem_grid", grid);
+    register_grid(grid);
+    benchmark::RunSpecifiedBenchmarks();
+    benchmark::Shutdown();
+    kvbench::release_execs();
+  }
+  Kokkos::finalize();
+  return 0;
+}

@@ -1,0 +1,408 @@
+#pragma once
+// Shared pieces of the kvmem benchmarks: random inputs, the machine's ceilings (OpenBLAS sgemm rate and
+// copy bandwidth), the work model that turns a run into FLOPs and bytes, an exact-attention decode step
+// over a full KV cache, and the execution-space instances for 1 thread and all threads.
+//
+// Every count here is derived from the same host-side schedule the memory itself follows
+// (kvmem::state::window_begin / plan_update), so the FLOPs and bytes are those of the kernels that ran.
+// The formulas are written out in bench/README.md.
+
+#include <Kokkos_Core.hpp>
+#include <Kokkos_Random.hpp>
+#include <benchmark/benchmark.h>
+#include <cblas.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <map>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <kvmem/kernels/exact_attention.hpp>
+#include <kvmem/kvmem.hpp>
+
+namespace kvbench {
+
+using exec_t = Kokkos::DefaultExecutionSpace;
+using space_t = exec_t::memory_space;
+using view4 = Kokkos::View<float****, Kokkos::LayoutRight, space_t>;
+using view3 = Kokkos::View<float***, Kokkos::LayoutRight, space_t>;
+using view1 = Kokkos::View<float*, space_t>;
+using clock_t_ = std::chrono::steady_clock;
+
+inline double seconds_since(clock_t_::time_point t0) {
+  return std::chrono::duration<double>(clock_t_::now() - t0).count();
+}
+
+// ---------------------------------------------------------------------------------------------------
+// Threads: "1" is a Kokkos::OpenMP(1) instance (the Debian Kokkos has no Serial backend), "all" is the
+// default instance (every OpenMP thread of the process).
+
+inline int all_threads() { return exec_t().concurrency(); }
+
+/// The one-thread instance, made on first use and released by release_execs() before Kokkos::finalize.
+inline std::optional<exec_t>& one_thread_exec() {
+  static std::optional<exec_t> one;
+  return one;
+}
+
+inline exec_t make_exec(int threads) {
+#ifdef KOKKOS_ENABLE_OPENMP
+  if constexpr (std::is_same_v<exec_t, Kokkos::OpenMP>) {
+    if (threads == 1 && all_threads() > 1) {
+      if (!one_thread_exec()) one_thread_exec().emplace(1);
+      return *one_thread_exec();
+    }
+  }
+#endif
+  return exec_t();
+}
+
+inline void release_execs() { one_thread_exec().reset(); }
+
+// ---------------------------------------------------------------------------------------------------
+// Shapes and inputs.
+
+struct Shape {
+  long T = 1024;   // tokens per sequence
+  int D = 64;      // head_dim = value_dim
+  int G = 1;       // GQA group: query heads per kv-head
+  int B = 1;       // batch
+  int Hkv = 8;     // kv-heads
+  int threads = 0; // OpenMP threads (0 = all)
+  [[nodiscard]] int Hq() const { return G * Hkv; }
+  [[nodiscard]] std::string key() const {
+    return "T:" + std::to_string(T) + "/D:" + std::to_string(D) + "/G:" + std::to_string(G) +
+           "/B:" + std::to_string(B) + "/Hkv:" + std::to_string(Hkv) + "/threads:" + std::to_string(threads);
+  }
+};
+
+/// The memory every benchmark uses: chunk 256, a window of 2 chunks (512 tokens), half the key channels
+/// rotary (zeroed before the memory LayerNorm), one sink, rows capped at 16384.
+inline kvmem::MemoryConfig memory_config(const Shape& s) {
+  kvmem::MemoryConfig c;
+  c.head_dim = s.D;
+  c.value_dim = s.D;
+  c.query_heads = s.Hq();
+  c.kv_heads = s.Hkv;
+  c.chunk = 256;
+  c.window_chunks = 2;
+  c.rope_dims = s.D / 2;
+  c.sinks = 1;
+  c.max_rows = 16384;
+  return c;
+}
+
+inline kvmem::budget::Fixed fixed256() { return kvmem::budget::Fixed{256}; }
+inline kvmem::budget::PowerLaw power_law() { return kvmem::budget::PowerLaw{256, 16.0, 0.5, 1}; }
+
+/// Random q, k, v (uniform [-1, 1)), gate pre-activations (uniform [-2, 2)), y, and unit layer weights,
+/// for `tokens` tokens of every sequence.
+struct Inputs {
+  view4 q, k, v, y;
+  view3 gate;
+  kvmem::LayerWeights<space_t> weights;
+  view1 tau;
+
+  Inputs(const Shape& s, long tokens, unsigned seed = 12345) {
+    q = view4(Kokkos::view_alloc(Kokkos::WithoutInitializing, "q"), s.B, s.Hq(), tokens, s.D);
+    k = view4(Kokkos::view_alloc(Kokkos::WithoutInitializing, "k"), s.B, s.Hkv, tokens, s.D);
+    v = view4(Kokkos::view_alloc(Kokkos::WithoutInitializing, "v"), s.B, s.Hkv, tokens, s.D);
+    y = view4("y", s.B, s.Hq(), tokens, s.D);
+    gate = view3(Kokkos::view_alloc(Kokkos::WithoutInitializing, "gate"), s.B, s.Hkv, tokens);
+    Kokkos::Random_XorShift64_Pool<exec_t> pool(seed);
+    Kokkos::fill_random(q, pool, -1.0f, 1.0f);
+    Kokkos::fill_random(k, pool, -1.0f, 1.0f);
+    Kokkos::fill_random(v, pool, -1.0f, 1.0f);
+    Kokkos::fill_random(gate, pool, -2.0f, 2.0f);
+    view1 ln_w("ln_weight", s.D), ln_b("ln_bias", s.D), tau_s("tau_state", s.Hq()), tau_w("tau_window", s.Hq());
+    Kokkos::deep_copy(ln_w, 1.0f);
+    Kokkos::deep_copy(tau_s, 1.0f);
+    Kokkos::deep_copy(tau_w, 1.0f);
+    weights = {ln_w, ln_b, tau_s, tau_w};
+    tau = tau_w;
+    Kokkos::fence();
+  }
+};
+
+/// Bytes of a full float32 KV cache of `tokens` tokens (what exact attention holds).
+inline double kv_cache_bytes(const Shape& s, long tokens) {
+  return double(s.B) * s.Hkv * double(tokens) * (2.0 * s.D) * sizeof(float);
+}
+
+// ---------------------------------------------------------------------------------------------------
+// Work model. Per (sequence, kv-head):
+//   pairs   (query, key) pairs of the readout, per query head: state rows read + window keys read;
+//   score   (token, row) pairs of the novelty score (only when a block both appends and merges);
+//   route   (token, candidate row) pairs of the merge routing argmax;
+//   merged  tokens folded into a row.
+// FLOPs: readout 2 * (D + Dv) per pair and query head (q.k and p.v), merge 2 * D per score or route
+// pair plus 2 * (D + Dv) per merged token. LayerNorms, exps and read-cache refreshes are not counted
+// (O(D) per token, not per pair).
+
+struct Work {
+  double pairs = 0, score = 0, route = 0, merged = 0;
+  // State-row and window keys read by the queries of one step (for the decode bandwidth model):
+  double rows_read = 0, window_read = 0;
+
+  [[nodiscard]] double readout_flops(const Shape& s) const {
+    return pairs * s.G * 2.0 * (s.D + s.D) * s.Hkv * s.B;
+  }
+  [[nodiscard]] double merge_flops(const Shape& s) const {
+    return ((score + route) * 2.0 * s.D + merged * 2.0 * (s.D + s.D)) * s.Hkv * s.B;
+  }
+  [[nodiscard]] double flops(const Shape& s) const { return readout_flops(s) + merge_flops(s); }
+};
+
+template <class Budget>
+void add_update(Work& w, const kvmem::MemoryConfig& cfg, const kvmem::state::UpdatePlan& up, long count) {
+  const long app = up.append;
+  if (app == count) return;  // direct copy: nothing scored, routed or folded
+  if (app > 0) w.score += double(count) * up.rows_before;
+  const long rows_now = up.rows_before + app;
+  w.route += double(count - app) * (rows_now - std::min<long>(cfg.sinks, rows_now));
+  w.merged += double(count - app);
+}
+
+/// Work of Memory::prefill of `T` tokens into an empty memory (mirrors its host loop).
+template <class Budget>
+Work prefill_work(const kvmem::MemoryConfig& cfg, const Budget& budget, long T) {
+  Work w;
+  const long C = cfg.chunk, L = cfg.window();
+  const long front = std::min(T, L);
+  w.pairs += double(front) * (front + 1) / 2;
+  long rows = std::min(T, C);
+  for (long s = L; s < T; s += C) {
+    const long e = std::min(T, s + C), wb = kvmem::state::window_begin(e, C, L);
+    // queries u in [s, e) read `rows` state rows and window keys [wb, u]
+    w.pairs += double(e - s) * rows + (double(e - wb) * (e - wb + 1) - double(s - wb) * (s - wb + 1)) / 2;
+    const long nb = kvmem::state::window_begin(std::min(T, e + C), C, L);
+    if (nb > wb) {
+      const auto up = kvmem::state::plan_update(cfg, budget, rows, wb);
+      add_update<Budget>(w, cfg, up, C);
+      rows = up.rows_after();
+    }
+  }
+  return w;
+}
+
+/// Work of `steps` decode steps starting from `cursor` (mirrors Memory::decode's host planning).
+template <class Budget>
+Work decode_work(const kvmem::MemoryConfig& cfg, const Budget& budget, kvmem::state::SequenceCursor cur, long steps) {
+  Work w;
+  const long C = cfg.chunk, L = cfg.window();
+  for (long i = 0; i < steps; ++i) {
+    const long n = cur.tokens + 1;
+    const long direct = std::min(n, C), nb = kvmem::state::window_begin(n, C, L), target = std::max(direct, nb);
+    if (cur.covered < direct) {
+      cur.rows += direct - cur.covered;
+      cur.covered = direct;
+    } else if (cur.covered < target) {
+      const auto up = kvmem::state::plan_update(cfg, budget, cur.rows, cur.covered);
+      add_update<Budget>(w, cfg, up, C);
+      cur.rows = up.rows_after();
+      cur.covered = target;
+    }
+    const long rows = nb > 0 ? cur.rows : 0;
+    w.pairs += double(rows) + double(n - nb);
+    w.rows_read += double(rows);
+    w.window_read += double(n - nb);
+    cur.tokens = n;
+  }
+  return w;
+}
+
+/// Exact causal attention over T tokens: T (T + 1) / 2 pairs per query head.
+inline Work exact_prefill_work(long T) {
+  Work w;
+  w.pairs = double(T) * (T + 1) / 2;
+  return w;
+}
+
+// ---------------------------------------------------------------------------------------------------
+// Exact attention decode: one new token per sequence appended to a full KV cache, then its query read
+// against every cached key with the library's online-softmax tiles (kvmem::kernels::attend), one thread
+// per (sequence, query head) — the row `pos` of exact_causal_attention, bit for bit.
+
+struct KvCache {
+  view4 k, v;  // [B, Hkv, capacity, D]
+};
+
+template <class Q, class KV, class Y>
+void exact_decode_step(const exec_t& exec, const KvCache& cache, const Q& q1, const KV& k1, const KV& v1, const Y& y1,
+                       long pos, const float* tau) {
+  const long B = static_cast<long>(q1.extent(0)), Hq = static_cast<long>(q1.extent(1));
+  const long Hkv = static_cast<long>(cache.k.extent(1));
+  const int D = static_cast<int>(q1.extent(3)), Dv = static_cast<int>(cache.v.extent(3));
+  const long G = Hq / Hkv;
+  const auto ck = cache.k, cv = cache.v;
+  Kokkos::parallel_for(
+      "bench::kv_append", Kokkos::RangePolicy<exec_t>(exec, 0, B * Hkv), KOKKOS_LAMBDA(long i) {
+        const long b = i / Hkv, h = i % Hkv;
+        for (int c = 0; c < D; ++c) ck(b, h, pos, c) = k1(b, h, 0, c);
+        for (int c = 0; c < Dv; ++c) cv(b, h, pos, c) = v1(b, h, 0, c);
+      });
+  constexpr int KT = kvmem::kernels::readout_key_tile;
+  using policy_t = Kokkos::TeamPolicy<exec_t>;
+  using member_t = policy_t::member_type;
+  using scratch_t = Kokkos::View<float*, exec_t::scratch_memory_space, Kokkos::MemoryUnmanaged>;
+  const float inv_sqrt_d = 1.0f / std::sqrt(static_cast<float>(D));
+  policy_t policy(exec, B * Hq, 1);
+  policy = policy.set_scratch_size(0, Kokkos::PerThread(scratch_t::shmem_size(KT + Dv)));
+  Kokkos::parallel_for(
+      "bench::exact_decode", policy, KOKKOS_LAMBDA(const member_t& team) {
+        const long b = team.league_rank() / Hq, hq = team.league_rank() % Hq, h = hq / G;
+        scratch_t scratch(team.thread_scratch(0), KT + Dv);
+        kvmem::kernels::OnlineSoftmax sm;
+        sm.reset(scratch.data() + KT, Dv);
+        kvmem::kernels::attend(sm, &q1(b, hq, 0, 0), D, pos + 1, tau[hq] * inv_sqrt_d, scratch.data(),
+                               [&](long p) { return &ck(b, h, p, 0); }, [&](long p) { return &cv(b, h, p, 0); });
+        sm.finish(&y1(b, hq, 0, 0));
+      });
+}
+
+// ---------------------------------------------------------------------------------------------------
+// Ceilings, measured once per run: OpenBLAS sgemm FLOP/s and a large copy's bandwidth, each on 1 thread
+// and on all threads.
+
+struct Ceilings {
+  std::map<int, double> sgemm_flops;    // threads -> FLOP/s
+  std::map<int, double> copy_bytes;     // threads -> bytes/s (bytes read + bytes written)
+  [[nodiscard]] double sgemm(int threads) const { return sgemm_flops.at(threads); }
+  [[nodiscard]] double copy(int threads) const { return copy_bytes.at(threads); }
+};
+
+inline Ceilings& ceilings() {
+  static Ceilings c;
+  return c;
+}
+
+/// Best of `reps` runs of C = A B with M = N = K = n (2 n^3 FLOPs).
+inline double measure_sgemm(int threads, long n = 2048, int reps = 4) {
+  openblas_set_num_threads(threads);
+  std::vector<float> a(n * n), b(n * n), c(n * n);
+  for (long i = 0; i < n * n; ++i) {
+    a[i] = float((i * 7) % 13) / 13.0f - 0.5f;
+    b[i] = float((i * 5) % 11) / 11.0f - 0.5f;
+  }
+  double best = 1e30;
+  for (int r = 0; r < reps + 1; ++r) {  // the first run is a warm-up
+    const auto t0 = clock_t_::now();
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, n, n, n, 1.0f, a.data(), n, b.data(), n, 0.0f, c.data(), n);
+    const double t = seconds_since(t0);
+    if (r > 0) best = std::min(best, t);
+  }
+  benchmark::DoNotOptimize(c.data());
+  return 2.0 * double(n) * n * n / best;
+}
+
+/// Best of `reps` copies of a 256 MiB float array with a Kokkos parallel_for; bytes = 2 x 256 MiB
+/// (read + write; the hardware also reads the destination lines it allocates, which is not counted).
+inline double measure_copy(int threads, long floats = 64L << 20, int reps = 5) {
+  const exec_t exec = make_exec(threads);
+  view1 src(Kokkos::view_alloc(Kokkos::WithoutInitializing, "copy_src"), floats);
+  view1 dst(Kokkos::view_alloc(Kokkos::WithoutInitializing, "copy_dst"), floats);
+  Kokkos::parallel_for("bench::first_touch", Kokkos::RangePolicy<exec_t>(exec, 0, floats), KOKKOS_LAMBDA(long i) {
+    src(i) = float(i & 1023);
+    dst(i) = 0.0f;
+  });
+  exec.fence();
+  double best = 1e30;
+  for (int r = 0; r < reps + 1; ++r) {
+    const auto t0 = clock_t_::now();
+    Kokkos::parallel_for("bench::copy", Kokkos::RangePolicy<exec_t>(exec, 0, floats),
+                         KOKKOS_LAMBDA(long i) { dst(i) = src(i); });
+    exec.fence();
+    const double t = seconds_since(t0);
+    if (r > 0) best = std::min(best, t);
+  }
+  return 2.0 * double(floats) * sizeof(float) / best;
+}
+
+/// Measures the ceilings on 1 thread and on all threads, prints them and records them in the JSON context.
+inline void measure_ceilings() {
+  auto& c = ceilings();
+  const int all = all_threads();
+  for (int t : {1, all}) {
+    if (c.sgemm_flops.count(t)) continue;
+    c.sgemm_flops[t] = measure_sgemm(t);
+    c.copy_bytes[t] = measure_copy(t);
+    const std::string th = std::to_string(t);
+    benchmark::AddCustomContext("ceiling_sgemm_gflops_threads_" + th, std::to_string(c.sgemm_flops[t] / 1e9));
+    benchmark::AddCustomContext("ceiling_copy_gbytes_per_s_threads_" + th, std::to_string(c.copy_bytes[t] / 1e9));
+    std::fprintf(stderr, "[ceiling] threads=%d  OpenBLAS sgemm %.1f GFLOP/s  copy %.1f GB/s\n", t,
+                 c.sgemm_flops[t] / 1e9, c.copy_bytes[t] / 1e9);
+  }
+  openblas_set_num_threads(all);
+  benchmark::AddCustomContext("kokkos_threads", std::to_string(all));
+}
+
+/// Wall time per Kokkos kernel name, from the Kokkos Tools parallel_for callbacks. The OpenMP backend
+/// runs a parallel_for to completion before it returns, so begin..end is the kernel's time. Used to
+/// split a prefill into readout and update time (e.g. the readout's own GFLOP/s).
+struct KernelClock {
+  static std::map<std::string, double>& totals() {
+    static std::map<std::string, double> t;
+    return t;
+  }
+  static std::vector<std::pair<std::string, clock_t_::time_point>>& open() {
+    static std::vector<std::pair<std::string, clock_t_::time_point>> o;
+    return o;
+  }
+  static void begin(const char* name, const uint32_t, uint64_t* id) {
+    *id = open().size();
+    open().emplace_back(name, clock_t_::now());
+  }
+  static void end(uint64_t id) {
+    auto& o = open();
+    if (id >= o.size()) return;
+    totals()[o[id].first] += seconds_since(o[id].second);
+    o.resize(id);
+  }
+  static void install() {
+    Kokkos::Tools::Experimental::set_begin_parallel_for_callback(&begin);
+    Kokkos::Tools::Experimental::set_end_parallel_for_callback(&end);
+  }
+  static void reset() { totals().clear(); }
+  /// With KVMEM_BENCH_KERNELS=1 in the environment, prints seconds per kernel name per iteration.
+  static void report(const std::string& what, long iterations) {
+    const char* e = std::getenv("KVMEM_BENCH_KERNELS");
+    if (!e || std::string(e) != "1") return;
+    std::fprintf(stderr, "[kernels] %s\n", what.c_str());
+    for (const auto& [name, t] : totals())
+      std::fprintf(stderr, "[kernels]   %-40s %10.3f ms\n", name.c_str(), 1e3 * t / iterations);
+  }
+  /// Seconds spent in kernels whose name starts with `prefix`.
+  static double seconds(const std::string& prefix) {
+    double s = 0;
+    for (const auto& [name, t] : totals())
+      if (name.rfind(prefix, 0) == 0) s += t;
+    return s;
+  }
+};
+
+/// Time of exact attention per shape key, recorded by the exact benchmark for the memories that follow
+/// it in the same run (registration order = run order).
+inline std::map<std::string, double>& exact_seconds() {
+  static std::map<std::string, double> m;
+  return m;
+}
+
+/// Strips `--name=value` from argv (before benchmark::Initialize sees it); returns value or `fallback`.
+inline std::string take_flag(int& argc, char** argv, const std::string& name, const std::string& fallback) {
+  std::string value = fallback;
+  const std::string prefix = "--" + name + "=";
+  int out = 1;
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    if (a.rfind(prefix, 0) == 0) value = a.substr(prefix.size());
+    else argv[out++] = argv[i];
+  }
+  argc = out;
+  return value;
+}
+
+}  // namespace kvbench

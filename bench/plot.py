@@ -1,0 +1,254 @@
+#!/usr/bin/env python3
+"""Plots and tabulates the kvmem benchmarks (bench/README.md).
+
+    python3 bench/plot.py bench/results --png docs/performance.png --summary bench/results/summary.md
+
+Reads prefill.json and decode.json (Google Benchmark JSON written by kvmem_bench_prefill/_decode) and
+meta.json (bench/run.sh) from the results directory. Writes a two-panel log-log plot (prefill time
+against T, each memory against exact attention; decode step time against position) and a Markdown
+summary: every measurement as a table, and the issue's targets with the measured values.
+"""
+import argparse
+import json
+import math
+import os
+import re
+import sys
+
+FIELD = re.compile(r"([A-Za-z_]+):(\d+)")
+
+
+def load(path):
+    if not os.path.exists(path):
+        return {}, []
+    with open(path) as f:
+        data = json.load(f)
+    runs = []
+    for b in data.get("benchmarks", []):
+        if b.get("run_type", "iteration") != "iteration" or b.get("error_occurred"):
+            continue
+        parts = b["name"].split("/")
+        r = dict(b)
+        r["kind"], r["memory"] = parts[0], parts[1]
+        for k, v in FIELD.findall(b["name"]):
+            if k not in ("iterations", "real_time"):
+                r[k] = int(v)
+        scale = {"ns": 1e-9, "us": 1e-6, "ms": 1e-3, "s": 1.0}[b.get("time_unit", "ns")]
+        r["sec"] = b["real_time"] * scale
+        runs.append(r)
+    return data.get("context", {}), runs
+
+
+def pick(runs, **kw):
+    return [r for r in runs if all(r.get(k) == v for k, v in kw.items())]
+
+
+def one(runs, **kw):
+    found = pick(runs, **kw)
+    return found[0] if found else None
+
+
+def fmt_time(sec):
+    if sec >= 1:
+        return f"{sec:.2f} s"
+    if sec >= 1e-3:
+        return f"{sec * 1e3:.1f} ms"
+    return f"{sec * 1e6:.0f} us"
+
+
+def fmt_bytes(b):
+    for unit, s in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if b >= s:
+            return f"{b / s:.1f} {unit}"
+    return f"{b:.0f} B"
+
+
+def fmt(x, digits=2):
+    if x is None:
+        return "-"
+    if isinstance(x, float) and (math.isnan(x) or math.isinf(x)):
+        return "-"
+    return f"{x:.{digits}f}"
+
+
+def size(n):
+    return f"{n // 1024}K" if n >= 1024 and n % 1024 == 0 else str(n)
+
+
+def prefill_rows(runs):
+    out = ["| memory | T | D | G | B | Hkv | threads | time | tokens/s | GFLOP/s | of sgemm | readout GFLOP/s |"
+           " readout of sgemm | readout share | held | of KV cache | speedup vs exact |",
+           "|" + "---|" * 17]
+    for r in runs:
+        out.append(
+            f"| {r['memory']} | {size(r['T'])} | {r['D']} | {r['G']} | {r['B']} | {r['Hkv']} | {r['threads']} | "
+            f"{fmt_time(r['sec'])} | {r['tokens/s']:.0f} | {fmt(r['GFLOP/s'])} | {fmt(100 * r['frac_sgemm'], 1)}% | "
+            f"{fmt(r.get('readout_GFLOP/s'))} | "
+            f"{fmt(100 * r['readout_frac_sgemm'], 1) + '%' if 'readout_frac_sgemm' in r else '-'} | "
+            f"{fmt(r.get('readout_share'))} | {fmt_bytes(r['bytes_held'])} | {fmt(100 * r['held_vs_kv_cache'], 1)}% | "
+            f"{fmt(r.get('speedup_vs_exact'))} |")
+    return out
+
+
+def decode_rows(runs):
+    out = ["| memory | position | D | G | B | Hkv | threads | step | tokens/s | GFLOP/s | bytes read/step | GB/s |"
+           " of copy BW | readout share | held | of KV cache | speedup vs exact | vs first position |",
+           "|" + "---|" * 18]
+    for r in runs:
+        out.append(
+            f"| {r['memory']} | {size(r['pos'])} | {r['D']} | {r['G']} | {r['B']} | {r['Hkv']} | {r['threads']} | "
+            f"{fmt_time(r['sec'])} | {r['tokens/s']:.0f} | {fmt(r['GFLOP/s'])} | {fmt_bytes(r['bytes_read'])} | "
+            f"{fmt(r['GB/s'])} | {fmt(100 * r['frac_copy_bw'], 1)}% | {fmt(r.get('readout_share'))} | "
+            f"{fmt_bytes(r['bytes_held'])} | {fmt(100 * r['held_vs_kv_cache'], 2)}% | {fmt(r.get('speedup_vs_exact'))} | "
+            f"{fmt(r.get('vs_first_pos'), 3) if 'vs_first_pos' in r else '-'} |")
+    return out
+
+
+def targets(pre, dec, all_threads):
+    lines = ["| target | measured | met |", "|---|---|---|"]
+
+    def row(name, value, ok):
+        lines.append(f"| {name} | {value} | {'yes' if ok else 'no'} |")
+
+    for D in (64, 128):
+        r = one(pre, memory="kvm-fixed256", T=65536, D=D, G=1, B=1, threads=all_threads)
+        if r and "speedup_vs_exact" in r:
+            s = r["speedup_vs_exact"]
+            row(f"KVM fixed-256 prefill at T = 64K >= 10x faster than exact (D = {D}, Hkv = {r['Hkv']})",
+                f"{s:.1f}x", s >= 10)
+    for r in pick(dec, memory="kvm-fixed256", pos=262144):
+        if "vs_first_pos" in r:
+            v = r["vs_first_pos"]
+            row(f"KVM fixed-256 decode step at 256K within 10% of 4K (D = {r['D']}, B = {r['B']}, Hkv = {r['Hkv']})",
+                f"{100 * (v - 1):+.1f}% ({fmt_time(r['sec'])} vs {fmt_time(r['sec'] / v)})", abs(v - 1) <= 0.10)
+    for mem in ("kvm-fixed256", "exact"):
+        one_t = [r for r in pick(pre, memory=mem, threads=1)]
+        for r1 in one_t:
+            r2 = one(pre, memory=mem, T=r1["T"], D=r1["D"], G=r1["G"], B=r1["B"], Hkv=r1["Hkv"], threads=all_threads)
+            if r2:
+                s = r1["sec"] / r2["sec"]
+                row(f"{mem} prefill on {all_threads} threads >= 1.7x one thread (T = {size(r1['T'])}, D = {r1['D']})",
+                    f"{s:.2f}x", s >= 1.7)
+    best = None
+    for r in pre:
+        if r["memory"] == "kvm-fixed256" and r["threads"] == all_threads and "readout_frac_sgemm" in r:
+            if best is None or r["readout_frac_sgemm"] > best["readout_frac_sgemm"]:
+                best = r
+    for r in [one(pre, memory="kvm-fixed256", T=65536, D=128, G=1, B=1, threads=all_threads), best,
+              one(pre, memory="exact", T=65536, D=128, G=1, B=1, threads=all_threads)]:
+        if r and "readout_frac_sgemm" in r:
+            f = r["readout_frac_sgemm"]
+            row(f"prefill readout >= 30% of sgemm ({r['memory']}, T = {size(r['T'])}, D = {r['D']}, G = {r['G']}, "
+                f"B = {r['B']})", f"{100 * f:.1f}% ({r['readout_GFLOP/s']:.1f} GFLOP/s)", f >= 0.30)
+    for r in pick(dec, memory="kvm-fixed256", threads=all_threads):
+        if r["pos"] in (4096, 262144) and (r["B"] == 8 or r["pos"] == 262144):
+            f = r["frac_copy_bw"]
+            row(f"decode step >= 50% of copy bandwidth (KVM fixed-256, position {size(r['pos'])}, D = {r['D']}, "
+                f"G = {r['G']}, B = {r['B']})", f"{100 * f:.1f}% ({r['GB/s']:.1f} GB/s)", f >= 0.50)
+    return lines
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("results")
+    ap.add_argument("--png", default=None)
+    ap.add_argument("--summary", default=None)
+    a = ap.parse_args()
+    ctx_p, pre = load(os.path.join(a.results, "prefill.json"))
+    ctx_d, dec = load(os.path.join(a.results, "decode.json"))
+    meta = {}
+    if os.path.exists(os.path.join(a.results, "meta.json")):
+        with open(os.path.join(a.results, "meta.json")) as f:
+            meta = json.load(f)
+    ctx = ctx_p or ctx_d
+    all_threads = int(ctx.get("kokkos_threads", 2))
+
+    md = ["# kvmem benchmark summary", ""]
+    if meta:
+        md += [f"- commit `{meta['commit']}`{' (with uncommitted changes)' if meta.get('dirty') else ''}, "
+               f"run {meta['started']} .. {meta['finished']}",
+               f"- {meta['cpu']}, {meta['cores']} cores, {meta['memory_gib']} GiB, {meta['kernel']}; "
+               f"load average before {meta['load_before']}, after {meta['load_after']}"]
+    for c, label in ((ctx_p, "prefill"), (ctx_d, "decode")):
+        if c:
+            md.append(f"- ceilings measured by the {label} run: " + ", ".join(
+                f"sgemm {float(c[f'ceiling_sgemm_gflops_threads_{t}']):.1f} GFLOP/s and copy "
+                f"{float(c[f'ceiling_copy_gbytes_per_s_threads_{t}']):.1f} GB/s on {t} thread{'s' if t > 1 else ''}"
+                for t in sorted({1, all_threads}) if f"ceiling_sgemm_gflops_threads_{t}" in c))
+    md.append("")
+    if pre:
+        scaling = [r for r in pre if r["Hkv"] == 2 and r["threads"] == all_threads and r["memory"] != "reference-fixed256"]
+        md += ["## Prefill against T (G = 1, B = 1, Hkv = 2)", ""] + prefill_rows(
+            sorted(scaling, key=lambda r: (r["D"], r["memory"], r["T"]))) + [""]
+        grid = [r for r in pre if r["Hkv"] == 8]
+        if grid:
+            md += ["## Prefill over the issue's shape grid (Hkv = 8)", ""] + prefill_rows(
+                sorted(grid, key=lambda r: (r["T"], r["D"], r["G"], r["B"], r["memory"]))) + [""]
+        thr = [r for r in pre if r["threads"] != all_threads or
+               any(q["threads"] == 1 and q["T"] == r["T"] and q["D"] == r["D"] and q["Hkv"] == r["Hkv"] for q in pre)]
+        if thr:
+            md += ["## Prefill on one thread and on all threads", ""] + prefill_rows(
+                sorted(thr, key=lambda r: (r["memory"], r["threads"]))) + [""]
+        ref = pick(pre, memory="reference-fixed256")
+        if ref:
+            md += ["## The naive float64 reference (tests/reference/kvm_reference.hpp)", ""]
+            for r in ref:
+                md.append(f"- T = {size(r['T'])}, D = {r['D']}, Hkv = {r['Hkv']}: {fmt_time(r['sec'])}, "
+                          f"{r.get('slowdown_vs_kvmem', float('nan')):.0f}x the time of kvmem's KVM fixed-256 prefill")
+            md.append("")
+    if dec:
+        md += ["## Decode step against position", ""] + decode_rows(
+            sorted([r for r in dec if r["B"] == 1 and r["G"] == 1 and r["D"] == 128 and r["threads"] == all_threads],
+                   key=lambda r: (r["memory"], r["pos"]))) + [""]
+        md += ["## Decode over the issue's shape grid and threads", ""] + decode_rows(
+            sorted([r for r in dec if not (r["B"] == 1 and r["G"] == 1 and r["D"] == 128 and r["threads"] == all_threads)],
+                   key=lambda r: (r["pos"], r["D"], r["G"], r["B"], r["threads"], r["memory"]))) + [""]
+    md += ["## Targets", ""] + targets(pre, dec, all_threads) + [""]
+    text = "\n".join(md)
+    if a.summary:
+        with open(a.summary, "w") as f:
+            f.write(text)
+    print(text)
+
+    if a.png:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.8))
+        styles = {"exact": ("black", "o"), "kvm-fixed256": ("tab:blue", "s"), "kvm-power-law": ("tab:orange", "^"),
+                  "reference-fixed256": ("tab:gray", "x")}
+        for D, ls in ((64, "-"), (128, "--")):
+            for mem, (color, marker) in styles.items():
+                rs = sorted(pick(pre, memory=mem, D=D, G=1, B=1, Hkv=2, threads=all_threads), key=lambda r: r["T"])
+                if rs:
+                    ax1.plot([r["T"] for r in rs], [r["sec"] for r in rs], ls, color=color, marker=marker,
+                             label=f"{mem}, D={D}")
+        ax1.set_xscale("log", base=2)
+        ax1.set_yscale("log")
+        ax1.set_xlabel("prompt length T (tokens)")
+        ax1.set_ylabel("prefill time (s)")
+        ax1.set_title(f"Prefill, B=1, 2 kv-heads, G=1, {all_threads} threads")
+        ax1.grid(True, which="both", alpha=0.3)
+        ax1.legend(fontsize=8)
+        for mem, (color, marker) in styles.items():
+            rs = sorted(pick(dec, memory=mem, D=128, G=1, B=1, threads=all_threads), key=lambda r: r["pos"])
+            if rs:
+                ax2.plot([r["pos"] for r in rs], [r["sec"] * 1e3 for r in rs], "-", color=color, marker=marker,
+                         label=f"{mem}, Hkv={rs[0]['Hkv']}, D=128")
+        ax2.set_xscale("log", base=2)
+        ax2.set_yscale("log")
+        ax2.set_xlabel("position (tokens already in the cache)")
+        ax2.set_ylabel("decode step time (ms)")
+        ax2.set_title(f"Decode step, B=1, G=1, {all_threads} threads")
+        ax2.grid(True, which="both", alpha=0.3)
+        ax2.legend(fontsize=8)
+        if meta:
+            fig.suptitle(f"kvmem {meta['commit']} on {meta['cpu']} ({meta['cores']} cores), {meta['started'][:10]}",
+                         fontsize=9)
+        fig.tight_layout()
+        fig.savefig(a.png, dpi=110)
+        print(f"wrote {a.png}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()

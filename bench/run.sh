@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# Builds the kvmem benchmarks in the build environment, runs the documented suite and plots it:
+#   bench/results/prefill.json, decode.json (Google Benchmark JSON), meta.json (machine, date, commit),
+#   bench/results/summary.md (tables and the issue's targets), docs/performance.png (log-log plots).
+#
+#   bench/run.sh                      # the standard grid (about 10 minutes on 2 cores)
+#   KVMEM_BENCH_GRID=quick bench/run.sh   # a smoke test (about a minute)
+#   bench/run.sh --benchmark_filter=kvm-fixed256   # extra arguments go to both programs
+#
+# KVMEM_BUILD_DIR (default build/) is the build directory; KVMEM_BENCH_MIN_TIME (default 0.2s) is
+# Google Benchmark's --benchmark_min_time for prefill (decode runs a fixed number of steps).
+set -euo pipefail
+here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+repo=$(dirname "$here")
+source "$repo/scripts/lib/env.sh"
+grid=${KVMEM_BENCH_GRID:-standard}
+min_time=${KVMEM_BENCH_MIN_TIME:-0.2s}
+out=$repo/bench/results
+[ "$grid" = standard ] || out=$repo/bench/results-$grid
+mkdir -p "$out"
+
+kvmem_env_ensure
+cd "$repo"
+if [ ! -f "$KVMEM_BUILD_DIR/build.ninja" ]; then
+  kvmem_in_env cmake -S . -B "$KVMEM_BUILD_DIR" -G Ninja -DCMAKE_BUILD_TYPE=Release -DKVMEM_BUILD_BENCH=ON
+fi
+kvmem_in_env cmake --build "$KVMEM_BUILD_DIR" --parallel "${KVMEM_JOBS:-2}" --target kvmem_bench_prefill kvmem_bench_decode
+
+# What the numbers were measured on.
+commit=$(git -C "$repo" rev-parse --short HEAD 2>/dev/null || echo unknown)
+dirty=$(git -C "$repo" status --porcelain --untracked-files=no 2>/dev/null | grep -q . && echo true || echo false)
+cpu=$(sed -n 's/^model name[[:space:]]*: //p' /proc/cpuinfo | head -n 1)
+load_before=$(cut -d' ' -f1-3 /proc/loadavg)
+started=$(date -u +%Y-%m-%dT%H:%M:%SZ)
+
+kvmem_in_env "$KVMEM_BUILD_DIR/bench/kvmem_bench_prefill" --grid="$grid" --benchmark_min_time="$min_time" \
+  --benchmark_out="$out/prefill.json" --benchmark_out_format=json "$@"
+kvmem_in_env "$KVMEM_BUILD_DIR/bench/kvmem_bench_decode" --grid="$grid" \
+  --benchmark_out="$out/decode.json" --benchmark_out_format=json "$@"
+
+cat >"$out/meta.json" <<EOF
+{"commit": "$commit", "dirty": $dirty, "started": "$started", "finished": "$(date -u +%Y-%m-%dT%H:%M:%SZ)",
+ "cpu": "$cpu", "cores": $(nproc), "memory_gib": $(awk '/MemTotal/ {printf "%.0f", $2 / 1048576}' /proc/meminfo),
+ "kernel": "$(uname -sr)", "grid": "$grid", "min_time": "$min_time",
+ "load_before": "$load_before", "load_after": "$(cut -d' ' -f1-3 /proc/loadavg)"}
+EOF
+plots=$repo/docs
+[ "$grid" = standard ] || plots=$out
+kvmem_in_env python3 bench/plot.py "$out" --png "$plots/performance.png" --summary "$out/summary.md"
+echo "results in $out; plot $plots/performance.png; summary $out/summary.md"

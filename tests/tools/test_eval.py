@@ -1,0 +1,269 @@
+#!/usr/bin/env python3
+"""Tests of kvmem-eval (tools/kvmem_eval):
+
+- a known answer: a budget whose window holds every token gives zero error (bit for bit: the memory's
+  readout and exact attention walk the same online-softmax tiles) and cosine 1, for every memory;
+- an independent check of every reported number: NumPy float64 exact causal attention and the float64 KVM
+  reference (tests/reference/kvm_reference.py) with the parameters kvmem-eval reports give the same
+  relative L2 error, cosine, per-bucket and per-head errors, rows and held bytes (to float32 accuracy);
+- the sizing rule: state rows + window tokens = f * T for power-of-two budgets;
+- bad inputs and options exit with status 2 and a message naming the option or tensor;
+- --plot writes a PNG (when matplotlib is available).
+
+  python3 test_eval.py --runner PATH/TO/kvmem-eval
+Prints one line per check and a final line "N passed, M failed"; exits 1 on failure.
+"""
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+import tempfile
+
+import numpy as np
+
+sys.dont_write_bytecode = True  # no __pycache__ in the source tree
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [HERE, os.path.join(HERE, "..", "reference")]
+import safetensors_np as stn  # noqa: E402
+from kvm_reference import kvm_prefill, make_params  # noqa: E402
+
+
+def inputs(B=2, Hq=4, Hkv=2, T=64, D=8, Dv=6, lengths=None, seed=0):
+    rng = np.random.default_rng(seed)
+    f = np.float32
+    t = dict(q=rng.standard_normal((B, Hq, T, D)).astype(f), k=rng.standard_normal((B, Hkv, T, D)).astype(f),
+             v=rng.standard_normal((B, Hkv, T, Dv)).astype(f), gate=rng.uniform(-1, 1, (B, Hkv, T)).astype(f),
+             ln_weight=(1 + 0.2 * rng.standard_normal(D)).astype(f), ln_bias=(0.1 * rng.standard_normal(D)).astype(f),
+             tau_state=rng.uniform(0.8, 1.2, Hq).astype(f), tau_bswa=rng.uniform(0.8, 1.2, Hq).astype(f))
+    if lengths is not None:
+        t["lengths"] = np.array(lengths, np.int64)
+    return t
+
+
+def exact(t):
+    """Causal softmax attention in float64, GQA, scale tau_bswa / sqrt(D)."""
+    q, k, v = (t[n].astype(np.float64) for n in ("q", "k", "v"))
+    B, Hq, T, D = q.shape
+    G = Hq // k.shape[1]
+    y = np.zeros((B, Hq, T, v.shape[3]))
+    mask = np.tril(np.ones((T, T), bool))
+    for b in range(B):
+        for h in range(Hq):
+            s = q[b, h] @ k[b, h // G].T * (float(t["tau_bswa"][h]) / math.sqrt(D))
+            s = np.where(mask, s, -np.inf)
+            p = np.exp(s - s.max(1, keepdims=True))
+            y[b, h] = (p / p.sum(1, keepdims=True)) @ v[b, h // G]
+    return y
+
+
+def metrics(y, ref, lengths, buckets):
+    """The numbers kvmem-eval reports, computed here in float64."""
+    B, Hq = ref.shape[:2]
+    err = ((y - ref) ** 2).sum(-1)
+    r2 = (ref ** 2).sum(-1)
+    yy = (y ** 2).sum(-1)
+    with np.errstate(invalid="ignore", divide="ignore"):  # padding rows past lengths are 0 / 0
+        cos = (y * ref).sum(-1) / np.sqrt(r2 * yy)
+    valid = np.zeros(ref.shape[:3], bool)
+    for b, n in enumerate(lengths):
+        valid[b, :, :n] = True
+    out = dict(rel_l2=math.sqrt(err[valid].sum() / r2[valid].sum()), cosine_mean=cos[valid].mean(),
+               cosine_min=cos[valid].min())
+    out["bucket_rel_l2"] = []
+    for lo, hi in buckets:
+        m = valid.copy()
+        m[:, :, :lo] = False
+        m[:, :, hi:] = False
+        out["bucket_rel_l2"].append(math.sqrt(err[m].sum() / r2[m].sum()) if m.any() else 0.0)
+    out["head_rel_l2"] = [math.sqrt(err[:, h][valid[:, h]].sum() / r2[:, h][valid[:, h]].sum()) for h in range(Hq)]
+    return out
+
+
+def reference_y(t, r):
+    """The float64 KVM reference run with the parameters kvmem-eval reports for result r."""
+    cfg, bud = r["params"]["config"], r["params"]["budget"]
+    kind = {"fixed": "fixed", "power-law": "power_law"}[bud["kind"]]
+    p = make_params(chunk=cfg["chunk"], window_chunks=cfg["window_chunks"], rope_dims=cfg["rope_dims"],
+                    sinks=cfg["sinks"], schedule=kind, min_len=bud["min_rows"],
+                    growth_factor=bud.get("growth_factor", 1.0), growth_exponent=bud.get("growth_exponent", 0.5),
+                    round_down=bud.get("round_down", 1), max_chunks=-(-cfg["max_rows"] // cfg["chunk"]))
+    f = {n: a.astype(np.float64) for n, a in t.items() if n != "lengths"}
+    B, Hq, T = f["q"].shape[:3]
+    lengths = list(t["lengths"]) if "lengths" in t else [T] * B
+    y, rows = np.zeros((B, Hq, T, f["v"].shape[3])), []
+    for b, n in enumerate(lengths):
+        yb, _, _, _, m = kvm_prefill(f["q"][b, :, :n], f["k"][b, :, :n], f["v"][b, :, :n], f["gate"][b, :, :n],
+                                     f["ln_weight"], f["ln_bias"], f["tau_state"], f["tau_bswa"], p)
+        y[b, :, :n] = yb
+        rows.append(m)
+    return y, rows, lengths
+
+
+class Checks:
+    def __init__(self):
+        self.passed = self.failed = 0
+
+    def __call__(self, name, ok, info=""):
+        print(("PASS " if ok else "FAIL ") + name + ("" if ok or not info else f"\n     {info}"))
+        self.passed += bool(ok)
+        self.failed += not ok
+
+
+def run(runner, inp, *flags, timeout=300):
+    return subprocess.run([runner, "--input", inp, "--no-progress", *flags], capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def close(a, b, tol=2e-4):
+    return abs(a - b) <= tol * max(1.0, abs(b))
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--runner", required=True, help="kvmem-eval binary")
+    a = ap.parse_args()
+    check = Checks()
+    with tempfile.TemporaryDirectory(dir="/tmp") as tmp:
+        path = lambda name: os.path.join(tmp, name)  # noqa: E731
+
+        # 1. Known answer: with --window-share 1 --fractions 1 the window of every memory holds all T tokens.
+        t = inputs(lengths=[64, 37])
+        stn.save(path("in.safetensors"), t)
+        r = run(a.runner, path("in.safetensors"), "--fractions", "1", "--window-share", "1", "--json", path("k.json"))
+        ok = r.returncode == 0 and os.path.exists(path("k.json"))
+        check("known answer: exit 0 and a JSON report", ok, r.stdout + r.stderr)
+        if ok:
+            rep = json.load(open(path("k.json")))
+            ids = {x["memory"] for x in rep["results"]}
+            check("known answer: every memory ran", ids == {m["id"] for m in rep["memories"]} and len(ids) >= 3,
+                  str(ids))
+            for x in rep["results"]:
+                # Zero up to float32 rounding: the memory's readout and exact attention compute the same
+                # softmax over the same keys (same tiles; bit for bit where their arithmetic agrees).
+                zero = (x["rel_l2"] <= 1e-6 and x["cosine_min"] >= 1 - 1e-9
+                        and all(v <= 1e-6 for v in x["bucket_rel_l2"] + x["head_rel_l2"]))
+                bits = " (bit for bit)" if x["rel_l2"] == 0.0 else f' (rel L2 {x["rel_l2"]:.1e}: float32 rounding)'
+                check(f'known answer: {x["memory"]} at {x["fraction_label"]}: window holds every token -> zero '
+                      f'error, cosine 1{bits}', zero and x["window_tokens"] == [64, 37],
+                      json.dumps({k: x[k] for k in ("rel_l2", "cosine_mean", "bucket_rel_l2", "window_tokens")}))
+            check("known answer: the table names the memories", "KVM fixed" in r.stdout and "rel L2" in r.stdout,
+                  r.stdout)
+
+        # 2. Every number against NumPy float64: exact attention and the KVM reference, fractions that merge.
+        t = inputs(B=2, Hq=4, Hkv=2, T=64, lengths=[64, 45], seed=1)
+        stn.save(path("in2.safetensors"), t)
+        r = run(a.runner, path("in2.safetensors"), "--fractions", "1/2,1/4", "--memories", "kvm-fixed,kvm-sqrt",
+                "--buckets", "4", "--window-chunks", "2", "--json", path("m.json"))
+        ok = r.returncode == 0
+        check("reference: exit 0", ok, r.stdout + r.stderr)
+        if ok:
+            rep = json.load(open(path("m.json")))
+            ref = exact(t)
+            check("reference: buckets are [0,16) [16,32) [32,48) [48,64)", rep["buckets"] == [[0, 16], [16, 32],
+                                                                                              [32, 48], [48, 64]],
+                  str(rep["buckets"]))
+            full = (64 + 45) * 2 * (8 + 6) * 4
+            check("reference: full KV cache bytes", rep["full_kv_bytes"] == full, str(rep["full_kv_bytes"]))
+            for x in rep["results"]:
+                name = f'reference: {x["memory"]} at {x["fraction_label"]}'
+                y, rows, lengths = reference_y(t, x)
+                want = metrics(y, ref, lengths, rep["buckets"])
+                got_ok = all(close(x[k], want[k]) for k in ("rel_l2", "cosine_mean", "cosine_min"))
+                got_ok &= all(close(g, w) for k in ("bucket_rel_l2", "head_rel_l2") for g, w in zip(x[k], want[k]))
+                check(name + ": rel L2, cosine, buckets and heads match NumPy", got_ok and x["rel_l2"] > 0,
+                      f"got {x['rel_l2']}, {x['cosine_mean']}, {x['bucket_rel_l2']}; want {want}")
+                check(name + ": state rows match the reference", x["state_rows"] == rows, f"{x['state_rows']} {rows}")
+                L = x["params"]["config"]["window"]
+                peak = sum(m + min(n, L) for m, n in zip(rows, lengths)) * 2 * (8 + 6 + 1) * 4
+                check(name + ": held bytes = (rows + window) x Hkv x (D + Dv + 1) x 4",
+                      x["peak_bytes"] == peak and close(x["held_fraction"], peak / full),
+                      f'{x["peak_bytes"]} vs {peak}')
+            sq = [x for x in rep["results"] if x["memory"] == "kvm-sqrt"]
+            check("reference: kvm-sqrt grows its rows (a > 0)", all(x["params"]["budget"]["growth_factor"] > 0
+                                                                    for x in sq), json.dumps([x["params"] for x in sq]))
+
+        # 3. Sizing rule: rows + window = f * T at power-of-two budgets (T = 256, one sequence).
+        t = inputs(B=1, Hq=2, Hkv=1, T=256, D=8, Dv=8, seed=2)
+        stn.save(path("in3.safetensors"), t)
+        r = run(a.runner, path("in3.safetensors"), "--fractions", "1/4,1/8,1/16", "--memories", "kvm-fixed,kvm-sqrt",
+                "--json", path("s.json"))
+        check("sizing: exit 0", r.returncode == 0, r.stdout + r.stderr)
+        if r.returncode == 0:
+            for x in json.load(open(path("s.json")))["results"]:
+                c = x["params"]["config"]
+                want = round(x["fraction"] * 256)
+                got = x["state_rows"][0] + x["window_tokens"][0]
+                check(f'sizing: {x["memory"]} at {x["fraction_label"]}: rows {x["state_rows"][0]} + window '
+                      f'{x["window_tokens"][0]} = f*T = {want}, chunk = T*f/4',
+                      got == want and c["window"] == x["window_tokens"][0] and c["chunk"] == want // 4, json.dumps(x))
+
+        # 4. Bad inputs and options: exit 2 and a message naming the parameter.
+        good = path("in.safetensors")
+        bad = dict(inputs(T=64))
+        bad["k"] = bad["k"].copy()
+        bad["k"][1, 0, 17, 3] = np.nan
+        stn.save(path("nan.safetensors"), bad)
+        short = dict(inputs(T=64))
+        short["k"] = short["k"][:, :, :50]
+        stn.save(path("short.safetensors"), short)
+        noq = {k: v for k, v in inputs(T=64).items() if k != "q"}
+        stn.save(path("noq.safetensors"), noq)
+        stn.save(path("empty.safetensors"), inputs(T=64, lengths=[0, 0]))
+        with open(path("junk.safetensors"), "wb") as f:
+            f.write(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json at all")
+        cases = [
+            ("missing --input", None, [], ["--input"]),
+            ("missing file", path("nope.safetensors"), [], ["cannot be opened"]),
+            ("not a safetensors file", path("junk.safetensors"), [], ["not valid JSON"]),
+            ("q missing", path("noq.safetensors"), [], ["tensor 'q'", "missing"]),
+            ("k with another T", path("short.safetensors"), [], ["tensor 'k' shape", "T (from q)"]),
+            ("NaN in k", path("nan.safetensors"), [], ["tensor 'k' value at [1, 0, 17, 3] = nan", "finite"]),
+            ("no tokens", path("empty.safetensors"), [], ["no tokens"]),
+            ("fraction 0", good, ["--fractions", "0"], ["--fractions = 0", "> 0"]),
+            ("fraction negative", good, ["--fractions", "-1/8"], ["--fractions = -1/8"]),
+            ("fraction not a number", good, ["--fractions", "1/4,abc"], ["--fractions = abc", "not a fraction"]),
+            ("fraction 1/0", good, ["--fractions", "1/0"], ["--fractions = 1/0", "division by zero"]),
+            ("fraction too small", good, ["--fractions", "1/64"], ["--fractions = 1/64", "too small", "--sinks"]),
+            ("unknown memory", good, ["--memories", "kvm-fixed,h2o"], ["--memories = h2o", "unknown memory",
+                                                                       "kvm-fixed"]),
+            ("buckets 0", good, ["--buckets", "0"], ["--buckets = 0"]),
+            ("window-share 0", good, ["--window-share", "0"], ["--window-share = 0"]),
+            ("window-share above 1", good, ["--window-share", "1.5"], ["--window-share = 1.5"]),
+            ("window-chunks 0", good, ["--window-chunks", "0"], ["--window-chunks = 0"]),
+            ("rope-dims > D", good, ["--rope-dims", "9"], ["--rope-dims = 9", "head_dim = 8"]),
+            ("sinks negative", good, ["--sinks", "-1"], ["--sinks = -1"]),
+            ("json in a missing directory", good, ["--json", path("no/such/dir/x.json")], ["--json", "does not exist"]),
+            ("unknown flag", good, ["--budget", "fixed"], ["--budget"]),
+        ]
+        for name, inp, flags, expect in cases:
+            argv = [a.runner, "--no-progress"] + (["--input", inp] if inp else []) + flags
+            r = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+            text = r.stdout + r.stderr
+            check(f"bad input: {name}: exit 2 naming it", r.returncode == 2 and all(e in text for e in expect),
+                  f"exit {r.returncode}, expected {expect} in:\n{text}")
+
+        # 5. --list-memories and --plot.
+        r = subprocess.run([a.runner, "--list-memories"], capture_output=True, text=True, timeout=60)
+        check("--list-memories lists the memories and their sizing", r.returncode == 0 and "kvm-fixed" in r.stdout
+              and "kvm-sqrt" in r.stdout, r.stdout + r.stderr)
+        try:
+            import matplotlib  # noqa: F401
+            have_mpl = True
+        except ImportError:
+            have_mpl = False
+        if have_mpl:
+            r = run(a.runner, good, "--fractions", "1/2,1/4", "--memories", "kvm-fixed,kvm-sqrt", "--plot",
+                    path("p.png"))
+            png = os.path.exists(path("p.png")) and open(path("p.png"), "rb").read(8) == b"\x89PNG\r\n\x1a\n"
+            check("--plot writes a PNG (and the JSON beside it)", r.returncode == 0 and png
+                  and os.path.exists(path("p.json")), r.stdout + r.stderr)
+        else:
+            print("SKIP --plot: matplotlib is not installed")
+    print(f"{check.passed} passed, {check.failed} failed")
+    return 1 if check.failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
