@@ -11,8 +11,6 @@ Ends with the line `N passed, M failed`; exits 1 if anything failed.
 """
 import argparse
 import os
-import shlex
-import subprocess
 import sys
 import tempfile
 
@@ -21,6 +19,7 @@ import numpy as np
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [HERE, os.path.join(HERE, "..", "reference")]
 import safetensors_np as stn  # noqa: E402
+from roundtrip_common import report, run_modes  # noqa: E402
 from kvm_reference import _budget, kvm_decode, kvm_prefill, make_params  # noqa: E402
 
 TOL = 1e-4
@@ -197,33 +196,8 @@ def run_case(runner, name, c, rng, tmp):
     desc = (f"B={c['B']} Hq={c['Hq']} Hkv={c['Hkv']} T={c['T']} lens={c['lengths']} D={c['D']} "
             f"Dv={c['Dv']} C={c['chunk']} nb={c['window_chunks']} r={c['rope_dims']} "
             f"S={c['sinks']} {c['schedule']} rows={exp['state_rows'].max() if c['B'] else 0}")
-    problems, worst = [], 0.0
-    for mode in ("prefill", "decode"):
-        if os.path.exists(out):
-            os.remove(out)
-        cmd = shlex.split(runner) + ["kvm", "--input", inp, "--output", out, "--mode", mode]
-        cmd += tool_args(c)
-        try:
-            r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-        except (OSError, subprocess.TimeoutExpired) as ex:
-            problems.append(f"{mode}: {ex}")
-            continue
-        if r.returncode != 0:
-            tail = (r.stderr or r.stdout).strip().splitlines()[-1:] or [""]
-            problems.append(f"{mode}: exit {r.returncode}: {tail[0][:200]}")
-            continue
-        try:
-            got = stn.load(out)
-        except (OSError, ValueError) as ex:
-            problems.append(f"{mode}: bad output: {ex}")
-            continue
-        errs, w = compare(exp, got)
-        worst = max(worst, w)
-        problems += [f"{mode}: {e}" for e in errs]
-    ok = not problems
-    print(f"{'PASS' if ok else 'FAIL'} {name}: {desc} worst_rel={worst:.2e}"
-          + ("" if ok else " | " + "; ".join(problems)), flush=True)
-    return ok
+    problems, worst = run_modes(runner, "kvm", inp, out, tool_args(c), exp, compare)
+    return report(name, desc, problems, worst)
 
 
 def self_test(seed):

@@ -14,8 +14,6 @@ centroid_rows (int64) exactly. Ends with the line `N passed, M failed`; exits 1 
 """
 import argparse
 import os
-import shlex
-import subprocess
 import sys
 import tempfile
 
@@ -24,6 +22,7 @@ import numpy as np
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [HERE, os.path.join(HERE, "..", "reference")]
 import safetensors_np as stn  # noqa: E402
+from roundtrip_common import report, run_modes  # noqa: E402
 from ovq_reference import Dictionary, make_params, ovq_decode, ovq_prefill, ovq_sizes  # noqa: E402
 
 TOL = 1e-4
@@ -174,33 +173,8 @@ def run_case(runner, name, c, rng, tmp):
             f"{' normalize' if c['normalize'] else ''}{' dup' if c['dup'] else ''}"
             f"{' zeros' if c['zeros'] else ''}{' f64' if c['f64'] else ''} "
             f"rows={exp['centroid_rows'].max() if exp['centroid_rows'].size else 0}")
-    problems, worst = [], 0.0
-    for mode in ("prefill", "decode"):
-        if os.path.exists(out):
-            os.remove(out)
-        cmd = shlex.split(runner) + ["ovq", "--input", inp, "--output", out, "--mode", mode]
-        cmd += tool_args(c)
-        try:
-            r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-        except (OSError, subprocess.TimeoutExpired) as ex:
-            problems.append(f"{mode}: {ex}")
-            continue
-        if r.returncode != 0:
-            tail = (r.stderr or r.stdout).strip().splitlines()[-1:] or [""]
-            problems.append(f"{mode}: exit {r.returncode}: {tail[0][:200]}")
-            continue
-        try:
-            got = stn.load(out)
-        except (OSError, ValueError) as ex:
-            problems.append(f"{mode}: bad output: {ex}")
-            continue
-        errs, w = compare(exp, got)
-        worst = max(worst, w)
-        problems += [f"{mode}: {e}" for e in errs]
-    ok = not problems
-    print(f"{'PASS' if ok else 'FAIL'} {name}: {desc} worst_rel={worst:.2e}"
-          + ("" if ok else " | " + "; ".join(problems)), flush=True)
-    return ok
+    problems, worst = run_modes(runner, "ovq", inp, out, tool_args(c), exp, compare)
+    return report(name, desc, problems, worst)
 
 
 def self_test(seed):
