@@ -173,7 +173,10 @@ class Memory {
   /// Forgets every sequence (state rows and window); keeps the allocations.
   void reset() {
     cursors_.assign(cursors_.size(), state::SequenceCursor{});
-    for (const auto& view : {rows_.keys, rows_.values, rows_.read_keys, rows_.read_values}) Kokkos::deep_copy(exec_, view, 0.0f);
+    Kokkos::deep_copy(exec_, rows_.keys, 0.0f);
+    Kokkos::deep_copy(exec_, rows_.values, 0.0f);
+    Kokkos::deep_copy(exec_, rows_.read_keys, 0.0f);
+    Kokkos::deep_copy(exec_, rows_.read_values, 0.0f);
     Kokkos::deep_copy(exec_, rows_.radius, 0.0f);
     Kokkos::deep_copy(exec_, rows_.counts, 0.0f);
     exec_.fence();

@@ -5,8 +5,9 @@
 // shape, the data_offsets of every later tensor and the data must all change together), so alone they
 // hardly reach what a file's *meaning* can do to kvmem-run: T = 0 with a huge batch, a dtype swap, a
 // missing tensor, a NaN in the data, a flag at its limit. mutate_safetensors() parses the input and, when
-// it parses, edits it as a file — one named dimension across every tensor that has it, a dtype, a tensor's
-// presence or name, the data values, a metadata entry — and writes it back with consistent offsets; a
+// it parses, edits it as a file — one named dimension across every tensor that has it (or one set to 0 and
+// another made huge: empty tensors whose shapes still ask for memory), a dtype, a tensor's presence or
+// name, the data values, a metadata entry — and writes it back with consistent offsets; a
 // quarter of the time, or when the input does not parse, it leaves the bytes to libFuzzer's own mutators.
 #include <algorithm>
 #include <cmath>
@@ -97,21 +98,31 @@ inline void mutate_file(kvmem::io::SafetensorsFile& f, std::minstd_rand& rng, co
     std::advance(it, rng() % f.tensors.size());
     return &*it;
   };
-  switch (rng() % 7) {
-    case 0: {  // one named dimension, consistently across every tensor that has it
-      static const char names[] = {'B', 'H', 'K', 'T', 'D', 'V'};
-      const char which = names[rng() % 6];
-      std::int64_t value = -1;
-      for (auto& [name, t] : f.tensors) {
-        const auto a = axes().find(name);
-        if (a == axes().end()) continue;
-        for (std::size_t i = 0; i < a->second.size() && i < t.shape.size(); ++i)
-          if (a->second[i] == which) {
-            if (value < 0) value = interesting_dim(rng, t.shape[i]);
-            t.shape[i] = value;
-          }
-        fit_data(t, rng);
-      }
+  static const char names[] = {'B', 'H', 'K', 'T', 'D', 'V'};
+  // Sets named dimension `which` to `value` (or, if value < 0, to one interesting_dim) in every tensor.
+  auto set_named = [&](char which, std::int64_t value) {
+    for (auto& [name, t] : f.tensors) {
+      const auto a = axes().find(name);
+      if (a == axes().end()) continue;
+      for (std::size_t i = 0; i < a->second.size() && i < t.shape.size(); ++i)
+        if (a->second[i] == which) {
+          if (value < 0) value = interesting_dim(rng, t.shape[i]);
+          t.shape[i] = value;
+        }
+      fit_data(t, rng);
+    }
+  };
+  switch (rng() % 8) {
+    case 0:  // one named dimension, consistently across every tensor that has it
+      set_named(names[rng() % 6], -1);
+      break;
+    case 7: {  // empty but huge: one named dimension 0, another large (the tensors stay consistent and tiny)
+      static const std::int64_t huge[] = {1LL << 20, 1LL << 31, 1LL << 40, 1LL << 62};
+      const char zero = names[rng() % 6];
+      char big = names[rng() % 6];
+      if (big == zero) big = names[(std::find(names, names + 6, zero) - names + 1) % 6];
+      set_named(zero, 0);
+      set_named(big, huge[rng() % 4]);
       break;
     }
     case 1: {  // one dimension of one tensor (inconsistent shapes), or its rank

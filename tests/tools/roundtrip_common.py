@@ -9,7 +9,9 @@ import safetensors_np as stn
 
 def run_modes(runner, subcommand, inp, out, args, expected, compare):
     """Runs `runner subcommand --input inp --output out --mode M args` for M in prefill, decode and
-    compares each output with `compare(expected, got) -> (errors, worst)`. Returns (problems, worst)."""
+    compares each output with `compare(expected, got) -> (errors, worst)`. Returns (problems, worst).
+    `expected` is the reference output, or a function mode -> reference output where the modes differ
+    (trellis: prefill is chunkwise, decode the recurrence)."""
     problems, worst = [], 0.0
     for mode in ("prefill", "decode"):
         if os.path.exists(out):
@@ -29,7 +31,7 @@ def run_modes(runner, subcommand, inp, out, args, expected, compare):
         except (OSError, ValueError) as ex:
             problems.append(f"{mode}: bad output: {ex}")
             continue
-        errs, w = compare(expected, got)
+        errs, w = compare(expected(mode) if callable(expected) else expected, got)
         worst = max(worst, w)
         problems += [f"{mode}: {e}" for e in errs]
     return problems, worst

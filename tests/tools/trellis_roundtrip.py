@@ -24,6 +24,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [HERE, os.path.join(HERE, "..", "reference")]
 import safetensors_np as stn  # noqa: E402
 import trellis_reference as tr  # noqa: E402
+from roundtrip_common import report, run_modes  # noqa: E402
 
 TOL = 1e-4
 PHIS = tr.PHIS
@@ -138,41 +139,18 @@ def run_case(runner, name, c, rng, tmp):
     desc = (f"B={c['B']} H={c['H']} T={c['T']} lens={c['lengths']} D={c['D']} Dv={c['Dv']} m={c['m']} "
             f"C={c['chunk']} phi={c['phi']} f={c['f']} zero_beta={c['zero_beta']} "
             f"zero_gamma={c['zero_gamma']}{' f64' if c['f64'] else ''}{' raw' if c['raw'] else ''}")
-    problems, worst = [], 0.0
-    for mode, ref_mode in (("prefill", "chunk"), ("decode", "recurrent")):
-        exp = tr.trellis_batch(t, c["m"], C=c["chunk"], phi=c["phi"], f=c["f"], mode=ref_mode,
-                               lengths=c["lengths"])
-        if os.path.exists(out):
-            os.remove(out)
-        cmd = shlex.split(runner) + ["trellis", "--input", inp, "--output", out, "--mode", mode] + tool_args(c)
-        try:
-            r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-        except (OSError, subprocess.TimeoutExpired) as ex:
-            problems.append(f"{mode}: {ex}")
-            continue
-        if r.returncode != 0:
-            tail = (r.stderr or r.stdout).strip().splitlines()[-1:] or [""]
-            problems.append(f"{mode}: exit {r.returncode}: {tail[0][:200]}")
-            continue
-        try:
-            got = stn.load(out)
-        except (OSError, ValueError) as ex:
-            problems.append(f"{mode}: bad output: {ex}")
-            continue
-        errs, w = compare(exp, got)
-        worst = max(worst, w)
-        problems += [f"{mode}: {e}" for e in errs]
-    ok = not problems
-    print(f"{'PASS' if ok else 'FAIL'} {name}: {desc} worst_rel={worst:.2e}"
-          + ("" if ok else " | " + "; ".join(problems)), flush=True)
-    return ok
+    ref_mode = {"prefill": "chunk", "decode": "recurrent"}  # decode ignores --chunk (spec §3.3)
+
+    def expected(mode):
+        return tr.trellis_batch(t, c["m"], C=c["chunk"], phi=c["phi"], f=c["f"], mode=ref_mode[mode],
+                                lengths=c["lengths"])
+    problems, worst = run_modes(runner, "trellis", inp, out, tool_args(c), expected, compare)
+    return report(name, desc, problems, worst)
 
 
 def error_cases():
     """(name, edit of good inputs, flags, expected substrings): bad input must exit 2 naming the tensor or
     flag and its value, and write no output."""
-    f32 = np.float32
-
     def edit(**changes):
         def build(t):
             t = dict(t)

@@ -99,6 +99,10 @@ TEST_CASE("a sequence gives the same bits whatever its neighbours hold", "[kvm][
   std::copy_n(a.k.begin(), a.Hkv * per_head, b.k.begin());
   std::copy_n(a.v.begin(), a.Hkv * per_head_v, b.v.begin());
   std::copy_n(a.gate.begin(), a.Hkv * a.T, b.gate.begin());
+  b.ln_weight = a.ln_weight;  // the layer's weights are shared by the batch
+  b.ln_bias = a.ln_bias;
+  b.tau_state = a.tau_state;
+  b.tau_bswa = a.tau_bswa;
   for (Mode mode : {Mode::prefill, Mode::decode, Mode::prefill_then_decode}) {
     INFO("mode=" << static_cast<int>(mode));
     const auto ra = kvmem_test::run_kvm<exec>(a, mode, 50), rb = kvmem_test::run_kvm<exec>(b, mode, 50);

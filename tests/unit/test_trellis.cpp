@@ -133,7 +133,8 @@ struct TrellisCase {
       for (long t = 0; t < n; ++t) out[t].assign(&src[(base * T + t) * dim], &src[(base * T + t) * dim] + dim);
       return out;
     };
-    auto scalars = [&](const std::vector<float>& src) { return ref::Vec(&src[base * T], &src[base * T] + n); };
+    // data() + offset, not &src[offset]: with T = 0 the vector is empty and operator[] binds a null reference (UBSan)
+    auto scalars = [&](const std::vector<float>& src) { return ref::Vec(src.data() + base * T, src.data() + base * T + n); };
     x.q = rows(q, D), x.k = rows(k, D), x.v = rows(v, Dv), x.alpha = rows(alpha, m);
     x.beta1 = scalars(beta1), x.gamma1 = scalars(gamma1), x.beta2 = scalars(beta2), x.gamma2 = scalars(gamma2);
     return x;

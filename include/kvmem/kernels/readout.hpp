@@ -17,16 +17,24 @@ inline constexpr int readout_key_tile = 32;
 /// Queries handled by one team (the lanes of a query block).
 inline constexpr int readout_query_block = 16;
 
+/// c ? a : b through integer masks: a select the compiler vectorizes even where it keeps floating-point
+/// exceptions exact (GCC's default -ftrapping-math turns float selects around FP arithmetic into branches).
+KOKKOS_INLINE_FUNCTION float select_bits(bool c, float a, float b) {
+  const unsigned mask = 0u - static_cast<unsigned>(c);
+  return Kokkos::bit_cast<float>((Kokkos::bit_cast<unsigned>(a) & mask) | (Kokkos::bit_cast<unsigned>(b) & ~mask));
+}
+
 /// exp(x) for the softmax, where x = logit - running max <= 0 (or -inf): Cody-Waite reduction by ln 2
-/// and a degree-6 polynomial (Cephes expf): within 1 ulp of glibc expf on [-86, 0], 0 below -87, NaN for NaN.
-/// Plain arithmetic (mul_add, a float-to-int conversion and an exponent written into the bits), so
-/// the compiler vectorizes it and a lane of a vector gives the same bits as the scalar call.
+/// and a degree-6 polynomial (Cephes expf): within 1 ulp of glibc expf on [-86, 0], 0 below -87, NaN for
+/// NaN. Plain arithmetic (mul_add, integer bit operations, select_bits), so the compiler vectorizes a loop
+/// of them and a lane of a vector gives the same bits as the scalar call.
 KOKKOS_INLINE_FUNCTION float softmax_exp(float x) {
   const bool in_range = x > -87.0f;  // false for -inf, NaN and underflow
-  float xc = in_range ? x : -87.0f;
-  xc = xc < 88.0f ? xc : 88.0f;
-  const float magic = 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
-  const float n = mul_add(xc, 1.44269504088896341f, magic) - magic;
+  float xc = select_bits(in_range, x, -87.0f);
+  xc = select_bits(xc < 88.0f, xc, 88.0f);
+  const float magic = 12582912.0f;  // 1.5 * 2^23: t's low mantissa bits hold round(x / ln 2)
+  const float t = mul_add(xc, 1.44269504088896341f, magic);
+  const float n = t - magic;
   float r = mul_add(n, -0.693359375f, xc);  // ln 2 = 0.693359375 - 2.12194440e-4, hi part exact in n
   r = mul_add(n, 2.12194440e-4f, r);
   float poly = 1.9875691500e-4f;
@@ -36,9 +44,9 @@ KOKKOS_INLINE_FUNCTION float softmax_exp(float x) {
   poly = mul_add(poly, r, 1.6666665459e-1f);
   poly = mul_add(poly, r, 5.0000001201e-1f);
   const float e = mul_add(poly, r * r, r) + 1.0f;
-  const float two_n = Kokkos::bit_cast<float>((static_cast<int>(n) + 127) << 23);
-  const float result = e * two_n;
-  return in_range ? result : (x == x ? 0.0f : x);
+  const int n_int = Kokkos::bit_cast<int>(t) - Kokkos::bit_cast<int>(magic);
+  const float result = e * Kokkos::bit_cast<float>((n_int + 127) << 23);
+  return select_bits(in_range, result, select_bits(x == x, 0.0f, x));
 }
 
 /// Running online-softmax state of one query: max logit, normalizer and the un-normalized output
