@@ -11,6 +11,7 @@
 #include <Kokkos_Random.hpp>
 #include <benchmark/benchmark.h>
 #include <cblas.h>
+#include <sys/resource.h>
 
 #include <algorithm>
 #include <chrono>
@@ -75,7 +76,7 @@ struct Shape {
   int threads = 0; // OpenMP threads (0 = all)
   [[nodiscard]] int Hq() const { return G * Hkv; }
   [[nodiscard]] std::string key() const {
-    return "T:" + std::to_string(T) + "/D:" + std::to_string(D) + "/G:" + std::to_string(G) +
+    return (T > 0 ? "T:" + std::to_string(T) + "/" : std::string()) + "D:" + std::to_string(D) + "/G:" + std::to_string(G) +
            "/B:" + std::to_string(B) + "/Hkv:" + std::to_string(Hkv) + "/threads:" + std::to_string(threads);
   }
 };
@@ -224,8 +225,9 @@ inline Work exact_prefill_work(long T) {
 
 // ---------------------------------------------------------------------------------------------------
 // Exact attention decode: one new token per sequence appended to a full KV cache, then its query read
-// against every cached key with the library's online-softmax tiles (kvmem::kernels::attend), one thread
-// per (sequence, query head) — the row `pos` of exact_causal_attention, bit for bit.
+// against every cached key by the library's query-block kernel with one live query (the path the
+// memories' decode readout takes: kvmem::kernels::QueryBlock, attend_block), one team per (sequence,
+// query head). Row `pos` of exact_causal_attention, bit for bit.
 
 struct KvCache {
   view4 k, v;  // [B, Hkv, capacity, D]
@@ -234,6 +236,7 @@ struct KvCache {
 template <class Q, class KV, class Y>
 void exact_decode_step(const exec_t& exec, const KvCache& cache, const Q& q1, const KV& k1, const KV& v1, const Y& y1,
                        long pos, const float* tau) {
+  using kvmem::kernels::QueryBlock;
   const long B = static_cast<long>(q1.extent(0)), Hq = static_cast<long>(q1.extent(1));
   const long Hkv = static_cast<long>(cache.k.extent(1));
   const int D = static_cast<int>(q1.extent(3)), Dv = static_cast<int>(cache.v.extent(3));
@@ -245,22 +248,28 @@ void exact_decode_step(const exec_t& exec, const KvCache& cache, const Q& q1, co
         for (int c = 0; c < D; ++c) ck(b, h, pos, c) = k1(b, h, 0, c);
         for (int c = 0; c < Dv; ++c) cv(b, h, pos, c) = v1(b, h, 0, c);
       });
-  constexpr int KT = kvmem::kernels::readout_key_tile;
   using policy_t = Kokkos::TeamPolicy<exec_t>;
   using member_t = policy_t::member_type;
   using scratch_t = Kokkos::View<float*, exec_t::scratch_memory_space, Kokkos::MemoryUnmanaged>;
   const float inv_sqrt_d = 1.0f / std::sqrt(static_cast<float>(D));
-  policy_t policy(exec, B * Hq, 1);
-  policy = policy.set_scratch_size(0, Kokkos::PerThread(scratch_t::shmem_size(KT + Dv)));
+  const long floats = QueryBlock::scratch_floats(D, Dv);
+  policy_t policy(exec, B * Hq, Kokkos::AUTO);
+  policy = policy.set_scratch_size(0, Kokkos::PerTeam(scratch_t::shmem_size(floats)));
   Kokkos::parallel_for(
       "bench::exact_decode", policy, KOKKOS_LAMBDA(const member_t& team) {
         const long b = team.league_rank() / Hq, hq = team.league_rank() % Hq, h = hq / G;
-        scratch_t scratch(team.thread_scratch(0), KT + Dv);
-        kvmem::kernels::OnlineSoftmax sm;
-        sm.reset(scratch.data() + KT, Dv);
-        kvmem::kernels::attend(sm, &q1(b, hq, 0, 0), D, pos + 1, tau[hq] * inv_sqrt_d, scratch.data(),
-                               [&](long p) { return &ck(b, h, p, 0); }, [&](long p) { return &cv(b, h, p, 0); });
-        sm.finish(&y1(b, hq, 0, 0));
+        scratch_t scratch(team.team_scratch(0), floats);
+        QueryBlock blk;
+        blk.carve(scratch.data(), 1, D, Dv);
+        Kokkos::parallel_for(Kokkos::TeamThreadRange(team, QueryBlock::lanes), [&](int u) {
+          blk.load(u, u == 0 ? &q1(b, hq, 0, 0) : nullptr);
+          blk.scales[u] = tau[hq] * inv_sqrt_d;
+        });
+        team.team_barrier();
+        kvmem::kernels::attend_block(
+            team, blk, blk.scales, pos + 1, [&](int) { return pos + 1; }, [&](long p) { return &ck(b, h, p, 0); },
+            [&](long p) { return &cv(b, h, p, 0); }, kvmem::kernels::NoBias{});
+        Kokkos::single(Kokkos::PerTeam(team), [&]() { blk.finish(0, &y1(b, hq, 0, 0)); });
       });
 }
 
@@ -338,6 +347,9 @@ inline void measure_ceilings() {
   }
   openblas_set_num_threads(all);
   benchmark::AddCustomContext("kokkos_threads", std::to_string(all));
+  const char* wait_policy = std::getenv("OMP_WAIT_POLICY");
+  benchmark::AddCustomContext("OMP_WAIT_POLICY", wait_policy ? wait_policy : "(unset)");
+  benchmark::AddCustomContext("nice", std::to_string(getpriority(PRIO_PROCESS, 0)));
 }
 
 /// Wall time per Kokkos kernel name, from the Kokkos Tools parallel_for callbacks. The OpenMP backend

@@ -53,11 +53,13 @@ struct MemoryConfig {
 
   /// Merges only happen in a sequence longer than L + C tokens; there the merge needs a non-sink row,
   /// so `sinks < chunk` is required (spec KVM.md §9 #6). Throws kvmem::invalid_argument naming `sinks`.
+  /// (Decode calls this every token: the message is built only when it fails, so the check allocates nothing.)
   void check_sinks(long longest_sequence) const {
-    if (longest_sequence > window() + chunk)
-      require(sinks < chunk, "sinks", sinks,
-              "must be < chunk (" + std::to_string(chunk) + ") when a sequence is longer than window + chunk (" +
-                  std::to_string(window() + chunk) + " tokens), since merges then need a non-sink row");
+    if (longest_sequence > window() + chunk && sinks >= chunk)
+      throw invalid_argument(detail::describe(
+          "sinks", sinks,
+          "must be < chunk (" + std::to_string(chunk) + ") when a sequence is longer than window + chunk (" +
+              std::to_string(window() + chunk) + " tokens), since merges then need a non-sink row"));
   }
 };
 

@@ -140,11 +140,12 @@ class Memory {
   /// a token count other than 1, or sinks >= chunk at the first merge.
   void decode(const tokens_in& q, const tokens_in& k, const tokens_in& v, const gates_in& gate, const tokens_out& y,
               std::span<const unsigned char> active = {}) {
-    require(q.extent(2) == 1, "q.extent(2)", q.extent(2), "decode takes one token per sequence");
+    // Checks here run every token: each builds its message only when it fails, so decode allocates no
+    // host memory of its own (docs/reliability.md, soak runs).
+    if (q.extent(2) != 1) throw invalid_argument(detail::describe("q.extent(2)", q.extent(2), "decode takes one token per sequence"));
     check_inputs(q, k, v, gate, y, 1, "decode");
-    if (!active.empty())
-      require(static_cast<long>(active.size()) == batch(), "active.size()", active.size(),
-              "must equal the batch size " + std::to_string(batch()));
+    if (!active.empty() && static_cast<long>(active.size()) != batch())
+      throw invalid_argument(detail::describe("active.size()", active.size(), "must equal the batch size " + std::to_string(batch())));
     const long C = cfg_.chunk, L = cfg_.window();
     plan_.clear();
     long block = 0, queries = 0;
@@ -254,23 +255,23 @@ class Memory {
     if (update_first) kernels::update_state<Merge, Scorer>(exec_, cfg_, w, rows_, ring_, scratch_, plan_, block, most_rows);
     kernels::readout<Merge>(exec_, cfg_, w, rows_, ring_, plan_, q, y, tokens);
     if (!update_first) kernels::update_state<Merge, Scorer>(exec_, cfg_, w, rows_, ring_, scratch_, plan_, block, most_rows);
-    exec_.fence();
+    static const std::string fence_label = "kvmem::Memory::step";  // not Kokkos' default name, a heap string per call
+    exec_.fence(fence_label);
   }
   void check_inputs(const tokens_in& q, const tokens_in& k, const tokens_in& v, const gates_in& gate,
                     const tokens_out& y, long T, const char* where) const {
-    const std::string at = std::string(" (") + where + ")";
+    // Messages are built only on failure: decode runs this every token (see decode()).
     auto dims = [&](const auto& x, const char* name, long h, long t, long c) {
-      const std::string n(name);
-      require(static_cast<long>(x.extent(0)) == batch(), n + ".extent(0)", x.extent(0),
-              "must equal the batch size " + std::to_string(batch()) + at);
-      require(static_cast<long>(x.extent(1)) == h, n + ".extent(1)", x.extent(1),
-              "must equal the head count " + std::to_string(h) + at);
-      require(static_cast<long>(x.extent(2)) == t, n + ".extent(2)", x.extent(2),
-              "must equal the token count " + std::to_string(t) + at);
+      auto fail = [&](const char* field, auto value, const std::string& reason) {
+        throw invalid_argument(detail::describe(std::string(name) + field, value, reason + " (" + where + ")"));
+      };
+      if (static_cast<long>(x.extent(0)) != batch())
+        fail(".extent(0)", x.extent(0), "must equal the batch size " + std::to_string(batch()));
+      if (static_cast<long>(x.extent(1)) != h) fail(".extent(1)", x.extent(1), "must equal the head count " + std::to_string(h));
+      if (static_cast<long>(x.extent(2)) != t) fail(".extent(2)", x.extent(2), "must equal the token count " + std::to_string(t));
       if constexpr (std::remove_cvref_t<decltype(x)>::rank() == 4) {
-        require(static_cast<long>(x.extent(3)) == c, n + ".extent(3)", x.extent(3),
-                "must equal " + std::to_string(c) + " channels" + at);
-        require(x.stride(3) == 1 || x.extent(3) <= 1, n + ".stride(3)", x.stride(3), "channels must be contiguous");
+        if (static_cast<long>(x.extent(3)) != c) fail(".extent(3)", x.extent(3), "must equal " + std::to_string(c) + " channels");
+        if (x.stride(3) != 1 && x.extent(3) > 1) fail(".stride(3)", x.stride(3), "channels must be contiguous");
       }
     };
     dims(q, "q", cfg_.query_heads, T, cfg_.head_dim);

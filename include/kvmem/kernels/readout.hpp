@@ -128,12 +128,12 @@ struct QueryBlock {
   float* max_logit = nullptr;   ///< [lanes]
   float* normalizer = nullptr;  ///< [lanes]
   float* acc = nullptr;         ///< [lanes][value_dim]
-  float* logits = nullptr;      ///< [lanes][tile]
-  float* probs = nullptr;       ///< [lanes][tile]
+  float* logits = nullptr;      ///< [tile][lanes] (key-major: a key's logits for all lanes are contiguous)
+  float* probs = nullptr;       ///< [tile][lanes]
 
   /// Scratch floats of one block.
   KOKKOS_INLINE_FUNCTION static constexpr long scratch_floats(int d, int dv) {
-    return long(d) * lanes + 4L * lanes + long(lanes) * dv + 2L * lanes * tile;
+    return long(d) * lanes + 4L * lanes + long(lanes) * dv + 2L * lanes * tile + lanes;
   }
   /// Lays the block out in `scratch` (scratch_floats(d, dv) floats) for `n` live queries.
   KOKKOS_INLINE_FUNCTION void carve(float* scratch, int n, int d, int dv) {
@@ -159,7 +159,7 @@ struct QueryBlock {
     for (int c = 0; c < value_dim; ++c) out[c] = acc[long(u) * value_dim + c] * inv;
   }
 
-  /// logits[u][j + jj] for all lanes u and NK keys; scale [lanes].
+  /// logits[j + jj][u] for all lanes u and NK keys; scale [lanes].
   template <int NK, class BiasOf>
   KOKKOS_INLINE_FUNCTION void logits_lanes(const float* const* keys, const float* scale, int j, long j_abs,
                                            BiasOf bias_of) const {
@@ -175,10 +175,10 @@ struct QueryBlock {
     }
     for (int jj = 0; jj < NK; ++jj) {
       const float bias = bias_of(j_abs + jj);
-      for (int u = 0; u < lanes; ++u) logits[u * tile + j + jj] = mul_add(s[jj][u], scale[u], bias);
+      for (int u = 0; u < lanes; ++u) logits[(j + jj) * lanes + u] = mul_add(s[jj][u], scale[u], bias);
     }
   }
-  /// logits[0][j + jj] of lane 0 alone (one live query: decode) for NK keys as independent chains.
+  /// logits[j + jj][0] of lane 0 alone (one live query: decode) for NK keys as independent chains.
   template <int NK, class BiasOf>
   KOKKOS_INLINE_FUNCTION void logits_one(const float* const* keys, const float* scale, int j, long j_abs,
                                          BiasOf bias_of) const {
@@ -188,25 +188,56 @@ struct QueryBlock {
       const float qc = qt[long(c) * lanes];
       for (int jj = 0; jj < NK; ++jj) s[jj] = mul_add(qc, keys[jj][c], s[jj]);
     }
-    for (int jj = 0; jj < NK; ++jj) logits[j + jj] = mul_add(s[jj], scale[0], bias_of(j_abs + jj));
+    for (int jj = 0; jj < NK; ++jj) logits[(j + jj) * lanes] = mul_add(s[jj], scale[0], bias_of(j_abs + jj));
   }
 
-  /// Folds logits[u][0, n) (n >= 1) and their values into lane u's softmax (OnlineSoftmax::add_tile).
+  /// Folds logits[0, n)[u] (n >= 1) and their values into lane u's softmax (OnlineSoftmax::add_tile).
   template <class ValueOf>
   KOKKOS_INLINE_FUNCTION void add_tile(int u, int n, ValueOf value_of) const {
-    const float* lg = logits + u * tile;
-    float* pr = probs + u * tile;
-    float* a = acc + long(u) * value_dim;
     float tile_max = neg_inf();
-    for (int j = 0; j < n; ++j) tile_max = lg[j] > tile_max ? lg[j] : tile_max;
+    for (int j = 0; j < n; ++j) tile_max = logits[j * lanes + u] > tile_max ? logits[j * lanes + u] : tile_max;
     const float old_max = max_logit[u];
     const float new_max = tile_max > old_max ? tile_max : old_max;
     const float correction = softmax_exp(old_max - new_max);
-    for (int j = 0; j < n; ++j) pr[j] = softmax_exp(lg[j] - new_max);
-    float norm = mul_add(normalizer[u], correction, pr[0]);
-    for (int j = 1; j < n; ++j) norm += pr[j];
+    for (int j = 0; j < n; ++j) probs[j * lanes + u] = softmax_exp(logits[j * lanes + u] - new_max);
+    float norm = mul_add(normalizer[u], correction, probs[u]);
+    for (int j = 1; j < n; ++j) norm += probs[j * lanes + u];
     normalizer[u] = norm;
     max_logit[u] = new_max;
+    accumulate(u, n, correction, value_of);
+  }
+
+  /// The softmax step of add_tile for every lane at once, lanes in vector lanes: lane u folds
+  /// logits[0, n[u])[u] (n[u] = 0: lane untouched). Per lane the same operations in the same order as
+  /// add_tile, so the same bits; the max, exponentials and normalizer sums vectorize across lanes instead
+  /// of waiting on one lane's chain. Writes corrections [lanes]; the values follow with accumulate().
+  KOKKOS_INLINE_FUNCTION void softmax_lanes(const int* n, int n_max, float* corrections) const {
+    float tile_max[lanes], new_max[lanes], norm[lanes];
+    for (int u = 0; u < lanes; ++u) tile_max[u] = neg_inf();
+    for (int j = 0; j < n_max; ++j)
+      for (int u = 0; u < lanes; ++u) {
+        const float l = logits[j * lanes + u];
+        tile_max[u] = select_bits((j < n[u]) & (l > tile_max[u]), l, tile_max[u]);
+      }
+    for (int u = 0; u < lanes; ++u) {
+      new_max[u] = select_bits(tile_max[u] > max_logit[u], tile_max[u], max_logit[u]);
+      corrections[u] = softmax_exp(max_logit[u] - new_max[u]);
+    }
+    for (int j = 0; j < n_max; ++j)
+      for (int u = 0; u < lanes; ++u) probs[j * lanes + u] = softmax_exp(logits[j * lanes + u] - new_max[u]);
+    for (int u = 0; u < lanes; ++u) norm[u] = mul_add(normalizer[u], corrections[u], probs[u]);
+    for (int j = 1; j < n_max; ++j)
+      for (int u = 0; u < lanes; ++u) norm[u] = select_bits(j < n[u], norm[u] + probs[j * lanes + u], norm[u]);
+    for (int u = 0; u < lanes; ++u) {
+      normalizer[u] = select_bits(n[u] > 0, norm[u], normalizer[u]);
+      max_logit[u] = select_bits(n[u] > 0, new_max[u], max_logit[u]);
+    }
+  }
+
+  /// acc_u = acc_u * correction + sum_{j < n} probs[j][u] v_j, in key order per channel.
+  template <class ValueOf>
+  KOKKOS_INLINE_FUNCTION void accumulate(int u, int n, float correction, ValueOf value_of) const {
+    float* a = acc + long(u) * value_dim;
     constexpr int CW = 32;  // output channels held in registers across the tile's keys
     int c0 = 0;
     for (; c0 + CW <= value_dim; c0 += CW) {
@@ -214,14 +245,14 @@ struct QueryBlock {
       for (int c = 0; c < CW; ++c) r[c] = a[c0 + c] * correction;
       for (int j = 0; j < n; ++j) {
         const float* vj = value_of(j) + c0;
-        const float pj = pr[j];
+        const float pj = probs[j * lanes + u];
         for (int c = 0; c < CW; ++c) r[c] = mul_add(pj, vj[c], r[c]);
       }
       for (int c = 0; c < CW; ++c) a[c0 + c] = r[c];
     }
     for (int c = c0; c < value_dim; ++c) {
       float r = a[c] * correction;
-      for (int j = 0; j < n; ++j) r = mul_add(pr[j], value_of(j)[c], r);
+      for (int j = 0; j < n; ++j) r = mul_add(probs[j * lanes + u], value_of(j)[c], r);
       a[c] = r;
     }
   }
@@ -268,11 +299,26 @@ KOKKOS_INLINE_FUNCTION void attend_block(const Member& team, const QueryBlock& b
       });
     }
     team.team_barrier();
-    Kokkos::parallel_for(Kokkos::TeamThreadRange(team, blk.queries), [&](int u) {
-      const long count = count_of(u);
-      if (j0 >= count) return;
-      blk.add_tile(u, static_cast<int>(count - j0 < KT ? count - j0 : KT), [&](int j) { return value_of(j0 + j); });
-    });
+    auto keys_of = [&](int u) {  // keys of this tile that lane u reads
+      const long count = u < blk.queries ? count_of(u) : 0;
+      return static_cast<int>(count <= j0 ? 0 : (count - j0 < KT ? count - j0 : KT));
+    };
+    auto values = [&](int j) { return value_of(j0 + j); };
+    if (blk.queries == 1) {
+      Kokkos::single(Kokkos::PerTeam(team), [&]() { blk.add_tile(0, keys_of(0), values); });
+    } else {
+      float* corrections = blk.probs + QueryBlock::tile * QueryBlock::lanes;
+      Kokkos::single(Kokkos::PerTeam(team), [&]() {
+        int counts[QueryBlock::lanes];
+        for (int u = 0; u < QueryBlock::lanes; ++u) counts[u] = keys_of(u);
+        blk.softmax_lanes(counts, n, corrections);
+      });
+      team.team_barrier();
+      Kokkos::parallel_for(Kokkos::TeamThreadRange(team, blk.queries), [&](int u) {
+        const int nu = keys_of(u);
+        if (nu > 0) blk.accumulate(u, nu, corrections[u], values);
+      });
+    }
     team.team_barrier();
   }
 }

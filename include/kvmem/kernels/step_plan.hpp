@@ -3,6 +3,7 @@
 /// The per-sequence work of one kernel step, written on the host and read by the kernels.
 
 #include <Kokkos_Core.hpp>
+#include <algorithm>
 #include <utility>
 
 namespace kvmem::kernels {
@@ -34,7 +35,7 @@ struct StepPlan {
     host = Kokkos::create_mirror_view(device);
   }
   /// Zeroes every field of the host mirror (no work for any sequence).
-  void clear() { Kokkos::deep_copy(host, 0L); }
+  void clear() { std::fill_n(host.data(), host.span(), 0L); }  // host memory; no Kokkos call (it allocates labels)
   /// Sends the host mirror to the device.
   template <class ExecSpace>
   void upload(const ExecSpace& exec) const { Kokkos::deep_copy(exec, device, host); }

@@ -3,6 +3,7 @@
 /// Copies new tokens' keys, values and gate pre-activations into the block sliding window ring.
 
 #include <Kokkos_Core.hpp>
+#include <string>
 
 #include "../config.hpp"
 #include "../state/state_rows.hpp"
@@ -24,8 +25,9 @@ void write_window(const ExecSpace& exec, const MemoryConfig& cfg,
   if (max_tokens <= 0 || B == 0) return;
   const auto p = plan.device;
   const bool has_gate = gate.data() != nullptr;
+  static const std::string label = "kvmem::write_window";  // once, not a heap copy per launch (decode: every token)
   Kokkos::parallel_for(
-      "kvmem::write_window", Kokkos::RangePolicy<ExecSpace>(exec, 0, B * H * max_tokens), KOKKOS_LAMBDA(long idx) {
+      label, Kokkos::RangePolicy<ExecSpace>(exec, 0, B * H * max_tokens), KOKKOS_LAMBDA(long idx) {
         const long i = idx % max_tokens, h = (idx / max_tokens) % H, b = idx / (max_tokens * H);
         const long pos = p(b, write_begin) + i;
         if (pos >= p(b, write_end)) return;
