@@ -23,6 +23,19 @@ std::map<std::string, double>& kvm_fixed_seconds() {
   return m;
 }
 
+/// Times of the iterations of one benchmark: the fastest is reported (time slices lost to other jobs on
+/// a shared machine only ever add time); per-kernel totals over all iterations are scaled to it.
+struct Timer {
+  double best = 1e300, total = 0;
+  long count = 0;
+  void add(double t) {
+    best = std::min(best, t);
+    total += t;
+    ++count;
+  }
+  [[nodiscard]] double scaled(double kernel_total) const { return kernel_total / count * (best / (total / count)); }
+};
+
 void set_counters(benchmark::State& st, const Shape& s, double readout_flops, double merge_flops, double sec,
                   double readout_sec, double held) {
   using benchmark::Counter;
@@ -49,19 +62,17 @@ void bm_exact(benchmark::State& st, Shape s) {
   const exec_t exec = make_exec(s.threads);
   Inputs in(s, s.T);
   const Work w = exact_prefill_work(s.T);
-  double total = 0;
-  long iters = 0;
+  Timer timer;
   KernelClock::reset();
   for (auto _ : st) {
     const auto t0 = clock_t_::now();
     kvmem::kernels::exact_causal_attention(exec, in.q, in.k, in.v, in.y, in.tau.data());
     exec.fence();
-    total += seconds_since(t0);
-    ++iters;
+    timer.add(seconds_since(t0));
   }
-  const double sec = total / iters;
+  const double sec = timer.best;
   exact_seconds()[s.key()] = sec;
-  set_counters(st, s, w.readout_flops(s), 0.0, sec, KernelClock::seconds("kvmem::exact_causal_attention") / iters,
+  set_counters(st, s, w.readout_flops(s), 0.0, sec, timer.scaled(KernelClock::seconds("kvmem::exact_causal_attention")),
                kv_cache_bytes(s, s.T));
 }
 
@@ -72,22 +83,20 @@ void bm_kvm(benchmark::State& st, Shape s, Budget budget, bool record) {
   const auto cfg = memory_config(s);
   kvmem::KvmMemory<exec_t, Budget> mem(cfg, budget, in.weights, s.B, exec);
   const Work w = prefill_work(cfg, budget, s.T);
-  double total = 0;
-  long iters = 0;
+  Timer timer;
   KernelClock::reset();
   for (auto _ : st) {
     const auto t0 = clock_t_::now();
     mem.reset();
     mem.prefill(in.q, in.k, in.v, in.gate, in.y);
-    total += seconds_since(t0);
-    ++iters;
+    timer.add(seconds_since(t0));
   }
-  const double sec = total / iters;
-  KernelClock::report(st.name(), iters);
+  const double sec = timer.best;
+  KernelClock::report(st.name(), timer.count);
   if (record) kvm_fixed_seconds()[s.key()] = sec;
-  set_counters(st, s, w.readout_flops(s), w.merge_flops(s), sec, KernelClock::seconds("kvmem::readout") / iters,
+  set_counters(st, s, w.readout_flops(s), w.merge_flops(s), sec, timer.scaled(KernelClock::seconds("kvmem::readout")),
                double(mem.held_bytes()));
-  st.counters["update_share"] = KernelClock::seconds("kvmem::update_") / iters / sec;
+  st.counters["update_share"] = timer.scaled(KernelClock::seconds("kvmem::update_")) / sec;
   st.counters["state_rows"] = double(mem.cursor(0).rows);
 }
 
@@ -114,18 +123,16 @@ void bm_reference(benchmark::State& st, Shape s) {
   p.chunk = cfg.chunk, p.window_chunks = cfg.window_chunks, p.rope_dims = cfg.rope_dims, p.sinks = cfg.sinks;
   p.schedule = kvmem_ref::Schedule::fixed, p.min_len = 256, p.max_chunks = cfg.max_rows / cfg.chunk;
   const Work w = prefill_work(cfg, fixed256(), s.T);
-  double total = 0;
-  long iters = 0;
+  Timer timer;
   double held = 0;
   for (auto _ : st) {
     const auto t0 = clock_t_::now();
     auto r = kvmem_ref::kvm_prefill(seq, p);
     benchmark::DoNotOptimize(r.y.data());
-    total += seconds_since(t0);
-    ++iters;
+    timer.add(seconds_since(t0));
     held = double(r.rows + std::min(s.T, cfg.window())) * s.Hkv * (2 * s.D + 1) * sizeof(double);
   }
-  const double sec = total / iters;
+  const double sec = timer.best;
   set_counters(st, s, w.readout_flops(s), w.merge_flops(s), sec, 0.0, held);
   const auto it = kvm_fixed_seconds().find(s.key());
   if (it != kvm_fixed_seconds().end()) st.counters["slowdown_vs_kvmem"] = sec / it->second;
@@ -175,7 +182,7 @@ void register_grid(const std::string& grid) {
       add_shape({4096, D, G, B, 8, all}, true, false, B == 1);
   // 3. one thread against all threads.
   if (all > 1)
-    for (int threads : {1, all}) add_shape({16384, 64, 1, 1, 1, threads}, true, false, false);
+    for (int threads : {1, all}) add_shape({8192, 64, 1, 1, 2, threads}, true, false, false);
 }
 
 }  // namespace

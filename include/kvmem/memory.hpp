@@ -17,7 +17,7 @@
 #include "policy/budget/concept.hpp"
 #include "policy/layer_weights.hpp"
 #include "policy/merge/concept.hpp"
-#include "policy/score/concept.hpp"
+#include "policy/score/append_scorer.hpp"
 #include "state/schedule.hpp"
 #include "state/state_rows.hpp"
 
@@ -38,7 +38,7 @@ namespace kvmem {
 /// window of the last window_chunks * chunk tokens. prefill() and decode() have one meaning: a prompt
 /// through prefill or through decode token by token gives the same bits, and decode continues a
 /// prefilled cache.
-template <class ExecSpace, merge::MergePolicy Merge, budget::BudgetSchedule Budget, score::EvictionScorer Scorer>
+template <class ExecSpace, merge::MergePolicy Merge, budget::BudgetSchedule Budget, score::AppendScorer Scorer>
 class Memory {
  public:
   using execution_space = ExecSpace;

@@ -5,17 +5,20 @@
 ///              [--json FILE] [--no-kokkos-tools] [--list]
 ///
 /// One sequence, one kv-head and one query head (head_dim = value_dim = 64), decoded token by token on
-/// Kokkos::DefaultExecutionSpace from a seeded Gaussian stream (every P-th token a spike: key and value x100,
-/// gate pre-activation +8). Checked at every token: y finite; state rows and held_bytes() within the
-/// schedule's bound. At every K-th token (checkpoint): state rows equal to what the schedule says
-/// (state::final_rows for KVM), every live state row (keys, values, radius, read caches) finite, and the
-/// process's resident memory (VmRSS), Kokkos allocations and host heap allocations since the last
-/// checkpoint. After the first checkpoint (warm-up) RSS may grow only by what the memory itself allocated
-/// (the state doubling its capacity under a growing budget), and Kokkos may allocate only state rows.
+/// Kokkos::DefaultExecutionSpace from a seeded Gaussian stream with a spike every P-th token (attention
+/// memories: key and value x100, gate pre-activation +8; Trellis: latent target x100 with the largest step
+/// and no forgetting). Checked at every token: y finite; state rows and held_bytes() within the schedule's
+/// bound. At every K-th token (checkpoint): state rows equal to what the schedule says (state::final_rows
+/// for KVM, spec OVQ.md §3 for OVQ, the slot count for Trellis), every live state entry finite (keys,
+/// values, radius, counts, read caches; Trellis' M1 and M2), and the process's resident memory (VmRSS),
+/// Kokkos allocations, and host heap allocations inside decode() since the last checkpoint. After the
+/// first checkpoint (warm-up) RSS may grow only by what the memory itself allocated (the state doubling
+/// its capacity under a growing budget), and Kokkos may allocate only state rows.
 /// Exit status 0 when every check of every memory passed, 1 otherwise, 2 for bad arguments.
 ///
 /// Adding a memory: one entry in soak_cases() below (a name, a factory, the rows the schedule promises
-/// after n tokens and their upper bound).
+/// after n tokens and their upper bound); a memory whose decode() takes other inputs than kvmem::Memory's
+/// also gets a subject (see TrellisSubject).
 
 #include <Kokkos_Core.hpp>
 #include <algorithm>
@@ -144,55 +147,57 @@ kvmem::LayerWeights<Space> soak_weights(unsigned seed) {
   return {lw, lb, ts, tb};
 }
 
-/// Counts non-finite entries among rows [0, rows) of the state of sequence 0 (all kv-heads).
-template <class Memory>
-long nonfinite_state(const Memory& mem, long rows) {
-  const auto& st = mem.rows();
+/// Counts non-finite entries of a host mirror of `view` over (sequence 0, every head, slots [0, rows)).
+template <class View>
+long nonfinite_rows(const View& view, long rows) {
+  const auto h = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), view);
   long bad = 0;
-  auto scan4 = [&](const auto& view) {
-    const auto h = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), view);
-    for (std::size_t kv = 0; kv < h.extent(1); ++kv)
-      for (long i = 0; i < rows; ++i)
-        for (std::size_t c = 0; c < h.extent(3); ++c) bad += std::isfinite(h(0, kv, i, c)) ? 0 : 1;
-  };
-  scan4(st.keys);
-  scan4(st.values);
-  scan4(st.read_keys);
-  scan4(st.read_values);
-  const auto r = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), st.radius);
-  for (std::size_t kv = 0; kv < r.extent(1); ++kv)
-    for (long i = 0; i < rows; ++i) bad += std::isfinite(r(0, kv, i)) ? 0 : 1;
+  for (std::size_t head = 0; head < h.extent(1); ++head)
+    for (long i = 0; i < rows; ++i) {
+      if constexpr (View::rank() == 4) {
+        for (std::size_t c = 0; c < h.extent(3); ++c) bad += std::isfinite(h(0, head, i, c)) ? 0 : 1;
+      } else {
+        bad += std::isfinite(h(0, head, i)) ? 0 : 1;
+      }
+    }
   return bad;
 }
 
-/// Decodes o.tokens tokens through `mem`. expected(n): the rows after n tokens; bound(n): their upper bound.
-template <class Memory>
-Result soak(Memory& mem, const std::string& name, const Options& o, const std::function<long(long)>& expected,
-            const std::function<long(long)>& bound) {
-  using space = typename Memory::memory_space;
-  using view4 = Kokkos::View<float****, Kokkos::LayoutRight, space>;
-  using view3 = Kokkos::View<float***, Kokkos::LayoutRight, space>;
-  const auto& cfg = mem.config();
-  const int Hq = cfg.query_heads, Hkv = cfg.kv_heads, D = cfg.head_dim, Dv = cfg.value_dim;
-  view4 q("q", 1, Hq, 1, D), k("k", 1, Hkv, 1, D), v("v", 1, Hkv, 1, Dv), y("y", 1, Hq, 1, Dv);
-  view3 gate("gate", 1, Hkv, 1);
-  auto hq = Kokkos::create_mirror_view(q), hk = Kokkos::create_mirror_view(k), hv = Kokkos::create_mirror_view(v);
-  auto hg = Kokkos::create_mirror_view(gate);
-  auto hy = Kokkos::create_mirror_view(y);
-  std::mt19937_64 rng(o.seed);
-  std::normal_distribution<float> normal;
-  std::uniform_real_distribution<float> uniform(-2.0f, 2.0f);
-  const long L = cfg.window(), unit = static_cast<long>(D + Dv + 1) * static_cast<long>(sizeof(float)) * Hkv;
+/// Fills `x` [dim] with a Gaussian vector scaled to unit L2 norm (Trellis' recommended input, spec
+/// TRELLIS.md §5).
+template <class Rng>
+void unit_gaussian(Rng& rng, std::normal_distribution<float>& normal, float* x, int dim) {
+  float n = 0.0f;
+  for (int c = 0; c < dim; ++c) n += (x[c] = normal(rng)) * x[c];
+  const float inv = 1.0f / (std::sqrt(n) + 1e-6f);
+  for (int c = 0; c < dim; ++c) x[c] *= inv;
+}
 
-  Result r;
-  r.name = name;
-  const auto start = std::chrono::steady_clock::now();
-  long rss_warm = -1, allocated_warm = 0, heap_warm = 0, heap_last = g_heap_allocations.load(), kokkos_last = g_kokkos_allocations;
-  long other_warm = 0;
-  std::printf("%-14s %9s %7s %7s %12s %12s %10s %8s %10s %8s\n", name.c_str(), "tokens", "rows", "expect", "held B",
-              "allocated B", "RSS MiB", "kokkos+", "heap+/tok", "seconds");
-  for (long n = 1; n <= o.tokens; ++n) {
-    const bool spike = o.spike_every > 0 && n % o.spike_every == 0;
+using view4 = Kokkos::View<float****, Kokkos::LayoutRight, Kokkos::DefaultExecutionSpace::memory_space>;
+using view3 = Kokkos::View<float***, Kokkos::LayoutRight, Kokkos::DefaultExecutionSpace::memory_space>;
+
+/// A kvmem::Memory (KVM, OVQ, any merge x budget x scorer) under soak: one sequence, decode(q, k, v, gate, y).
+/// Inputs: Gaussian q, k, v, gate pre-activation uniform in [-2, 2]; a spike token has k and v x100 and
+/// gate +8. Rows: cursor(0).rows; held bound: (rows + window) x (D + Dv + 1) x 4 B per kv-head.
+template <class Memory>
+struct AttentionSubject {
+  Memory& mem;
+  int Hq, Hkv, D, Dv;
+  view4 q, k, v, y;
+  view3 gate;
+  typename view4::host_mirror_type hq, hk, hv, hy;
+  typename view3::host_mirror_type hg;
+  std::normal_distribution<float> normal;
+  std::uniform_real_distribution<float> uniform{-2.0f, 2.0f};
+
+  explicit AttentionSubject(Memory& m)
+      : mem(m), Hq(m.config().query_heads), Hkv(m.config().kv_heads), D(m.config().head_dim), Dv(m.config().value_dim),
+        q("q", 1, Hq, 1, D), k("k", 1, Hkv, 1, D), v("v", 1, Hkv, 1, Dv), y("y", 1, Hq, 1, Dv), gate("gate", 1, Hkv, 1),
+        hq(Kokkos::create_mirror_view(q)), hk(Kokkos::create_mirror_view(k)), hv(Kokkos::create_mirror_view(v)),
+        hy(Kokkos::create_mirror_view(y)), hg(Kokkos::create_mirror_view(gate)) {}
+
+  template <class Rng>
+  void next(Rng& rng, bool spike) {
     const float scale = spike ? 100.0f : 1.0f;
     for (int h = 0; h < Hq; ++h)
       for (int c = 0; c < D; ++c) hq(0, h, 0, c) = normal(rng);
@@ -205,16 +210,118 @@ Result soak(Memory& mem, const std::string& name, const Options& o, const std::f
     Kokkos::deep_copy(k, hk);
     Kokkos::deep_copy(v, hv);
     Kokkos::deep_copy(gate, hg);
-    mem.decode(q, k, v, gate, y);
+  }
+  void decode() { mem.decode(q, k, v, gate, y); }
+  long nonfinite_output() {
     Kokkos::deep_copy(hy, y);
+    long bad = 0;
     for (int h = 0; h < Hq; ++h)
-      for (int c = 0; c < Dv; ++c)
-        if (!std::isfinite(hy(0, h, 0, c))) {
-          if (r.first_nonfinite < 0) r.first_nonfinite = n;
-          ++r.nonfinite_outputs;
-        }
-    const long rows = mem.cursor(0).rows, held = mem.held_bytes(), rows_bound = bound(n);
-    const long held_bound = (rows_bound + L) * unit;
+      for (int c = 0; c < Dv; ++c) bad += std::isfinite(hy(0, h, 0, c)) ? 0 : 1;
+    return bad;
+  }
+  [[nodiscard]] long rows() const { return mem.cursor(0).rows; }
+  [[nodiscard]] long held_bytes() const { return mem.held_bytes(); }
+  [[nodiscard]] long allocated_bytes() const { return mem.allocated_bytes(); }
+  [[nodiscard]] long held_bound(long rows_bound) const {
+    return (rows_bound + mem.config().window()) * (D + Dv + 1) * static_cast<long>(sizeof(float)) * Hkv;
+  }
+  /// Non-finite entries among the live rows (keys, values, both read caches, radius, counts).
+  [[nodiscard]] long nonfinite_state(long rows) const {
+    const auto& st = mem.rows();
+    return nonfinite_rows(st.keys, rows) + nonfinite_rows(st.values, rows) + nonfinite_rows(st.read_keys, rows) +
+           nonfinite_rows(st.read_values, rows) + nonfinite_rows(st.radius, rows) + nonfinite_rows(st.counts, rows);
+  }
+};
+
+/// A kvmem::TrellisMemory under soak: one sequence, decode(q, k, v, alpha, beta1, gamma1, beta2, gamma2, y).
+/// Inputs as the spec recommends (TRELLIS.md §5) and the tests use: unit-norm Gaussian q, k, v; alpha
+/// 0.7 x Gaussian [m]; forget gates uniform in [0.6, 1], step sizes uniform in [0.05, 0.6]. A spike token
+/// has alpha x100 with no forgetting (beta 1) and the largest step (gamma 1). Rows: the m slots, always;
+/// held bound: m x (D + Dv) x 4 B per head.
+template <class Memory>
+struct TrellisSubject {
+  Memory& mem;
+  int H, D, Dv, m;
+  view4 q, k, v, alpha, y;
+  view3 beta1, gamma1, beta2, gamma2;
+  typename view4::host_mirror_type hq, hk, hv, ha, hy;
+  typename view3::host_mirror_type hb1, hg1, hb2, hg2;
+  std::normal_distribution<float> normal;
+  std::uniform_real_distribution<float> forget{0.6f, 1.0f}, step{0.05f, 0.6f};
+
+  explicit TrellisSubject(Memory& mm)
+      : mem(mm), H(mm.config().heads), D(mm.config().head_dim), Dv(mm.config().value_dim), m(mm.config().slots),
+        q("q", 1, H, 1, D), k("k", 1, H, 1, D), v("v", 1, H, 1, Dv), alpha("alpha", 1, H, 1, m), y("y", 1, H, 1, Dv),
+        beta1("beta1", 1, H, 1), gamma1("gamma1", 1, H, 1), beta2("beta2", 1, H, 1), gamma2("gamma2", 1, H, 1),
+        hq(Kokkos::create_mirror_view(q)), hk(Kokkos::create_mirror_view(k)), hv(Kokkos::create_mirror_view(v)),
+        ha(Kokkos::create_mirror_view(alpha)), hy(Kokkos::create_mirror_view(y)),
+        hb1(Kokkos::create_mirror_view(beta1)), hg1(Kokkos::create_mirror_view(gamma1)),
+        hb2(Kokkos::create_mirror_view(beta2)), hg2(Kokkos::create_mirror_view(gamma2)) {}
+
+  template <class Rng>
+  void next(Rng& rng, bool spike) {
+    for (int h = 0; h < H; ++h) {
+      unit_gaussian(rng, normal, &hq(0, h, 0, 0), D);
+      unit_gaussian(rng, normal, &hk(0, h, 0, 0), D);
+      unit_gaussian(rng, normal, &hv(0, h, 0, 0), Dv);
+      for (int s = 0; s < m; ++s) ha(0, h, 0, s) = (spike ? 70.0f : 0.7f) * normal(rng);
+      hb1(0, h, 0) = spike ? 1.0f : forget(rng);
+      hg1(0, h, 0) = spike ? 1.0f : step(rng);
+      hb2(0, h, 0) = spike ? 1.0f : forget(rng);
+      hg2(0, h, 0) = spike ? 1.0f : step(rng);
+    }
+    Kokkos::deep_copy(q, hq);
+    Kokkos::deep_copy(k, hk);
+    Kokkos::deep_copy(v, hv);
+    Kokkos::deep_copy(alpha, ha);
+    Kokkos::deep_copy(beta1, hb1);
+    Kokkos::deep_copy(gamma1, hg1);
+    Kokkos::deep_copy(beta2, hb2);
+    Kokkos::deep_copy(gamma2, hg2);
+  }
+  void decode() { mem.decode(q, k, v, alpha, beta1, gamma1, beta2, gamma2, y); }
+  long nonfinite_output() {
+    Kokkos::deep_copy(hy, y);
+    long bad = 0;
+    for (int h = 0; h < H; ++h)
+      for (int c = 0; c < Dv; ++c) bad += std::isfinite(hy(0, h, 0, c)) ? 0 : 1;
+    return bad;
+  }
+  [[nodiscard]] long rows() const { return m; }
+  [[nodiscard]] long held_bytes() const { return mem.held_bytes(); }
+  [[nodiscard]] long allocated_bytes() const { return mem.allocated_bytes(); }
+  [[nodiscard]] long held_bound(long rows_bound) const {
+    return rows_bound * (D + Dv) * static_cast<long>(sizeof(float)) * H;
+  }
+  /// Non-finite entries of M1 and M2.
+  [[nodiscard]] long nonfinite_state(long rows) const {
+    return nonfinite_rows(mem.m1(), rows) + nonfinite_rows(mem.m2(), rows);
+  }
+};
+
+/// Decodes o.tokens tokens through `subject`. expected(n): the rows after n tokens; bound(n): their upper bound.
+template <class Subject>
+Result soak(Subject& subject, const std::string& name, const Options& o, const std::function<long(long)>& expected,
+            const std::function<long(long)>& bound) {
+  std::mt19937_64 rng(o.seed);
+  Result r;
+  r.name = name;
+  const auto start = std::chrono::steady_clock::now();
+  long rss_warm = -1, allocated_warm = 0, decode_heap = 0, heap_last = 0, kokkos_last = g_kokkos_allocations;
+  long other_warm = 0;
+  std::printf("%-14s %9s %7s %7s %12s %12s %10s %8s %10s %8s\n", name.c_str(), "tokens", "rows", "expect", "held B",
+              "allocated B", "RSS MiB", "kokkos+", "heap+/tok", "seconds");
+  for (long n = 1; n <= o.tokens; ++n) {
+    subject.next(rng, o.spike_every > 0 && n % o.spike_every == 0);
+    const long heap_before = g_heap_allocations.load(std::memory_order_relaxed);
+    subject.decode();
+    decode_heap += g_heap_allocations.load(std::memory_order_relaxed) - heap_before;  // decode's own, not this loop's
+    if (const long bad = subject.nonfinite_output(); bad > 0) {
+      if (r.first_nonfinite < 0) r.first_nonfinite = n;
+      r.nonfinite_outputs += bad;
+    }
+    const long rows = subject.rows(), held = subject.held_bytes(), rows_bound = bound(n);
+    const long held_bound = subject.held_bound(rows_bound);
     r.max_rows = std::max(r.max_rows, rows);
     r.max_held = std::max(r.max_held, held);
     r.max_bound = std::max(r.max_bound, held_bound);
@@ -228,20 +335,18 @@ Result soak(Memory& mem, const std::string& name, const Options& o, const std::f
       c.rows = rows;
       c.expected_rows = expected(n);
       c.held_bytes = held;
-      c.allocated_bytes = mem.allocated_bytes();
+      c.allocated_bytes = subject.allocated_bytes();
       c.rss = rss_bytes();
-      const long heap_now = g_heap_allocations.load();
       c.kokkos_allocations = g_kokkos_allocations - kokkos_last;
-      c.heap_allocations = heap_now - heap_last;
+      c.heap_allocations = decode_heap - heap_last;
+      heap_last = decode_heap;
       kokkos_last = g_kokkos_allocations;
       c.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
       if (c.rows != c.expected_rows) ++r.row_mismatches;
-      r.nonfinite_state += nonfinite_state(mem, rows);
-      heap_last = g_heap_allocations.load();  // the checks above allocate; not counted against decode
+      r.nonfinite_state += subject.nonfinite_state(rows);
       if (rss_warm < 0) {  // the first checkpoint ends the warm-up
         rss_warm = c.rss;
         allocated_warm = c.allocated_bytes;
-        heap_warm = heap_last;
         other_warm = g_kokkos_other_allocations;
       } else {
         r.rss_drift = std::max(r.rss_drift, (c.rss - rss_warm) - (c.allocated_bytes - allocated_warm));
@@ -260,9 +365,16 @@ Result soak(Memory& mem, const std::string& name, const Options& o, const std::f
   const long counted = r.checkpoints.size() > 1 ? o.tokens - r.checkpoints.front().tokens : 0;
   long heap_after_warm = 0;
   for (std::size_t i = 1; i < r.checkpoints.size(); ++i) heap_after_warm += r.checkpoints[i].heap_allocations;
-  (void)heap_warm;
   r.heap_allocations_per_token = counted ? static_cast<double>(heap_after_warm) / counted : 0.0;
   return r;
+}
+
+/// OVQ's dictionary size once the chunks before token n are committed: sizes[c] of spec OVQ.md §3 (plateau
+/// N_t = floor(tN / (t + N)) at t = cC, in integers), c = floor(n / C) committed chunks (OVQ commits a chunk
+/// as soon as it is complete). Written from the spec, not from kvmem's planner, so it checks that too.
+long ovq_plateau_rows(long n, long C, long N) {
+  const long t = n / C * C;
+  return std::min(t * N / (t + N), N);
 }
 
 std::vector<SoakCase> soak_cases() {
@@ -270,25 +382,60 @@ std::vector<SoakCase> soak_cases() {
   using space = exec::memory_space;
   std::vector<SoakCase> cases;
   // KVM, fixed budget of 256 rows (= one chunk; kvm-paper "fixed-256").
-  cases.push_back({"kvm-fixed256", "KVM, budget::Fixed{256}, max_rows 256", [](const Options& o) {
+  cases.push_back({"kvm-fixed256", "KVM, budget::Fixed{256}, max_rows 256, C 256, window 2 x 256", [](const Options& o) {
                      const auto cfg = soak_config(256);
                      const kvmem::budget::Fixed budget{256};
                      kvmem::KvmMemory<exec, kvmem::budget::Fixed> mem(cfg, budget, soak_weights<space>(o.seed), 1);
+                     AttentionSubject subject(mem);
                      return soak(
-                         mem, "kvm-fixed256", o, [&](long n) { return kvmem::state::final_rows(cfg, budget, n); },
+                         subject, "kvm-fixed256", o, [&](long n) { return kvmem::state::final_rows(cfg, budget, n); },
                          [&](long n) { return std::min(n, 256L); });
                    }});
   // KVM, power-law budget 16 * sqrt(ctx) (kvm-paper "16 sqrt(N)"), no cap below the budget.
-  cases.push_back({"kvm-sqrt16", "KVM, budget::PowerLaw{256, 16, 0.5}, max_rows 2^40", [](const Options& o) {
+  cases.push_back({"kvm-sqrt16", "KVM, budget::PowerLaw{256, 16, 0.5}, max_rows 2^40, C 256, window 2 x 256",
+                   [](const Options& o) {
                      const auto cfg = soak_config(1L << 40);
                      const kvmem::budget::PowerLaw budget{256, 16.0, 0.5, 1};
                      kvmem::KvmMemory<exec, kvmem::budget::PowerLaw> mem(cfg, budget, soak_weights<space>(o.seed), 1);
+                     AttentionSubject subject(mem);
                      // ctx of an update is L + its first token < L + n; rows never exceed the budget there.
                      const long L = cfg.window(), C = cfg.chunk;
                      return soak(
-                         mem, "kvm-sqrt16", o, [&](long n) { return kvmem::state::final_rows(cfg, budget, n); },
+                         subject, "kvm-sqrt16", o, [&](long n) { return kvmem::state::final_rows(cfg, budget, n); },
                          [&, L, C](long n) { return std::max(std::min(n, C), budget.rows(L + n)); });
                    }});
+  // OVQ with the OVQ code defaults (kvmem-run ovq): C 128, N 2048 centroids, plateau tN/(t+N), window of one
+  // chunk, no sinks, no RoPE split, beta 1.
+  cases.push_back({"ovq", "OVQ, budget::Plateau{2048}, max_rows 2048, C 128, window 1 x 128, beta 1", [](const Options& o) {
+                     constexpr long N = 2048;
+                     auto cfg = soak_config(N);
+                     cfg.chunk = 128;
+                     cfg.window_chunks = 1;
+                     cfg.rope_dims = 0;
+                     cfg.sinks = 0;
+                     const kvmem::budget::Plateau budget{static_cast<double>(N)};
+                     Kokkos::View<float*, space> beta("beta", 1);
+                     Kokkos::deep_copy(beta, 1.0f);
+                     kvmem::OvqMemory<exec, kvmem::budget::Plateau> mem(cfg, budget, {{}, {}, beta, beta}, 1);
+                     AttentionSubject subject(mem);
+                     const long C = cfg.chunk;
+                     return soak(
+                         subject, "ovq", o, [C](long n) { return ovq_plateau_rows(n, C, N); },
+                         [&](long n) { return std::min(budget.rows(n), N); });
+                   }});
+  // Trellis with the paper's 64 slots and the spec's defaults (phi silu, f LN-SiLU, gates checked).
+  cases.push_back({"trellis", "Trellis, 64 slots, phi silu, f ln-silu, one head", [](const Options& o) {
+                     kvmem::TrellisConfig cfg;
+                     cfg.slots = 64;
+                     cfg.head_dim = kDim;
+                     cfg.value_dim = kDim;
+                     cfg.heads = 1;
+                     kvmem::TrellisMemory<exec> mem(cfg, 1);
+                     TrellisSubject subject(mem);
+                     const long m = cfg.slots;
+                     return soak(subject, "trellis", o, [m](long) { return m; }, [m](long) { return m; });
+                   }});
+  // Eviction memories (issue "Fixed-budget KV eviction"): one entry per scorer here.
   return cases;
 }
 

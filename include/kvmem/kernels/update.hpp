@@ -16,12 +16,11 @@
 /// identical bits.
 
 #include <Kokkos_Core.hpp>
-#include <string>
 
 #include "../config.hpp"
 #include "../policy/layer_weights.hpp"
 #include "../policy/merge/concept.hpp"
-#include "../policy/score/concept.hpp"
+#include "../policy/score/append_scorer.hpp"
 #include "../state/state_rows.hpp"
 #include "step_plan.hpp"
 #include "vector_ops.hpp"
@@ -62,7 +61,7 @@ KOKKOS_INLINE_FUNCTION bool seeding(long rows_before) {
 /// many tokens found rows, lowest Scorer score first (when seeding, row 0 is one of them). Plan rows with
 /// block_count == 0 are untouched. `max_block` bounds block_count over the batch (<= chunk) and
 /// `max_rows_after` bounds the rows any sequence has afterwards (at least 1).
-template <merge::MergePolicy Merge, score::EvictionScorer Scorer, class ExecSpace>
+template <merge::MergePolicy Merge, score::AppendScorer Scorer, class ExecSpace>
 void update_state(const ExecSpace& exec, const MemoryConfig& cfg, const LayerWeightsRef& w,
                   const state::StateRows<typename ExecSpace::memory_space>& st,
                   const state::WindowRing<typename ExecSpace::memory_space>& ring,
@@ -79,10 +78,6 @@ void update_state(const ExecSpace& exec, const MemoryConfig& cfg, const LayerWei
   const auto new_rows = scratch.new_rows;
   const auto routes = scratch.routes;
   using range = Kokkos::RangePolicy<ExecSpace>;
-  // Kokkos takes labels as const std::string&: built once here, not copied to the heap at every launch.
-  static const std::string stage_label = "kvmem::update_stage", score_label = "kvmem::update_score",
-                           select_label = "kvmem::update_select", append_label = "kvmem::update_append",
-                           route_label = "kvmem::update_route", fold_label = "kvmem::update_fold";
   // Tokens selected for new rows: M* - m, or one fewer when seeding (row 0 is founded by the fold).
   auto selected = [=] KOKKOS_FUNCTION(long b) {
     const long app = p(b, append_count);
@@ -94,13 +89,13 @@ void update_state(const ExecSpace& exec, const MemoryConfig& cfg, const LayerWei
   };
 
   // 1. stage: memory keys.
-  Kokkos::parallel_for(stage_label, range(exec, 0, B * H * C), KOKKOS_LAMBDA(long idx) {
+  Kokkos::parallel_for("kvmem::update_stage", range(exec, 0, B * H * C), KOKKOS_LAMBDA(long idx) {
     const long j = idx % C, h = (idx / C) % H, b = idx / (C * H);
     if (j >= p(b, block_count)) return;
     Merge::memory_key(cfg, w, &ring.keys(b, h, ring.slot(p(b, block_begin) + j), 0), &keys(b, h, j, 0));
   });
   // 2. score: against the existing rows' read keys, or (seeding) against the block's first token.
-  Kokkos::parallel_for(score_label, range(exec, 0, B * H * C), KOKKOS_LAMBDA(long idx) {
+  Kokkos::parallel_for("kvmem::update_score", range(exec, 0, B * H * C), KOKKOS_LAMBDA(long idx) {
     const long j = idx % C, h = (idx / C) % H, b = idx / (C * H);
     if (j >= p(b, block_count) || !must_rank(b)) return;
     const long m = p(b, rows_before);
@@ -113,7 +108,7 @@ void update_state(const ExecSpace& exec, const MemoryConfig& cfg, const LayerWei
   //    non-finite key) rank after every number, so the ranks stay a permutation of 0..count-1: with plain
   //    `<` every NaN would rank 0, more tokens than planned would found rows, past the rows the host
   //    planned and allocated, or several tokens would write one row.
-  Kokkos::parallel_for(select_label, range(exec, 0, B * H * C), KOKKOS_LAMBDA(long idx) {
+  Kokkos::parallel_for("kvmem::update_select", range(exec, 0, B * H * C), KOKKOS_LAMBDA(long idx) {
     const long j = idx % C, h = (idx / C) % H, b = idx / (C * H);
     const long count = p(b, block_count), n = selected(b);
     if (j >= count) return;
@@ -132,7 +127,7 @@ void update_state(const ExecSpace& exec, const MemoryConfig& cfg, const LayerWei
     ranks(b, h, j) = rank;
   });
   // 4. append: selected tokens become rows base.. in token or score order (spec KVM.md §5.4, OVQ.md §5.1).
-  Kokkos::parallel_for(append_label, range(exec, 0, B * H * C), KOKKOS_LAMBDA(long idx) {
+  Kokkos::parallel_for("kvmem::update_append", range(exec, 0, B * H * C), KOKKOS_LAMBDA(long idx) {
     const long j = idx % C, h = (idx / C) % H, b = idx / (C * H);
     const long n = selected(b), m = p(b, rows_before);
     if (j >= p(b, block_count)) return;
@@ -155,7 +150,7 @@ void update_state(const ExecSpace& exec, const MemoryConfig& cfg, const LayerWei
   // 5. route the other tokens: seeding -> row 0; else argmax over the rows before or after the append,
   //    from the first non-sink row (spec KVM.md §5.5 and §9 #2-#3, OVQ.md §5.1).
   const long sinks = cfg.sinks;
-  Kokkos::parallel_for(route_label, range(exec, 0, B * H * C), KOKKOS_LAMBDA(long idx) {
+  Kokkos::parallel_for("kvmem::update_route", range(exec, 0, B * H * C), KOKKOS_LAMBDA(long idx) {
     const long j = idx % C, h = (idx / C) % H, b = idx / (C * H);
     if (j >= p(b, block_count) || new_rows(b, h, j) >= 0) return;
     const long m = p(b, rows_before);
@@ -202,7 +197,7 @@ void update_state(const ExecSpace& exec, const MemoryConfig& cfg, const LayerWei
     routes(b, h, j) = best_row;
   });
   // 6. fold routed tokens into their rows in token order, then refresh the rows' read caches.
-  Kokkos::parallel_for(fold_label, range(exec, 0, B * H * R), KOKKOS_LAMBDA(long idx) {
+  Kokkos::parallel_for("kvmem::update_fold", range(exec, 0, B * H * R), KOKKOS_LAMBDA(long idx) {
     const long i = idx % R, h = (idx / R) % H, b = idx / (R * H);
     const long count = p(b, block_count);
     bool touched = false;

@@ -3,7 +3,6 @@
 /// Copies new tokens' keys, values and gate pre-activations into the block sliding window ring.
 
 #include <Kokkos_Core.hpp>
-#include <string>
 
 #include "../config.hpp"
 #include "../state/state_rows.hpp"
@@ -25,9 +24,10 @@ void write_window(const ExecSpace& exec, const MemoryConfig& cfg,
   if (max_tokens <= 0 || B == 0) return;
   const auto p = plan.device;
   const bool has_gate = gate.data() != nullptr;
-  static const std::string label = "kvmem::write_window";  // once, not a heap copy per launch (decode: every token)
+  // A label of at most 15 characters: Kokkos copies it into a std::string at every launch, and a longer
+  // one would be a heap allocation per decoded token (docs/reliability.md).
   Kokkos::parallel_for(
-      label, Kokkos::RangePolicy<ExecSpace>(exec, 0, B * H * max_tokens), KOKKOS_LAMBDA(long idx) {
+      "kvmem::window", Kokkos::RangePolicy<ExecSpace>(exec, 0, B * H * max_tokens), KOKKOS_LAMBDA(long idx) {
         const long i = idx % max_tokens, h = (idx / max_tokens) % H, b = idx / (max_tokens * H);
         const long pos = p(b, write_begin) + i;
         if (pos >= p(b, write_end)) return;

@@ -5,7 +5,7 @@
 #include <Kokkos_Core.hpp>
 
 #include "../../kernels/vector_ops.hpp"
-#include "concept.hpp"
+#include "append_scorer.hpp"
 
 namespace kvmem::score {
 
@@ -23,6 +23,6 @@ struct Novelty {
     return best;
   }
 };
-static_assert(EvictionScorer<Novelty>);
+static_assert(AppendScorer<Novelty>);
 
 }  // namespace kvmem::score

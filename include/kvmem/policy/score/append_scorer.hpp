@@ -1,6 +1,6 @@
 #pragma once
 /// \file concept.hpp
-/// The EvictionScorer concept: which overflow tokens win a new row when the budget lets the state grow.
+/// The AppendScorer concept: which overflow tokens win a new row when the budget lets the state grow.
 
 #include <concepts>
 #include <string_view>
@@ -12,7 +12,7 @@ namespace kvmem::score {
 /// [head_dim] against the `rows` current state rows' read keys ([rows, head_dim], row-major). The
 /// memory appends the tokens with the lowest scores, ties to the lower token index (spec KVM.md §5.3).
 template <class S>
-concept EvictionScorer = requires(const float* key, const float* rows_keys, long rows, int dim) {
+concept AppendScorer = requires(const float* key, const float* rows_keys, long rows, int dim) {
   { S::name } -> std::convertible_to<std::string_view>;
   { S::score(key, rows_keys, rows, dim) } -> std::same_as<float>;
 };
