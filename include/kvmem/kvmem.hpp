@@ -4,6 +4,7 @@
 
 #include "config.hpp"
 #include "errors.hpp"
+#include "eviction.hpp"
 #include "kernels/exact_attention.hpp"
 #include "memory.hpp"
 #include "policy/budget/fixed.hpp"

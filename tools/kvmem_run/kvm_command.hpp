@@ -52,26 +52,13 @@ struct KvmInputs : Batch<MemorySpace> {
   /// Reads and checks every tensor; throws kvmem::invalid_argument naming the first bad one.
   static KvmInputs load(const io::SafetensorsFile& f) {
     KvmInputs in;
-    const auto& q = float_tensor(f, "q", 4, "[B, Hq, T, D]");
-    const auto& k = float_tensor(f, "k", 4, "[B, Hkv, T, D]");
-    const auto& v = float_tensor(f, "v", 4, "[B, Hkv, T, Dv]");
+    static_cast<Batch<MemorySpace>&>(in) = Batch<MemorySpace>::load_qkv(f);
     const auto& g = float_tensor(f, "gate", 3, "[B, Hkv, T]");
     const auto& lw = float_tensor(f, "ln_weight", 1, "[D]");
     const auto& lb = float_tensor(f, "ln_bias", 1, "[D]");
     const auto& ts = float_tensor(f, "tau_state", 1, "[Hq]");
     const auto& tb = float_tensor(f, "tau_bswa", 1, "[Hq]");
-    require_token_fits(f, q, "q", 2);
-    require_token_fits(f, k, "k", 2);
-    require_token_fits(f, v, "v", 2);
     require_token_fits(f, g, "gate", 2);
-    in.B = q.shape[0], in.Hq = q.shape[1], in.T = q.shape[2], in.D = q.shape[3];
-    in.Hkv = k.shape[1], in.Dv = v.shape[3];
-    expect_dim(k, "k", 0, in.B, "B (from q)");
-    expect_dim(k, "k", 2, in.T, "T (from q)");
-    expect_dim(k, "k", 3, in.D, "D (from q)");
-    expect_dim(v, "v", 0, in.B, "B (from q)");
-    expect_dim(v, "v", 1, in.Hkv, "Hkv (from k)");
-    expect_dim(v, "v", 2, in.T, "T (from q)");
     expect_dim(g, "gate", 0, in.B, "B (from q)");
     expect_dim(g, "gate", 1, in.Hkv, "Hkv (from k)");
     expect_dim(g, "gate", 2, in.T, "T (from q)");
@@ -79,14 +66,6 @@ struct KvmInputs : Batch<MemorySpace> {
     expect_dim(lb, "ln_bias", 0, in.D, "D (from q)");
     expect_dim(ts, "tau_state", 0, in.Hq, "Hq (from q)");
     expect_dim(tb, "tau_bswa", 0, in.Hq, "Hq (from q)");
-    require(in.B >= 1, "tensor 'q' shape", shape_string(q.shape), "needs at least one sequence (B >= 1)");
-    require(in.Hkv >= 1 && in.Hq % in.Hkv == 0, "tensor 'q' shape", shape_string(q.shape),
-            "query heads Hq = " + std::to_string(in.Hq) + " must be a positive multiple of the kv-heads Hkv = " +
-                std::to_string(in.Hkv) + " of tensor 'k'");
-    in.lengths = load_lengths(f, in.B, in.T);
-    in.q = to_view<4, MemorySpace>(q, "q");
-    in.k = to_view<4, MemorySpace>(k, "k");
-    in.v = to_view<4, MemorySpace>(v, "v");
     in.gate = to_view<3, MemorySpace>(g, "gate");
     in.weights = {to_view<1, MemorySpace>(lw, "ln_weight"), to_view<1, MemorySpace>(lb, "ln_bias"),
                   to_view<1, MemorySpace>(ts, "tau_state"), to_view<1, MemorySpace>(tb, "tau_bswa")};

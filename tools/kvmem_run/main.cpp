@@ -8,6 +8,7 @@
 #include <cstdio>
 #include <exception>
 
+#include "evict_command.hpp"
 #include "kvm_command.hpp"
 #include "ovq_command.hpp"
 #include "trellis_command.hpp"
@@ -21,6 +22,8 @@ int main(int argc, char** argv) {
   auto* ovq_cmd = kvmem::tools::add_ovq_command(app, ovq);
   kvmem::tools::TrellisOptions trellis;
   auto* trellis_cmd = kvmem::tools::add_trellis_command(app, trellis);
+  kvmem::tools::EvictOptions evict;
+  auto* evict_cmd = kvmem::tools::add_evict_command(app, evict);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -31,6 +34,7 @@ int main(int argc, char** argv) {
     if (kvm_cmd->parsed()) kvmem::tools::run_kvm(kvm);
     if (ovq_cmd->parsed()) kvmem::tools::run_ovq(ovq);
     if (trellis_cmd->parsed()) kvmem::tools::run_trellis(trellis);
+    if (evict_cmd->parsed()) kvmem::tools::run_evict(evict);
   } catch (const kvmem::invalid_argument& e) {
     std::fprintf(stderr, "kvmem-run: error: %s\n", e.what());
     return 2;

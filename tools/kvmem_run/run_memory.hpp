@@ -14,17 +14,9 @@
 #include <kvmem/io/safetensors.hpp>
 #include <kvmem/kvmem.hpp>
 
-namespace kvmem::tools {
+#include "batch.hpp"
 
-/// Device views of one batch: q [B, Hq, T, D], k [B, Hkv, T, D], v [B, Hkv, T, Dv], gate [B, Hkv, T] (may
-/// be empty: z = 0) and the sequence lengths.
-template <class MemorySpace>
-struct Batch {
-  Kokkos::View<float****, Kokkos::LayoutRight, MemorySpace> q, k, v;
-  Kokkos::View<float***, Kokkos::LayoutRight, MemorySpace> gate;
-  std::vector<long> lengths;
-  long B = 0, Hq = 0, Hkv = 0, T = 0, D = 0, Dv = 0;
-};
+namespace kvmem::tools {
 
 /// Output tensor names of the final state: keys [B, Hkv, M, D], values [B, Hkv, M, Dv], the per-row
 /// scalar [B, Hkv, M] (radius or count) and the row counts [B, Hkv] (int64).

@@ -185,7 +185,8 @@ struct SafetensorsFile {
   }
   [[nodiscard]] bool has(const std::string& name) const { return tensors.count(name) != 0; }
 
-  /// Adds a tensor from host data of type T (float -> F32, double -> F64, int64 -> I64, int32 -> I32).
+  /// Adds a tensor from host data of type T (float -> F32, double -> F64, int64 -> I64, int32 -> I32,
+  /// unsigned char -> U8).
   template <class T>
   void put(const std::string& name, std::vector<std::int64_t> shape, const T* data) {
     Tensor t;
@@ -193,6 +194,7 @@ struct SafetensorsFile {
     else if constexpr (std::is_same_v<T, double>) t.dtype = "F64";
     else if constexpr (std::is_same_v<T, std::int64_t>) t.dtype = "I64";
     else if constexpr (std::is_same_v<T, std::int32_t>) t.dtype = "I32";
+    else if constexpr (std::is_same_v<T, unsigned char>) t.dtype = "U8";
     else static_assert(sizeof(T) == 0, "unsupported element type");
     t.shape = std::move(shape);
     const auto n = static_cast<std::size_t>(t.numel()) * sizeof(T);

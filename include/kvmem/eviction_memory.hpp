@@ -1,0 +1,205 @@
+#pragma once
+/// \file eviction_memory.hpp
+/// EvictionMemory<ExecSpace, Scorer>: a fixed-budget KV cache that keeps sinks, a protected window and the
+/// top-k tokens by an eviction scorer, read with one softmax (kvpop-paper Sec. 2; spec EVICTION.md §1-§4, §6).
+
+#include <Kokkos_Core.hpp>
+#include <algorithm>
+#include <span>
+#include <string>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#include "errors.hpp"
+#include "eviction_config.hpp"
+#include "kernels/eviction_step.hpp"
+#include "policy/score/eviction_scorer.hpp"
+#include "state/eviction_cache.hpp"
+
+namespace kvmem {
+
+/// The eviction memory of one layer for a batch of sequences on the Kokkos execution space `ExecSpace`.
+///
+/// Per (sequence b, kv-head h) it caches at most B = sinks + window + top_k tokens (rows): the first s
+/// tokens (sinks), the last w (protected window, the current token included) and at most k of the tokens
+/// in between, those with the highest effective score (score::EvictionScorer; spec EVICTION.md §1, §4).
+/// At step q token q enters; when token q - w leaves the window it joins the retained set R, and while
+/// |R| > k the row with the lowest effective score is evicted (ties: the older token) and its slot freed:
+/// the memory really is bounded, B + 1 rows per (b, h) whatever the sequence length. Then every query
+/// head of the group reads the cached rows with one softmax (q . k / sqrt(D), no temperature).
+/// Delayed scorers (score::MLstm) score a token when it leaves the window (§2); scorers that need attention
+/// probabilities (score::AccumulatedAttention, score::LastQueryAttention) get them from the readout, the
+/// others pay nothing for them.
+///
+/// Tensors are views in (sequence, head, token, channel) order with unit channel stride and any other
+/// strides (LayoutStride), in ExecSpace's memory space, float32:
+///   q [B, Hq, T, D], k [B, Hkv, T, D], v [B, Hkv, T, Dv] in, y [B, Hq, T, Dv] out (must not alias an input).
+/// prefill() and decode() both run the per-token state machine, one token after the other per (b, h) and
+/// the heads and sequences in parallel, so a prompt through prefill, through decode, or split between them
+/// gives the same bits, and results are the same on any number of threads of a backend.
+///
+/// \code
+/// kvmem::EvictionConfig cfg{.head_dim = 64, .value_dim = 64, .query_heads = 8, .kv_heads = 2,
+///                           .sinks = 4, .window = 64, .top_k = 448};
+/// kvmem::EvictionMemory<Kokkos::DefaultExecutionSpace, kvmem::score::AccumulatedAttention> memory(cfg, batch);
+/// memory.prefill(q, k, v, y);     // the prompt
+/// memory.decode(q1, k1, v1, y1);  // then one token at a time
+/// \endcode
+template <class ExecSpace, score::EvictionScorer Scorer>
+class EvictionMemory {
+ public:
+  using execution_space = ExecSpace;
+  using memory_space = typename ExecSpace::memory_space;
+  using scorer_type = Scorer;
+  /// q, k, v: [B, heads, T, channels], unit channel stride.
+  using tokens_in = Kokkos::View<const float****, Kokkos::LayoutStride, memory_space>;
+  /// y: [B, Hq, T, Dv], unit channel stride.
+  using tokens_out = Kokkos::View<float****, Kokkos::LayoutStride, memory_space>;
+
+  /// An empty memory for `batch` sequences with the scorer `scorer` (its parameters and weights). Throws
+  /// kvmem::invalid_argument for a bad config field (EvictionConfig::validate), `batch` < 1, or what the
+  /// scorer's bind() rejects (e.g. a missing or misshapen mLSTM weight, naming it).
+  EvictionMemory(const EvictionConfig& config, int batch, const Scorer& scorer = Scorer{},
+                 const ExecSpace& exec = ExecSpace())
+      : cfg_(config), scorer_(scorer), exec_(exec) {
+    cfg_.validate();
+    require(batch >= 1, "batch", batch, "must be >= 1");
+    scorer_.bind(batch, cfg_);
+    tokens_.assign(batch, 0);
+    cache_.allocate(batch, cfg_.kv_heads, cfg_.budget() + 1, cfg_.head_dim, cfg_.value_dim, Scorer::needs_probabilities);
+    first_ = Kokkos::View<long*, memory_space>("kvmem::evict_first", batch);
+    lengths_ = Kokkos::View<long*, memory_space>("kvmem::evict_lengths", batch);
+    first_host_ = Kokkos::create_mirror_view(first_);
+    lengths_host_ = Kokkos::create_mirror_view(lengths_);
+  }
+
+  /// Runs T tokens of every sequence through the policy, continuing from the current cache (spec
+  /// EVICTION.md §1). Sequence b uses tokens [0, lengths[b]) (all T when `lengths` is empty); y[b, :, t] for
+  /// t >= lengths[b] is written as zeros. Throws kvmem::invalid_argument, before anything changes, for
+  /// mismatched shapes, a non-contiguous channel axis or a length outside [0, T].
+  void prefill(const tokens_in& q, const tokens_in& k, const tokens_in& v, const tokens_out& y,
+               std::span<const long> lengths = {}) {
+    const long T = static_cast<long>(q.extent(2));
+    check_inputs(q, k, v, y, T, "prefill");
+    if (!lengths.empty())
+      require(static_cast<long>(lengths.size()) == batch(), "lengths.size()", lengths.size(),
+              "must equal the batch size " + std::to_string(batch()));
+    bool ragged = false;
+    for (long b = 0; b < batch(); ++b) {
+      const long n = lengths.empty() ? T : lengths[b];
+      require(n >= 0 && n <= T, "lengths[" + std::to_string(b) + "]", n, "must be in [0, T = " + std::to_string(T) + "]");
+      lengths_host_(b) = n;
+      ragged = ragged || n < T;
+    }
+    if (ragged) zero_tail(y);
+    run(q, k, v, y);
+  }
+
+  /// Runs one token of every sequence b with active[b] != 0 (all when `active` is empty): q [B, Hq, 1, D],
+  /// k [B, Hkv, 1, D], v [B, Hkv, 1, Dv], y [B, Hq, 1, Dv]. Inactive sequences keep their cache and their
+  /// rows of y are left untouched. Throws kvmem::invalid_argument, before anything changes, for mismatched
+  /// shapes or a token count other than 1.
+  void decode(const tokens_in& q, const tokens_in& k, const tokens_in& v, const tokens_out& y,
+              std::span<const unsigned char> active = {}) {
+    require(q.extent(2) == 1, "q.extent(2)", q.extent(2), "decode takes one token per sequence");
+    check_inputs(q, k, v, y, 1, "decode");
+    if (!active.empty())
+      require(static_cast<long>(active.size()) == batch(), "active.size()", active.size(),
+              "must equal the batch size " + std::to_string(batch()));
+    for (long b = 0; b < batch(); ++b) lengths_host_(b) = active.empty() || active[b] ? 1 : 0;
+    run(q, k, v, y);
+  }
+
+  /// Empties the cache of every sequence and resets the scorer's state; keeps the allocations.
+  void reset() {
+    Kokkos::deep_copy(exec_, cache_.positions, -1L);
+    Kokkos::deep_copy(exec_, cache_.live, 0L);
+    exec_.fence();
+    scorer_.reset();
+    Kokkos::fence();
+    tokens_.assign(tokens_.size(), 0);
+  }
+
+  /// Writes the cached tokens after the last step: positions [B, Hkv, K] (increasing, -1 past the row
+  /// count; K >= 0, positions beyond K are not written) and rows [B, Hkv] (cached rows, <= budget and <=
+  /// tokens seen). Views of this memory space, any layout. Throws kvmem::invalid_argument for other
+  /// leading extents.
+  template <class Positions, class Rows>
+  void kept(const Positions& positions, const Rows& rows) const {
+    require(static_cast<long>(positions.extent(0)) == batch() && static_cast<long>(positions.extent(1)) == cfg_.kv_heads,
+            "positions extents", std::to_string(positions.extent(0)) + " x " + std::to_string(positions.extent(1)),
+            "must be [B = " + std::to_string(batch()) + ", Hkv = " + std::to_string(cfg_.kv_heads) + ", K]");
+    require(static_cast<long>(rows.extent(0)) == batch() && static_cast<long>(rows.extent(1)) == cfg_.kv_heads,
+            "rows extents", std::to_string(rows.extent(0)) + " x " + std::to_string(rows.extent(1)),
+            "must be [B = " + std::to_string(batch()) + ", Hkv = " + std::to_string(cfg_.kv_heads) + "]");
+    kernels::eviction_kept(exec_, cache_, positions, rows);
+    exec_.fence();
+  }
+
+  [[nodiscard]] const EvictionConfig& config() const { return cfg_; }
+  [[nodiscard]] const Scorer& scorer() const { return scorer_; }
+  [[nodiscard]] long batch() const { return static_cast<long>(tokens_.size()); }
+  /// Tokens sequence b has seen since construction or reset().
+  [[nodiscard]] long tokens(long b) const { return tokens_.at(b); }
+  /// The device cache (slots, positions, statistics, order), for inspection.
+  [[nodiscard]] const state::EvictionCache<memory_space>& cache() const { return cache_; }
+  /// Bytes of keys and values the batch holds at most, float32: B * Hkv * (budget + 1) * (D + Dv) * 4,
+  /// whatever the token count (the + 1 is the row a step holds between its append and its eviction).
+  [[nodiscard]] long held_bytes() const {
+    return batch() * cfg_.kv_heads * (cfg_.budget() + 1) * (cfg_.head_dim + cfg_.value_dim) *
+           static_cast<long>(sizeof(float));
+  }
+
+ private:
+  void run(const tokens_in& q, const tokens_in& k, const tokens_in& v, const tokens_out& y) {
+    for (long b = 0; b < batch(); ++b) first_host_(b) = tokens_[b];
+    Kokkos::deep_copy(exec_, first_, first_host_);
+    Kokkos::deep_copy(exec_, lengths_, lengths_host_);
+    kernels::eviction_tokens(exec_, kernels::EvictionParams::of(cfg_), cache_, scorer_, q, k, v, y, first_, lengths_);
+    exec_.fence();
+    for (long b = 0; b < batch(); ++b) tokens_[b] += lengths_host_(b);
+  }
+
+  void zero_tail(const tokens_out& y) {
+    const auto len = lengths_;
+    Kokkos::deep_copy(exec_, lengths_, lengths_host_);
+    Kokkos::parallel_for(
+        "kvmem::evict_zero", Kokkos::MDRangePolicy<ExecSpace, Kokkos::Rank<3>>(exec_, {0, 0, 0}, {y.extent(0), y.extent(1), y.extent(2)}),
+        KOKKOS_LAMBDA(long b, long h, long t) {
+          if (t < len(b)) return;
+          for (long c = 0; c < static_cast<long>(y.extent(3)); ++c) y(b, h, t, c) = 0.0f;
+        });
+  }
+
+  void check_inputs(const tokens_in& q, const tokens_in& k, const tokens_in& v, const tokens_out& y, long T,
+                    const char* where) const {
+    const std::string at = std::string(" (") + where + ")";
+    auto dims = [&](const auto& x, const char* name, long heads, const char* heads_what, long c, const char* what) {
+      const std::string n(name);
+      require(static_cast<long>(x.extent(0)) == batch(), n + ".extent(0)", x.extent(0),
+              "must equal the batch size " + std::to_string(batch()) + at);
+      require(static_cast<long>(x.extent(1)) == heads, n + ".extent(1)", x.extent(1),
+              "must equal " + std::string(heads_what) + " = " + std::to_string(heads) + at);
+      require(static_cast<long>(x.extent(2)) == T, n + ".extent(2)", x.extent(2),
+              "must equal the token count " + std::to_string(T) + " of q" + at);
+      require(static_cast<long>(x.extent(3)) == c, n + ".extent(3)", x.extent(3),
+              "must equal " + std::string(what) + " = " + std::to_string(c) + at);
+      require(x.stride(3) == 1 || x.extent(3) <= 1, n + ".stride(3)", x.stride(3), "channels must be contiguous" + at);
+    };
+    dims(q, "q", cfg_.query_heads, "the query heads Hq", cfg_.head_dim, "head_dim D");
+    dims(k, "k", cfg_.kv_heads, "the kv-heads Hkv", cfg_.head_dim, "head_dim D");
+    dims(v, "v", cfg_.kv_heads, "the kv-heads Hkv", cfg_.value_dim, "value_dim Dv");
+    dims(y, "y", cfg_.query_heads, "the query heads Hq", cfg_.value_dim, "value_dim Dv");
+  }
+
+  EvictionConfig cfg_;
+  Scorer scorer_;
+  ExecSpace exec_;
+  std::vector<long> tokens_;
+  state::EvictionCache<memory_space> cache_;
+  Kokkos::View<long*, memory_space> first_, lengths_;
+  decltype(Kokkos::create_mirror_view(std::declval<Kokkos::View<long*, memory_space>>())) first_host_, lengths_host_;
+};
+
+}  // namespace kvmem

@@ -1,0 +1,172 @@
+#pragma once
+/// \file eviction_step.hpp
+/// One decode step of the fixed-budget eviction policy for one (sequence, kv-head): append, delayed
+/// scoring, eviction of the worst eligible row, one softmax over the cached rows for the G query heads,
+/// attention statistics (spec EVICTION.md §1 steps 1-5, §2, §4). Prefill and decode both run tokens
+/// through eviction_tokens(), one step after the other, so they compute the same bits.
+
+#include <Kokkos_Core.hpp>
+
+#include "../eviction_config.hpp"
+#include "../policy/score/eviction_scorer.hpp"
+#include "../state/eviction_cache.hpp"
+#include "readout.hpp"
+#include "vector_ops.hpp"
+
+namespace kvmem::kernels {
+
+/// The scalars a step needs, copied into the kernel.
+struct EvictionParams {
+  int head_dim, value_dim, group, sinks, window, top_k, decay_interval;
+  float scale;  ///< 1 / sqrt(D), the softmax scale of q . k (one softmax, no temperature; spec §1 step 4)
+
+  static EvictionParams of(const EvictionConfig& cfg) {
+    return {cfg.head_dim, cfg.value_dim, cfg.group(),      cfg.sinks,
+            cfg.window,   cfg.top_k,     cfg.decay_interval, 1.0f / Kokkos::sqrt(static_cast<float>(cfg.head_dim))};
+  }
+};
+
+/// Effective score of token t at step q on kv-head h (spec EVICTION.md §4), float64: with n = 1 the static
+/// key base - t log gamma (the q log gamma shared by all tokens dropped), else base + floor((q - t) / n) log gamma.
+template <class Scorer>
+KOKKOS_INLINE_FUNCTION double effective_score(const Scorer& scorer, const EvictionParams& p, double stat, long t,
+                                              long q, int h) {
+  const double base = scorer.base_score(stat, t, q, p.group);
+  const double log_gamma = scorer.log_decay(h);
+  if (log_gamma == 0.0) return base;
+  if (p.decay_interval == 1) return base - static_cast<double>(t) * log_gamma;
+  return base + static_cast<double>((q - t) / p.decay_interval) * log_gamma;
+}
+
+/// Step q (the token's position) of (b, h): token key [D] and value [Dv] enter, rows are evicted down to the
+/// budget, and out(g) [Dv] = softmax over the cached rows of query(g) [D] . k / sqrt(D), times the values,
+/// for the group's query heads g < G. Runs on one thread; every sum in a fixed order.
+template <class Scorer, class Cache, class QueryOf, class OutOf>
+KOKKOS_INLINE_FUNCTION void eviction_step(const EvictionParams& p, const Cache& c, const Scorer& scorer, long b, int h,
+                                          long q, const float* key, const float* value, const QueryOf& query_of,
+                                          const OutOf& out_of) {
+  const int D = p.head_dim, Dv = p.value_dim;
+  long live = c.live(b, h);
+  // 1. append token q into a free slot (one exists: at most B rows are cached before a step, B + 1 slots).
+  long slot = 0;
+  while (c.positions(b, h, slot) >= 0) ++slot;
+  for (int i = 0; i < D; ++i) c.keys(b, h, slot, i) = key[i];
+  for (int i = 0; i < Dv; ++i) c.values(b, h, slot, i) = value[i];
+  c.positions(b, h, slot) = q;
+  c.order(b, h, live) = static_cast<int>(slot);
+  ++live;
+  c.stats(b, h, slot) = scorer.absorb(b, h, q, &c.keys(b, h, slot, 0), &c.values(b, h, slot, 0));
+  // 2. delayed scoring (§2): u = q - w + 1, the oldest token of the window, is the live - w-th entry.
+  if constexpr (Scorer::delayed) {
+    const long u = q - p.window + 1;
+    if (u >= p.sinks && u >= 0) {
+      const int su = c.order(b, h, live - p.window);
+      c.stats(b, h, su) = scorer.delayed_score(b, h, u, &c.keys(b, h, su, 0), &c.values(b, h, su, 0));
+    }
+  }
+  // 3. evict the worst of R = {s <= t <= q - w} while |R| > k; R is a contiguous run of the order list:
+  //    after the min(s, q + 1) sinks and before the min(w, q + 1 - s) window tokens that are not sinks.
+  const long r_begin = q + 1 < p.sinks ? q + 1 : p.sinks;
+  const long window_only = q + 1 - p.sinks < p.window ? q + 1 - p.sinks : p.window;
+  long r_end = live - (window_only > 0 ? window_only : 0);
+  while (r_end - r_begin > p.top_k) {
+    long worst = r_begin;
+    double worst_score = 0.0;
+    for (long i = r_begin; i < r_end; ++i) {
+      const int si = c.order(b, h, i);
+      const double e = effective_score(scorer, p, c.stats(b, h, si), c.positions(b, h, si), q, h);
+      // strictly lower loses; on a tie the older token (visited first) stays the loser: newer wins (§4)
+      if (i == r_begin || e < worst_score) worst = i, worst_score = e;
+    }
+    c.positions(b, h, c.order(b, h, worst)) = -1;
+    for (long i = worst; i + 1 < live; ++i) c.order(b, h, i) = c.order(b, h, i + 1);
+    --live, --r_end;
+  }
+  c.live(b, h) = live;
+  // 4. attention of the G query heads over the cached rows in position order (one softmax).
+  for (int g = 0; g < p.group; ++g) {
+    const float* qv = query_of(g);
+    float* y = out_of(g);
+    float max_logit = neg_inf();
+    for (long i = 0; i < live; ++i) {
+      const float l = dot(qv, &c.keys(b, h, c.order(b, h, i), 0), D) * p.scale;
+      c.logits(b, h, i) = l;
+      max_logit = l > max_logit ? l : max_logit;
+    }
+    for (int ch = 0; ch < Dv; ++ch) y[ch] = 0.0f;
+    float normalizer = 0.0f;
+    for (long i = 0; i < live; ++i) {
+      const float e = softmax_exp(c.logits(b, h, i) - max_logit);
+      normalizer += e;
+      const float* v = &c.values(b, h, c.order(b, h, i), 0);
+      for (int ch = 0; ch < Dv; ++ch) y[ch] = mul_add(e, v[ch], y[ch]);
+    }
+    const float inv = 1.0f / normalizer;
+    for (int ch = 0; ch < Dv; ++ch) y[ch] *= inv;
+    // The probabilities the scorer reads, in float64 (spec §6 "needs P"): only for scorers that ask.
+    if constexpr (Scorer::needs_probabilities) {
+      const double scale_d = 1.0 / Kokkos::sqrt(static_cast<double>(D));
+      double max_d = -Kokkos::Experimental::infinity_v<double>;
+      for (long i = 0; i < live; ++i) {
+        const float* kk = &c.keys(b, h, c.order(b, h, i), 0);
+        double s = 0.0;
+        for (int ch = 0; ch < D; ++ch) s += static_cast<double>(qv[ch]) * kk[ch];
+        s *= scale_d;
+        c.logits64(b, h, i) = s;
+        max_d = s > max_d ? s : max_d;
+      }
+      double sum = 0.0;
+      for (long i = 0; i < live; ++i) {
+        const double e = Kokkos::exp(c.logits64(b, h, i) - max_d);
+        c.logits64(b, h, i) = e;
+        sum += e;
+      }
+      for (long i = 0; i < live; ++i)
+        c.probabilities(b, h, i) = (g == 0 ? 0.0 : c.probabilities(b, h, i)) + c.logits64(b, h, i) / sum;
+    }
+  }
+  // 5. attention statistics (H2O, TOVA) from this step's probabilities, summed over the group.
+  if constexpr (Scorer::needs_probabilities) {
+    for (long i = 0; i < live; ++i) {
+      const int si = c.order(b, h, i);
+      c.stats(b, h, si) = scorer.attended(c.stats(b, h, si), c.probabilities(b, h, i), p.group);
+    }
+  }
+}
+
+/// Runs tokens [0, lengths[b]) of every sequence b through eviction_step, in order, at positions
+/// first[b] + i: q [B, Hq, T, D], k [B, Hkv, T, D], v [B, Hkv, T, Dv] in, y [B, Hq, T, Dv] out (rows past
+/// lengths[b] untouched). One thread per (sequence, kv-head): the steps of a head are sequential by
+/// definition (spec EVICTION.md §1), the heads and sequences independent.
+template <class Scorer, class ExecSpace, class Cache, class TokensIn, class TokensOut, class Lengths>
+void eviction_tokens(const ExecSpace& exec, const EvictionParams& p, const Cache& cache, const Scorer& scorer,
+                     const TokensIn& q, const TokensIn& k, const TokensIn& v, const TokensOut& y, const Lengths& first,
+                     const Lengths& lengths) {
+  const long B = static_cast<long>(k.extent(0)), H = static_cast<long>(k.extent(1));
+  Kokkos::parallel_for(
+      "kvmem::evict", Kokkos::RangePolicy<ExecSpace>(exec, 0, B * H), KOKKOS_LAMBDA(long idx) {
+        const long b = idx / H;
+        const int h = static_cast<int>(idx % H);
+        for (long i = 0; i < lengths(b); ++i) {
+          auto query_of = [&](int g) { return &q(b, h * p.group + g, i, 0); };
+          auto out_of = [&](int g) { return &y(b, h * p.group + g, i, 0); };
+          eviction_step(p, cache, scorer, b, h, first(b) + i, &k(b, h, i, 0), &v(b, h, i, 0), query_of, out_of);
+        }
+      });
+}
+
+/// positions [B, Hkv, K] = the cached tokens' positions in increasing order, -1 past rows [B, Hkv] = the
+/// cached row count (spec EVICTION.md §1 "Outputs": sinks, window and retained rows after the last step).
+template <class ExecSpace, class Cache, class Positions, class Rows>
+void eviction_kept(const ExecSpace& exec, const Cache& cache, const Positions& positions, const Rows& rows) {
+  const long B = static_cast<long>(cache.live.extent(0)), H = static_cast<long>(cache.live.extent(1));
+  const long K = static_cast<long>(positions.extent(2));
+  Kokkos::parallel_for(
+      "kvmem::evict_kept", Kokkos::RangePolicy<ExecSpace>(exec, 0, B * H), KOKKOS_LAMBDA(long idx) {
+        const long b = idx / H, h = idx % H, live = cache.live(b, h);
+        rows(b, h) = live;
+        for (long i = 0; i < K; ++i) positions(b, h, i) = i < live ? cache.positions(b, h, cache.order(b, h, i)) : -1;
+      });
+}
+
+}  // namespace kvmem::kernels

@@ -1,0 +1,68 @@
+#pragma once
+/// \file eviction_scorer.hpp
+/// The EvictionScorer concept: which rows of a fixed-budget cache lose when it is over budget
+/// (kvpop-paper Sec. 2; spec EVICTION.md §1, §2, §4, §6), and score::EvictionDefaults, its default hooks.
+
+#include <Kokkos_Core.hpp>
+#include <concepts>
+#include <string_view>
+
+#include "../../eviction_config.hpp"
+
+namespace kvmem::score {
+
+/// Default hooks of an eviction scorer. A scorer derives from this struct and replaces what it needs.
+///
+/// Every token of a (sequence b, kv-head h) holds one double `stat` while it is cached. The memory calls,
+/// on one device thread per (b, h), in this order at every step q (spec EVICTION.md §1):
+/// 1. `stat = absorb(b, h, q, key, value)` when token q enters (key [D], value [Dv], as cached);
+///    stateful scorers update their state here;
+/// 2. if `delayed`: `stat_u = delayed_score(b, h, u, key_u, value_u)` for the token u = q - w + 1 about to
+///    leave the window (u >= sinks), read from the state after absorbing q (spec §2);
+/// 3. evicts the eligible row with the lowest effective score (below), ties to the older token;
+/// 4. if `needs_probabilities`: after the attention of step q,
+///    `stat = attended(stat, p, G)` for every attended token, p = sum over the G query heads of the
+///    group of its softmax probability (float64).
+/// Effective score of token t at step q (spec §4): base = `base_score(stat, t, q, G)`, then
+///   n = 1: base - t * log_decay(h)  (q * log_decay(h) is the same for every token and is left out);
+///   n > 1: base + floor((q - t) / n) * log_decay(h).
+/// Higher is better. `bind` (host) is called once by the memory with its batch size and config, and may
+/// allocate state or throw kvmem::invalid_argument; `reset` (host) returns the state to that of an empty
+/// cache.
+struct EvictionDefaults {
+  /// The scorer reads attention probabilities: the memory computes them (and pays for them) only then.
+  static constexpr bool needs_probabilities = false;
+  /// The score is read when the token leaves the window, not at insertion (spec §2).
+  static constexpr bool delayed = false;
+  /// log gamma of the effective score for every kv-head; 0 (no decay) for the training-free scorers
+  /// unless the user opts in (spec §4).
+  double log_gamma = 0.0;
+
+  void bind(long /*batch*/, const EvictionConfig& /*cfg*/) {}
+  void reset() const {}
+  KOKKOS_INLINE_FUNCTION double absorb(long, int, long, const float*, const float*) const { return 0.0; }
+  KOKKOS_INLINE_FUNCTION double delayed_score(long, int, long, const float*, const float*) const { return 0.0; }
+  KOKKOS_INLINE_FUNCTION double attended(double stat, double, int) const { return stat; }
+  KOKKOS_INLINE_FUNCTION double base_score(double stat, long, long, int) const { return stat; }
+  KOKKOS_INLINE_FUNCTION double log_decay(int) const { return log_gamma; }
+};
+
+/// An eviction scorer: a copyable value type (copied into kernels; state lives in Kokkos views it owns)
+/// with `name`, the flags `needs_probabilities` and `delayed`, and the hooks of EvictionDefaults.
+template <class S>
+concept EvictionScorer =
+    std::copy_constructible<S> &&
+    requires(S s, const S cs, long b, int h, long t, const float* x, double stat, int g, const EvictionConfig& cfg) {
+      { S::name } -> std::convertible_to<std::string_view>;
+      { S::needs_probabilities } -> std::convertible_to<bool>;
+      { S::delayed } -> std::convertible_to<bool>;
+      s.bind(b, cfg);
+      cs.reset();
+      { cs.absorb(b, h, t, x, x) } -> std::same_as<double>;
+      { cs.delayed_score(b, h, t, x, x) } -> std::same_as<double>;
+      { cs.attended(stat, stat, g) } -> std::same_as<double>;
+      { cs.base_score(stat, t, t, g) } -> std::same_as<double>;
+      { cs.log_decay(h) } -> std::same_as<double>;
+    };
+
+}  // namespace kvmem::score

@@ -1,0 +1,25 @@
+#pragma once
+/// \file key_norm.hpp
+/// score::KeyNorm — keep the keys of smallest L2 norm (Devoto et al. 2024; spec EVICTION.md §6 "KNorm").
+
+#include <Kokkos_Core.hpp>
+
+#include "eviction_scorer.hpp"
+
+namespace kvmem::score {
+
+/// score_t = -||k_t||_2 of the key as cached [D], float64 sum, fixed at insertion: low-norm keys draw
+/// more attention and are kept (spec EVICTION.md §6, kvpress `knorm_press.py`).
+struct KeyNorm : EvictionDefaults {
+  static constexpr std::string_view name = "knorm";
+  int head_dim = 0;
+  void bind(long, const EvictionConfig& cfg) { head_dim = cfg.head_dim; }
+  KOKKOS_INLINE_FUNCTION double absorb(long, int, long, const float* key, const float*) const {
+    double s = 0.0;
+    for (int c = 0; c < head_dim; ++c) s += static_cast<double>(key[c]) * key[c];
+    return -Kokkos::sqrt(s);
+  }
+};
+static_assert(EvictionScorer<KeyNorm>);
+
+}  // namespace kvmem::score

@@ -1,0 +1,157 @@
+#pragma once
+/// \file mlstm.hpp
+/// score::MLstm — KVPOP's learned scorer: a per-kv-head mLSTM over the cached [k ; v], delayed scoring and a
+/// per-head temporal decay (kvpop-paper Sec. 2, App. B, E; spec EVICTION.md §2-§4; numerics of
+/// NX-AI/mlstm_kernels `native_step.py`).
+
+#include <Kokkos_Core.hpp>
+
+#include "eviction_scorer.hpp"
+#include "mlstm_weights.hpp"
+
+namespace kvmem::score {
+
+/// The normaliser of the mLSTM readout (spec EVICTION.md §3, Q4).
+enum class MLstmNormalizer {
+  xlstm,  ///< h = (q'^T C) / (max(|q' . n|, exp(-m)) + eps), q' = qf / sqrt(D) (mlstm_kernels; default)
+  plain,  ///< h = (qf^T C) / (qf . n) (kvpop-paper App. B eq. 3)
+};
+
+/// KVPOP's mLSTM scorer, one recurrent state per (sequence, kv-head), float64 arithmetic on float32 weights
+/// (spec EVICTION.md §3, §4, Q9). With x_t = [k_t ; v_t] (X = D + Dv channels, as cached), h = D / 2 and
+/// HH(y) = [softmax(y) ; softmax(-y)] (Hedgehog, h -> D):
+///   qf_t = HH(x_t W_q), kf_t = HH(x_t W_k) [D], vf_t = x_t W_v [h],
+///   i~_t = c tanh((x_t . w_i + b_i) / c),  log f_t = logsigmoid(c tanh((x_t . w_f + b_f) / c)),
+///   m_t = max(log f_t + m_{t-1}, i~_t),
+///   C_t = exp(log f_t + m_{t-1} - m_t) C_{t-1} + exp(i~_t - m_t) kf_t vf_t^T   [D, h],
+///   n_t = exp(log f_t + m_{t-1} - m_t) n_{t-1} + exp(i~_t - m_t) kf_t          [D],
+/// from C = 0, n = 0, m = 0. Token u is scored with the state after token u + w - 1 (delayed scoring, §2):
+///   score_u = w_s . SiLU(h) + b_s with h from the normaliser (MLstmNormalizer).
+/// Effective score (§4): log gamma_h = log 0.999 + sigmoid(theta_h) (log 0.999999 - log 0.999).
+/// Soft cap c = `soft_cap` (15, the xLSTM default; <= 0 turns the cap off), eps = `eps` (1e-6).
+///
+/// State (allocated by bind): C [B, Hkv, D, h], n [B, Hkv, D], m [B, Hkv], float64, plus a work buffer
+/// [B, Hkv, D + h]. bind() throws kvmem::invalid_argument naming a missing or misshapen weight.
+template <class MemorySpace>
+struct MLstm : EvictionDefaults {
+  static constexpr std::string_view name = "kvpop";
+  static constexpr bool delayed = true;
+
+  MLstmWeights<MemorySpace> weights;
+  MLstmNormalizer normalizer = MLstmNormalizer::xlstm;
+  double soft_cap = 15.0;
+  double eps = 1e-6;
+
+  Kokkos::View<double****, Kokkos::LayoutRight, MemorySpace> C;
+  Kokkos::View<double***, Kokkos::LayoutRight, MemorySpace> n, work;
+  Kokkos::View<double**, Kokkos::LayoutRight, MemorySpace> m;
+  int head_dim = 0, value_dim = 0;
+
+  MLstm() = default;
+  explicit MLstm(const MLstmWeights<MemorySpace>& w, MLstmNormalizer norm = MLstmNormalizer::xlstm)
+      : weights(w), normalizer(norm) {}
+
+  void bind(long batch, const EvictionConfig& cfg) {
+    weights.validate(cfg);
+    head_dim = cfg.head_dim;
+    value_dim = cfg.value_dim;
+    const int h = head_dim / 2;
+    C = decltype(C)("kvmem::mlstm_C", batch, cfg.kv_heads, head_dim, h);
+    n = decltype(n)("kvmem::mlstm_n", batch, cfg.kv_heads, head_dim);
+    m = decltype(m)("kvmem::mlstm_m", batch, cfg.kv_heads);
+    work = decltype(work)("kvmem::mlstm_work", batch, cfg.kv_heads, head_dim + h);
+  }
+  void reset() const {
+    Kokkos::deep_copy(C, 0.0);
+    Kokkos::deep_copy(n, 0.0);
+    Kokkos::deep_copy(m, 0.0);
+  }
+
+  /// Absorbs token t into the state of (b, h); returns 0 (the score comes later, delayed_score).
+  KOKKOS_INLINE_FUNCTION double absorb(long b, int h, long, const float* key, const float* value) const {
+    const int D = head_dim, hh = D / 2;
+    double* kf = &work(b, h, 0);
+    double* vf = &work(b, h, D);
+    feature(weights.w_k, h, key, value, kf);
+    project(weights.w_v, h, key, value, vf);
+    const double i_gate = cap(dot_x(weights.w_i, h, key, value) + weights.b_i(h));
+    const double f_gate = cap(dot_x(weights.w_f, h, key, value) + weights.b_f(h));
+    const double log_f = Kokkos::fmin(f_gate, 0.0) - Kokkos::log1p(Kokkos::exp(-Kokkos::fabs(f_gate)));
+    const double m_prev = m(b, h);
+    const double m_new = Kokkos::fmax(log_f + m_prev, i_gate);
+    const double decay = Kokkos::exp(log_f + m_prev - m_new), gain = Kokkos::exp(i_gate - m_new);
+    for (int i = 0; i < D; ++i) {
+      const double gk = gain * kf[i];
+      for (int a = 0; a < hh; ++a) C(b, h, i, a) = decay * C(b, h, i, a) + gk * vf[a];
+      n(b, h, i) = decay * n(b, h, i) + gk;
+    }
+    m(b, h) = m_new;
+    return 0.0;
+  }
+
+  /// score_u of token u (key_u, value_u as cached) read from the current state of (b, h).
+  KOKKOS_INLINE_FUNCTION double delayed_score(long b, int h, long, const float* key, const float* value) const {
+    const int D = head_dim, hh = D / 2;
+    double* qf = &work(b, h, 0);
+    feature(weights.w_q, h, key, value, qf);
+    const bool xl = normalizer == MLstmNormalizer::xlstm;
+    const double qscale = xl ? 1.0 / Kokkos::sqrt(static_cast<double>(D)) : 1.0;
+    double qn = 0.0;
+    for (int i = 0; i < D; ++i) qn += qscale * qf[i] * n(b, h, i);
+    const double den = xl ? Kokkos::fmax(Kokkos::fabs(qn), Kokkos::exp(-m(b, h))) + eps : qn;
+    double score = weights.b_s(h);
+    for (int a = 0; a < hh; ++a) {
+      double num = 0.0;
+      for (int i = 0; i < D; ++i) num += qscale * qf[i] * C(b, h, i, a);
+      const double hv = num / den;
+      score += weights.w_s(h, a) * (hv / (1.0 + Kokkos::exp(-hv)));
+    }
+    return score;
+  }
+
+  KOKKOS_INLINE_FUNCTION double log_decay(int h) const {
+    const double lo = Kokkos::log(0.999), hi = Kokkos::log(0.999999);
+    return lo + (hi - lo) / (1.0 + Kokkos::exp(-static_cast<double>(weights.theta(h))));
+  }
+
+ private:
+  KOKKOS_INLINE_FUNCTION double cap(double z) const { return soft_cap > 0.0 ? soft_cap * Kokkos::tanh(z / soft_cap) : z; }
+  KOKKOS_INLINE_FUNCTION double x_at(const float* key, const float* value, int j) const {
+    return j < head_dim ? static_cast<double>(key[j]) : static_cast<double>(value[j - head_dim]);
+  }
+  template <class W>
+  KOKKOS_INLINE_FUNCTION double dot_x(const W& w, int h, const float* key, const float* value) const {
+    double s = 0.0;
+    for (int j = 0; j < head_dim + value_dim; ++j) s += x_at(key, value, j) * w(h, j);
+    return s;
+  }
+  /// out[a] = sum_j x_j W[h, j, a], a < D / 2.
+  template <class W>
+  KOKKOS_INLINE_FUNCTION void project(const W& w, int h, const float* key, const float* value, double* out) const {
+    const int hh = head_dim / 2;
+    for (int a = 0; a < hh; ++a) out[a] = 0.0;
+    for (int j = 0; j < head_dim + value_dim; ++j) {
+      const double xj = x_at(key, value, j);
+      for (int a = 0; a < hh; ++a) out[a] += xj * w(h, j, a);
+    }
+  }
+  /// out [D] = HH(x W[h]) = [softmax(y) ; softmax(-y)], y = x W[h] [D / 2].
+  template <class W>
+  KOKKOS_INLINE_FUNCTION void feature(const W& w, int h, const float* key, const float* value, double* out) const {
+    const int hh = head_dim / 2;
+    project(w, h, key, value, out);
+    double hi = out[0], lo = out[0];
+    for (int a = 1; a < hh; ++a) hi = Kokkos::fmax(hi, out[a]), lo = Kokkos::fmin(lo, out[a]);
+    double sp = 0.0, sn = 0.0;
+    for (int a = 0; a < hh; ++a) {
+      const double y = out[a];
+      out[a] = Kokkos::exp(y - hi);
+      out[hh + a] = Kokkos::exp(lo - y);
+      sp += out[a];
+      sn += out[hh + a];
+    }
+    for (int a = 0; a < hh; ++a) out[a] /= sp, out[hh + a] /= sn;
+  }
+};
+
+}  // namespace kvmem::score

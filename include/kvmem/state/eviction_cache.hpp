@@ -1,0 +1,48 @@
+#pragma once
+/// \file eviction_cache.hpp
+/// Device storage of a fixed-budget eviction cache: B + 1 row slots per (sequence, kv-head) and the list of
+/// cached tokens in position order (spec EVICTION.md §1 "Physical layout").
+
+#include <Kokkos_Core.hpp>
+
+namespace kvmem::state {
+
+/// The cache of a batch, LayoutRight. Per (sequence b, kv-head h), `slots` = budget + 1 rows (a step holds
+/// B + 1 tokens between its append and its eviction):
+/// - `keys` [B, Hkv, slots, D], `values` [B, Hkv, slots, Dv]: float32 key and value of the token in a slot;
+/// - `positions` [B, Hkv, slots]: its position (tokens since the start of the sequence), -1 for a free slot;
+/// - `stats` [B, Hkv, slots]: the scorer's float64 statistic of the token (score, accumulated attention);
+/// - `order` [B, Hkv, slots]: slots of the cached tokens in increasing position, entries [0, live);
+/// - `live` [B, Hkv]: cached tokens (rows), at most the budget after every step;
+/// - `logits` [B, Hkv, slots] float32, and `logits64`, `probabilities` [B, Hkv, slots] float64: per-step
+///   scratch of the readout (the float64 ones only for scorers that need probabilities, else empty).
+/// A slot's row is written when its token enters and freed when it is evicted: nothing moves in between.
+template <class MemorySpace>
+struct EvictionCache {
+  Kokkos::View<float****, Kokkos::LayoutRight, MemorySpace> keys, values;
+  Kokkos::View<long***, Kokkos::LayoutRight, MemorySpace> positions;
+  Kokkos::View<double***, Kokkos::LayoutRight, MemorySpace> stats, probabilities, logits64;
+  Kokkos::View<int***, Kokkos::LayoutRight, MemorySpace> order;
+  Kokkos::View<long**, Kokkos::LayoutRight, MemorySpace> live;
+  Kokkos::View<float***, Kokkos::LayoutRight, MemorySpace> logits;
+
+  /// Allocates an empty cache (every slot free) of `slots` rows per (sequence, kv-head).
+  void allocate(long batch, int kv_heads, long slots, int head_dim, int value_dim, bool with_probabilities) {
+    keys = decltype(keys)("kvmem::evict_keys", batch, kv_heads, slots, head_dim);
+    values = decltype(values)("kvmem::evict_values", batch, kv_heads, slots, value_dim);
+    positions = decltype(positions)("kvmem::evict_positions", batch, kv_heads, slots);
+    stats = decltype(stats)("kvmem::evict_stats", batch, kv_heads, slots);
+    order = decltype(order)("kvmem::evict_order", batch, kv_heads, slots);
+    live = decltype(live)("kvmem::evict_live", batch, kv_heads);
+    logits = decltype(logits)("kvmem::evict_logits", batch, kv_heads, slots);
+    if (with_probabilities) {
+      probabilities = decltype(probabilities)("kvmem::evict_probs", batch, kv_heads, slots);
+      logits64 = decltype(logits64)("kvmem::evict_logits64", batch, kv_heads, slots);
+    }
+    Kokkos::deep_copy(positions, -1L);
+  }
+  /// Row slots per (sequence, kv-head).
+  [[nodiscard]] long slots() const { return static_cast<long>(positions.extent(2)); }
+};
+
+}  // namespace kvmem::state

@@ -1,0 +1,226 @@
+#pragma once
+/// \file evict_command.hpp
+/// `kvmem-run evict`: fixed-budget eviction (sinks + window + top-k) over a captured layer, with any
+/// eviction scorer (spec EVICTION.md, "`kvmem-run evict` mapping").
+
+#include <CLI/CLI.hpp>
+#include <Kokkos_Core.hpp>
+#include <algorithm>
+#include <chrono>
+#include <cstdint>
+#include <cstdio>
+#include <string>
+#include <vector>
+
+#include <kvmem/eviction.hpp>
+#include <kvmem/io/safetensors.hpp>
+#include <kvmem/kernels/exact_attention.hpp>
+
+#include "batch.hpp"
+#include "tensors.hpp"
+
+namespace kvmem::tools {
+
+/// Command-line options of `kvmem-run evict` (defaults: 4 sinks, a 64-token window, top 448: 516 rows).
+struct EvictOptions {
+  std::string input, output, mode = "prefill", scorer = "h2o", weights, normalizer = "xlstm";
+  int sinks = 4, window = 64, top_k = 448, decay_interval = 1;
+  bool h2o_normalize = false, mask = false;
+};
+
+/// Registers the `evict` subcommand and its flags on `app`.
+inline CLI::App* add_evict_command(CLI::App& app, EvictOptions& o) {
+  auto* cmd = app.add_subcommand("evict", "fixed-budget eviction: sinks + window + top-k by an eviction scorer");
+  cmd->option_defaults()->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
+  cmd->add_option("--input", o.input, "input safetensors: q [B,Hq,T,D], k [B,Hkv,T,D], v [B,Hkv,T,Dv] [, lengths [B]]")->required();
+  cmd->add_option("--output", o.output, "output safetensors: y, kept_positions, kept_rows [, mask]")->required();
+  cmd->add_option("--mode", o.mode, "prefill or decode (token by token); the same results")
+      ->check(CLI::IsMember({"prefill", "decode"}));
+  cmd->add_option("--sinks", o.sinks, "s: first tokens never evicted")->capture_default_str();
+  cmd->add_option("--window", o.window, "w: protected recent tokens, the current one included (SnapKV: W_obs)")->capture_default_str();
+  cmd->add_option("--top-k", o.top_k, "k: retained tokens that left the window (SnapKV: C_max - W_obs)")->capture_default_str();
+  cmd->add_option("--scorer", o.scorer, "eviction scorer")
+      ->check(CLI::IsMember({"streaming", "knorm", "h2o", "tova", "snapkv", "kvpop"}))
+      ->capture_default_str();
+  cmd->add_option("--weights", o.weights, "kvpop: safetensors with w_q, w_k, w_v, w_i, b_i, w_f, b_f, w_s, b_s, theta");
+  cmd->add_option("--decay-interval", o.decay_interval, "n of the per-head decay floor((q - t) / n) log gamma (kvpop)")
+      ->capture_default_str();
+  cmd->add_option("--normalizer", o.normalizer, "kvpop mLSTM normaliser")->check(CLI::IsMember({"xlstm", "plain"}))
+      ->capture_default_str();
+  cmd->add_flag("--h2o-normalize", o.h2o_normalize, "h2o: divide by the queries that saw the token and the group (kvpress)");
+  cmd->add_flag("--mask", o.mask, "also write mask [B,Hkv,T,T] (U8): the keys each query attends (static scorers, n = 1)");
+  return cmd;
+}
+
+namespace detail {
+
+/// Writes y [B, Hq, T, Dv], kept_positions [B, Hkv, K] and kept_rows [B, Hkv] (int64; K = the largest row
+/// count) and the optional mask, then prints the summary.
+template <class MemorySpace, class Positions, class Rows, class Y>
+void write_evict_output(const EvictOptions& o, const Batch<MemorySpace>& in, const Y& y, const Positions& positions,
+                        const Rows& rows, const std::vector<unsigned char>& mask, long budget, double seconds) {
+  auto yh = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), y);
+  auto ph = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), positions);
+  auto rh = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), rows);
+  long K = 0, min_rows = -1, tokens = 0;
+  for (long b = 0; b < in.B; ++b) {
+    tokens += in.lengths[b];
+    for (long h = 0; h < in.Hkv; ++h)
+      K = std::max(K, static_cast<long>(rh(b, h))), min_rows = min_rows < 0 ? rh(b, h) : std::min<long>(min_rows, rh(b, h));
+  }
+  std::vector<std::int64_t> kept(in.B * in.Hkv * K), kept_rows(in.B * in.Hkv);
+  for (long b = 0; b < in.B; ++b)
+    for (long h = 0; h < in.Hkv; ++h) {
+      kept_rows[b * in.Hkv + h] = rh(b, h);
+      for (long i = 0; i < K; ++i) kept[(b * in.Hkv + h) * K + i] = ph(b, h, i);
+    }
+  io::SafetensorsFile out;
+  out.put("y", {in.B, in.Hq, in.T, in.Dv}, yh.data());
+  out.put("kept_positions", {in.B, in.Hkv, K}, kept.data());
+  out.put("kept_rows", {in.B, in.Hkv}, kept_rows.data());
+  if (o.mask) out.put("mask", {in.B, in.Hkv, in.T, in.T}, mask.data());
+  out.metadata["memory"] = "evict";
+  out.metadata["scorer"] = o.scorer;
+  out.metadata["mode"] = o.mode;
+  out.write(o.output);
+  const long row_bytes = in.Hkv * (in.D + in.Dv) * static_cast<long>(sizeof(float));
+  const long longest = *std::max_element(in.lengths.begin(), in.lengths.end());
+  std::printf("kvmem-run evict  scorer=%s  mode=%s  backend=%s (%d threads)\n", o.scorer.c_str(), o.mode.c_str(),
+              Kokkos::DefaultExecutionSpace().name(), Kokkos::DefaultExecutionSpace().concurrency());
+  std::printf("  input         %s\n", o.input.c_str());
+  std::printf("  shape         B=%ld  Hq=%ld  Hkv=%ld  T=%ld  D=%ld  Dv=%ld  (%ld tokens in all)\n", in.B, in.Hq, in.Hkv,
+              in.T, in.D, in.Dv, tokens);
+  std::printf("  policy        sinks=%d  window=%d  top-k=%d  (budget %ld rows per kv-head)\n", o.sinks, o.window,
+              o.top_k, budget);
+  std::printf("  kept rows     %ld..%ld per kv-head (largest sequence: %ld tokens)\n", min_rows, K, longest);
+  std::printf("  memory held   %.3f MiB (budget rows, float32) vs full KV cache %.3f MiB\n",
+              in.B * std::min(budget, longest) * row_bytes / 1048576.0, tokens * row_bytes / 1048576.0);
+  std::printf("  wall time     %.3f s  (%.0f tokens/s)\n", seconds, seconds > 0 ? tokens / seconds : 0.0);
+  std::printf("  output        %s\n", o.output.c_str());
+}
+
+/// The dense mask [B, Hkv, T, T] (U8) of the policy with a static scorer (kvmem::training::eviction_masks).
+template <class Scorer, class MemorySpace>
+std::vector<unsigned char> dense_mask(const EvictionConfig& cfg, const Scorer& scorer, const Batch<MemorySpace>& in) {
+  const auto masks = training::eviction_masks(Kokkos::DefaultExecutionSpace(), cfg, scorer, in.k, in.v, in.lengths);
+  std::vector<unsigned char> mask(in.B * in.Hkv * in.T * in.T, 0);
+  for (long b = 0; b < in.B; ++b)
+    for (long h = 0; h < in.Hkv; ++h) {
+      const auto& m = masks[b * in.Hkv + h];
+      unsigned char* base = mask.data() + (b * in.Hkv + h) * in.T * in.T;
+      for (long q = 0; q < m.tokens(); ++q)
+        for (long t = 0; t <= q; ++t) base[q * in.T + t] = m.kept(q, t);
+    }
+  return mask;
+}
+
+/// Runs an EvictionMemory with `scorer` over `in` in the chosen mode and writes the outputs.
+template <class Scorer, class MemorySpace>
+void run_eviction(const EvictOptions& o, const EvictionConfig& cfg, const Scorer& scorer, const Batch<MemorySpace>& in) {
+  using exec = Kokkos::DefaultExecutionSpace;
+  std::vector<unsigned char> mask;
+  if constexpr (!Scorer::needs_probabilities) {
+    if (o.mask) mask = dense_mask(cfg, scorer, in);
+  }
+  EvictionMemory<exec, Scorer> mem(cfg, static_cast<int>(in.B), scorer);
+  Kokkos::View<float****, Kokkos::LayoutRight, MemorySpace> y("y", in.B, in.Hq, in.T, in.Dv);
+  const auto start = std::chrono::steady_clock::now();
+  if (o.mode == "prefill") {
+    mem.prefill(in.q, in.k, in.v, y, in.lengths);
+  } else {
+    std::vector<unsigned char> active(in.B);
+    for (long t = 0; t < in.T; ++t) {
+      for (long b = 0; b < in.B; ++b) active[b] = t < in.lengths[b];
+      const auto at = std::make_pair(t, t + 1);
+      auto sub = [&](const auto& x) { return Kokkos::subview(x, Kokkos::ALL, Kokkos::ALL, at, Kokkos::ALL); };
+      mem.decode(sub(in.q), sub(in.k), sub(in.v), sub(y), active);
+    }
+  }
+  Kokkos::fence();
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  Kokkos::View<long***, Kokkos::LayoutRight, MemorySpace> positions("kept_positions", in.B, in.Hkv, cfg.budget() + 1);
+  Kokkos::View<long**, Kokkos::LayoutRight, MemorySpace> rows("kept_rows", in.B, in.Hkv);
+  mem.kept(positions, rows);
+  write_evict_output(o, in, y, positions, rows, mask, cfg.budget(), seconds);
+}
+
+/// SnapKV (spec §6): y = exact causal attention for every query, then the one-shot selection.
+template <class MemorySpace>
+void run_snapkv(const EvictOptions& o, const Batch<MemorySpace>& in) {
+  using exec = Kokkos::DefaultExecutionSpace;
+  Kokkos::View<float****, Kokkos::LayoutRight, MemorySpace> y("y", in.B, in.Hq, in.T, in.Dv);
+  const auto start = std::chrono::steady_clock::now();
+  kernels::exact_causal_attention(exec(), in.q, in.k, in.v, y);
+  Kokkos::View<long*, MemorySpace> lengths("lengths", in.B);
+  auto lh = Kokkos::create_mirror_view(lengths);
+  for (long b = 0; b < in.B; ++b) lh(b) = in.lengths[b];
+  Kokkos::deep_copy(lengths, lh);
+  const long T = in.T, Hq = in.Hq, Dv = in.Dv;
+  Kokkos::parallel_for("kvmem::zero_tail", Kokkos::RangePolicy<exec>(0, in.B * Hq * T), KOKKOS_LAMBDA(long idx) {
+    const long t = idx % T, b = idx / (T * Hq), hq = (idx / T) % Hq;
+    if (t >= lengths(b))
+      for (long c = 0; c < Dv; ++c) y(b, hq, t, c) = 0.0f;
+  });
+  kernels::SnapKvScratch<MemorySpace> scratch;
+  scratch.allocate(in.B, in.Hq, in.Hkv, in.T, o.window);
+  const long K = std::min<long>(in.T, static_cast<long>(o.window) + o.top_k);
+  Kokkos::View<long***, Kokkos::LayoutRight, MemorySpace> positions("kept_positions", in.B, in.Hkv, K);
+  Kokkos::View<long**, Kokkos::LayoutRight, MemorySpace> rows("kept_rows", in.B, in.Hkv);
+  kernels::snapkv_keep(exec(), in.q, in.k, lengths, o.window, o.top_k, scratch, positions, rows);
+  Kokkos::fence();
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  write_evict_output(o, in, y, positions, rows, {}, static_cast<long>(o.window) + o.top_k, seconds);
+}
+
+}  // namespace detail
+
+/// `kvmem-run evict`: reads q, k, v [, lengths], runs the eviction policy with the chosen scorer and writes
+/// y, kept_positions, kept_rows [, mask]. Throws kvmem::invalid_argument naming the flag or tensor for bad input.
+inline void run_evict(const EvictOptions& o) {
+  using exec = Kokkos::DefaultExecutionSpace;
+  using mem_space = exec::memory_space;
+  require(o.window >= 1, "--window", o.window, "must be >= 1 (the window holds the current token)");
+  require(o.top_k >= 0, "--top-k", o.top_k, "must be >= 0");
+  require(o.sinks >= 0, "--sinks", o.sinks, "must be >= 0");
+  require(static_cast<long>(o.sinks) + o.window + o.top_k <= (1L << 30), "--sinks + --window + --top-k",
+          static_cast<long>(o.sinks) + o.window + o.top_k, "must be at most 2^30 rows");
+  require(o.decay_interval >= 1, "--decay-interval", o.decay_interval, "must be >= 1");
+  require(o.scorer == "kvpop" || o.weights.empty(), "--weights", o.weights, "only the kvpop scorer takes weights");
+  require(o.scorer == "kvpop" || o.decay_interval == 1, "--decay-interval", o.decay_interval,
+          "only the kvpop scorer has a decay (training-free scorers use log gamma = 0)");
+  require(!o.mask || o.scorer == "streaming" || o.scorer == "knorm" || o.scorer == "kvpop", "--mask", o.scorer,
+          "masks need a static scorer: streaming, knorm or kvpop (h2o, tova and snapkv depend on attention)");
+  require(!o.mask || o.decay_interval == 1, "--mask", "--decay-interval " + std::to_string(o.decay_interval),
+          "masks need --decay-interval 1 (spec EVICTION.md §4)");
+  require(o.scorer != "snapkv" || o.sinks == 0, "--sinks", o.sinks, "must be 0 for snapkv (SnapKV keeps no sinks)");
+  require(o.scorer != "kvpop" || !o.weights.empty(), "--weights", "(none)", "the kvpop scorer needs its learned weights");
+  const auto file = io::SafetensorsFile::read(o.input);
+  const auto in = Batch<mem_space>::load_qkv(file);
+  if (o.scorer == "snapkv") return detail::run_snapkv(o, in);
+  EvictionConfig cfg;
+  cfg.head_dim = static_cast<int>(in.D);
+  cfg.value_dim = static_cast<int>(in.Dv);
+  cfg.query_heads = static_cast<int>(in.Hq);
+  cfg.kv_heads = static_cast<int>(in.Hkv);
+  cfg.sinks = o.sinks;
+  cfg.window = o.window;
+  cfg.top_k = o.top_k;
+  cfg.decay_interval = o.decay_interval;
+  if (o.scorer == "streaming") return detail::run_eviction(o, cfg, score::None{}, in);
+  if (o.scorer == "knorm") return detail::run_eviction(o, cfg, score::KeyNorm{}, in);
+  if (o.scorer == "tova") return detail::run_eviction(o, cfg, score::LastQueryAttention{}, in);
+  if (o.scorer == "h2o") {
+    score::AccumulatedAttention h2o;
+    h2o.normalize = o.h2o_normalize;
+    return detail::run_eviction(o, cfg, h2o, in);
+  }
+  require(in.D % 2 == 0, "tensor 'k' shape", shape_string({in.B, in.Hkv, in.T, in.D}),
+          "head_dim D must be even for the kvpop scorer (h = D / 2, spec EVICTION.md §3)");
+  const auto weights = score::load_mlstm_weights<mem_space>(io::SafetensorsFile::read(o.weights), cfg);
+  detail::run_eviction(o, cfg,
+                       score::MLstm<mem_space>(weights, o.normalizer == "plain" ? score::MLstmNormalizer::plain
+                                                                                : score::MLstmNormalizer::xlstm),
+                       in);
+}
+
+}  // namespace kvmem::tools
