@@ -16,12 +16,17 @@
 #include "policy/merge/k_means_count.hpp"
 #include "policy/merge/winner_take_all.hpp"
 #include "policy/score/novelty.hpp"
+#include "policy/score/row_eviction.hpp"
 #include "trellis_memory.hpp"
 
 namespace kvmem {
 /// KVM (kvm-paper): winner-take-all merge, novelty-ranked append, budget schedule of your choice.
 template <class ExecSpace, budget::BudgetSchedule Budget>
 using KvmMemory = Memory<ExecSpace, merge::WinnerTakeAll, Budget, score::Novelty>;
+/// KVM whose state rows are also evicted by `RowPolicy` above its cap (e.g. score::RowAccumulatedAttention:
+/// winner-take-all merging plus H2O eviction of stale rows; no paper runs this combination).
+template <class ExecSpace, budget::BudgetSchedule Budget, score::RowEviction RowPolicy>
+using KvmMemoryWithRowEviction = Memory<ExecSpace, merge::WinnerTakeAll, Budget, score::Novelty, RowPolicy>;
 /// OVQ (ovq-paper): online k-means with counts, plateau budget by default. Configure window_chunks = 1,
 /// sinks = 0 and max_rows = N for the paper's semantics; tau_state = tau_window = beta.
 template <class ExecSpace, budget::BudgetSchedule Budget = budget::Plateau>

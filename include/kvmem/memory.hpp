@@ -11,6 +11,7 @@
 #include "config.hpp"
 #include "errors.hpp"
 #include "kernels/readout.hpp"
+#include "kernels/row_eviction.hpp"
 #include "kernels/step_plan.hpp"
 #include "kernels/update.hpp"
 #include "kernels/window_write.hpp"
@@ -18,6 +19,7 @@
 #include "policy/layer_weights.hpp"
 #include "policy/merge/concept.hpp"
 #include "policy/score/append_scorer.hpp"
+#include "policy/score/row_eviction.hpp"
 #include "state/schedule.hpp"
 #include "state/state_rows.hpp"
 
@@ -38,7 +40,13 @@ namespace kvmem {
 /// window of the last window_chunks * chunk tokens. prefill() and decode() have one meaning: a prompt
 /// through prefill or through decode token by token gives the same bits, and decode continues a
 /// prefilled cache.
-template <class ExecSpace, merge::MergePolicy Merge, budget::BudgetSchedule Budget, score::AppendScorer Scorer>
+///
+/// RowPolicy (score::RowEviction; default score::KeepRows, none) optionally evicts state rows too: after a
+/// fold leaves more than RowPolicy::max_rows rows, the rows with the lowest statistic go (e.g.
+/// score::RowAccumulatedAttention, H2O over rows: KVM merging with eviction of stale rows). Folds then append
+/// the least redundant tokens up to the budget and the eviction takes the rows back to the cap.
+template <class ExecSpace, merge::MergePolicy Merge, budget::BudgetSchedule Budget, score::AppendScorer Scorer,
+          score::RowEviction RowPolicy = score::KeepRows>
 class Memory {
  public:
   using execution_space = ExecSpace;
@@ -46,6 +54,7 @@ class Memory {
   using merge_type = Merge;
   using budget_type = Budget;
   using scorer_type = Scorer;
+  using row_policy_type = RowPolicy;
   using tokens_in = Kokkos::View<const float****, Kokkos::LayoutStride, memory_space>;
   using gates_in = Kokkos::View<const float***, Kokkos::LayoutStride, memory_space>;
   using tokens_out = Kokkos::View<float****, Kokkos::LayoutStride, memory_space>;
@@ -66,6 +75,21 @@ class Memory {
     ring_.allocate(batch, cfg_.kv_heads, cfg_.window() + cfg_.chunk, cfg_.head_dim, cfg_.value_dim);
     scratch_.allocate(batch, cfg_.kv_heads, cfg_.chunk, cfg_.head_dim);
     plan_.allocate(batch);
+    if constexpr (RowPolicy::evicts) rows_.allocate_stats();
+    if constexpr (RowPolicy::needs_probabilities)
+      lse_ = decltype(lse_)("kvmem::readout_lse", batch, cfg_.query_heads, std::max(cfg_.window(), static_cast<long>(cfg_.chunk)));
+  }
+
+  /// A memory whose state rows are also evicted by `row_policy` (see the class comment). Throws
+  /// kvmem::invalid_argument as the constructor above, and for a row cap max_rows <= sinks.
+  Memory(const MemoryConfig& config, const Budget& budget, const LayerWeights<memory_space>& weights, int batch,
+         const RowPolicy& row_policy, const ExecSpace& exec = ExecSpace())
+      : Memory(config, budget, weights, batch, exec) {
+    row_policy.validate();
+    if constexpr (RowPolicy::evicts)
+      require(row_policy.max_rows > config.sinks, "max_rows (row eviction)", row_policy.max_rows,
+              "must exceed sinks = " + std::to_string(config.sinks) + " (sink rows are never evicted)");
+    row_policy_ = row_policy;
   }
 
   /// Runs whole prompts through an empty memory, chunk-parallel (spec KVM.md §4). Sequence b uses tokens
@@ -235,6 +259,11 @@ class Memory {
     const auto up = state::plan_update(cfg_, budget_, cur.rows, cur.covered);
     set_block(b, cur.covered, cfg_.chunk, up.rows_before, up.append);
     cur.rows = up.rows_after();
+    if constexpr (RowPolicy::evicts) {
+      const long evicted = std::max(0L, cur.rows - row_policy_.max_rows);
+      plan_.host(b, kernels::rows_evicted) = evicted;
+      cur.rows -= evicted;
+    }
     cur.covered += cfg_.chunk;
   }
   void set_block(long b, long first, long count, long rows_before, long append) {
@@ -246,15 +275,26 @@ class Memory {
   }
   void run_step(const tokens_in& q, const tokens_in& k, const tokens_in& v, const gates_in& gate, const tokens_out& y,
                 long tokens, long block, bool update_first) {
-    long most_rows = 1;
+    long most_rows = 1, most_read = 0;
     for (const auto& cur : cursors_) most_rows = std::max(most_rows, cur.rows);
+    for (long b = 0; b < batch(); ++b) {  // before row eviction a fold may hold more rows than the cursor
+      most_rows = std::max(most_rows, plan_.host(b, kernels::rows_before) + plan_.host(b, kernels::append_count));
+      most_read = std::max(most_read, plan_.host(b, kernels::read_rows));
+    }
     rows_.grow(most_rows);
     plan_.upload(exec_);
     const auto w = LayerWeightsRef::of(weights_);
+    auto update = [&] {
+      kernels::update_state<Merge, Scorer>(exec_, cfg_, w, rows_, ring_, scratch_, plan_, block, most_rows);
+      if constexpr (RowPolicy::evicts)
+        if (block > 0) kernels::evict_rows(exec_, cfg_, rows_, plan_);
+    };
     kernels::write_window<Merge>(exec_, cfg_, ring_, plan_, k, v, gate, tokens);
-    if (update_first) kernels::update_state<Merge, Scorer>(exec_, cfg_, w, rows_, ring_, scratch_, plan_, block, most_rows);
-    kernels::readout<Merge>(exec_, cfg_, w, rows_, ring_, plan_, q, y, tokens);
-    if (!update_first) kernels::update_state<Merge, Scorer>(exec_, cfg_, w, rows_, ring_, scratch_, plan_, block, most_rows);
+    if (update_first) update();
+    kernels::readout<Merge>(exec_, cfg_, w, rows_, ring_, plan_, q, y, tokens, lse_);
+    if constexpr (RowPolicy::needs_probabilities)
+      kernels::accumulate_row_attention<Merge>(exec_, cfg_, w, rows_, plan_, q, lse_, row_policy_, most_read);
+    if (!update_first) update();
     static const std::string fence_label = "kvmem::Memory::step";  // not Kokkos' default name, a heap string per call
     exec_.fence(fence_label);
   }
@@ -290,6 +330,8 @@ class Memory {
   state::WindowRing<memory_space> ring_;
   kernels::UpdateScratch<memory_space> scratch_;
   kernels::StepPlan<memory_space> plan_;
+  RowPolicy row_policy_{};
+  Kokkos::View<float***, Kokkos::LayoutRight, memory_space> lse_;  ///< [B, Hq, max(L, C)], row eviction only
 };
 
 }  // namespace kvmem

@@ -2,7 +2,7 @@
 /// kvmem-eval: how close each memory's attention output stays to exact causal attention on one captured
 /// layer, at each memory fraction of the full KV cache. Table on stdout, optional JSON and PNG plot.
 ///
-///   kvmem-eval --input layer.safetensors [--fractions 1/4,1/8,1/16,1/32] [--memories kvm-fixed,...]
+///   kvmem-eval --input layer.safetensors [--fractions 1/4,1/8,1/16,1/32] [--memories kvm-fixed,ovq,...]
 ///              [--json out.json] [--plot out.png] [--buckets 8] [--label NAME] [--window-share 0.25]
 ///              [--window-chunks 1] [--sinks 1] [--rope-dims 0] [--no-progress] [--list-memories]
 ///
@@ -41,7 +41,7 @@ namespace kvmem::tools::eval {
 struct Options {
   std::string input, json, plot, label, plot_script;
   std::vector<std::string> fractions{"1/4", "1/8", "1/16", "1/32"};
-  std::vector<std::string> memories{"kvm-fixed", "kvm-sqrt", "kvm-16sqrt"};
+  std::vector<std::string> memories = memory_ids();  // every memory, in table order
   int buckets = 8;
   bool no_progress = false, list = false;
   SizingOptions sizing;
@@ -285,10 +285,11 @@ inline void print_report(const nlohmann::json& r) {
     for (const auto& v : x["bucket_rel_l2"]) std::printf(" %11.4f", v.get<double>());
     std::printf("\n");
   }
-  std::printf("\nrows, window: state rows and window tokens per kv-head after the last token; held: the most the memory\n"
-              "holds at any token (state rows + full window, (D + Dv + 1) float32 each per kv-head; KVM's held_bytes());\n"
-              "of cache: held / full KV cache (tokens x Hkv x (D + Dv) float32); rel L2: ||y - y*|| / ||y*|| over all\n"
-              "tokens and query heads; cos: mean cosine similarity of y_t and y*_t; wall s: the memory's prefill.\n");
+  std::printf("\nrows, window: state rows (Trellis: slots m) and window tokens per head after the last token; held: the\n"
+              "most the memory holds at any token (KVM, OVQ: state rows + full window, (D + Dv + 1) float32 each per\n"
+              "kv-head, their held_bytes(); Trellis: m x (D + Dv) float32 per query head); of cache: held / full KV cache\n"
+              "(tokens x Hkv x (D + Dv) float32); rel L2: ||y - y*|| / ||y*|| over all tokens and query heads; cos: mean\n"
+              "cosine similarity of y_t and y*_t; wall s: the memory's prefill.\n");
 }
 
 /// Runs `python3 script --output png json` and waits; throws std::runtime_error when it fails.

@@ -54,8 +54,8 @@ def result(rep, memory, label):
 
 
 def main_table(rep):
-    lines = ["| memory | budget | parameters | state rows | window tokens | held MiB | of full cache | rel. L2 error "
-             "| mean cosine | min cosine | prefill s |",
+    lines = ["| memory | budget | parameters | state rows (Trellis: slots) | window tokens | held MiB | of full cache "
+             "| rel. L2 error | mean cosine | min cosine | prefill s |",
              "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for x in rep["results"]:
         lines.append(f'| {x["label"]} | {x["fraction_label"]} | {x["summary"]} | {max(x["state_rows"])} | '
@@ -79,28 +79,23 @@ def bucket_table(rep):
 
 
 def layers_table(layers, key, fmt):
+    """One row per memory and budget, one column per layer, and the mean over the layers."""
     fr = fractions(layers[0])
-    mems = layers[0]["memories"]
-    cols = []
-    for m in mems:
+    rows = []
+    for m in layers[0]["memories"]:
         if m["own_size"]:
             x = result(layers[0], m["id"], "own")
-            cols.append((m["id"], "own", f'{m["label"]} (own size, {pct(x["held_fraction"]) if x else "?"})'))
+            rows.append((m["id"], "own", m["label"], f'own ({pct(x["held_fraction"]) if x else "?"})'))
         else:
-            cols += [(m["id"], f, f'{m["label"]} {f}') for f in fr]
-    lines = ["| layer | " + " | ".join(c[2] for c in cols) + " |", "|---|" + "---:|" * len(cols)]
-    for rep in layers:
-        cells = []
-        for mid, f, _ in cols:
-            x = result(rep, mid, f)
-            cells.append(fmt(x[key]) if x else "")
-        lines.append(f'| {rep["label"] or rep["input"]} | ' + " | ".join(cells) + " |")
-    # Mean over the layers.
-    cells = []
-    for mid, f, _ in cols:
-        vals = [result(r, mid, f)[key] for r in layers if result(r, mid, f)]
-        cells.append(fmt(sum(vals) / len(vals)) if vals else "")
-    lines.append("| **mean** | " + " | ".join(f"**{c}**" for c in cells) + " |")
+            rows += [(m["id"], f, m["label"], f) for f in fr]
+    names = [rep["label"] or rep["input"] for rep in layers]
+    lines = ["| memory | budget | " + " | ".join(names) + " | **mean** |", "|---|---|" + "---:|" * (len(names) + 1)]
+    for mid, f, label, budget in rows:
+        vals = [result(rep, mid, f)[key] if result(rep, mid, f) else None for rep in layers]
+        got = [v for v in vals if v is not None]
+        mean = f"**{fmt(sum(got) / len(got))}**" if got else ""
+        lines.append(f"| {label} | {budget} | " + " | ".join(fmt(v) if v is not None else "" for v in vals) +
+                     f" | {mean} |")
     return "\n".join(lines)
 
 
@@ -152,19 +147,26 @@ def inputs_table(paths, labels):
 
 
 def headline(emb, layers):
-    def avg(mid, f):
-        vals = [result(r, mid, f)["rel_l2"] for r in layers if result(r, mid, f)]
+    def avg(mid, f, key):
+        vals = [result(r, mid, f)[key] for r in layers if result(r, mid, f)]
         return sum(vals) / len(vals) if vals else float("nan")
+
+    def err(v):  # three decimals, or three digits for errors of 10 and more (untrained Trellis)
+        return f"{v:.3f}" if abs(v) < 10 else f"{v:.0f}"
+
+    def cell(mid, f):
+        x = result(emb, mid, f)
+        return (f'{err(x["rel_l2"])} / {err(avg(mid, f, "rel_l2"))} '
+                f'(cosine {x["cosine_mean"]:.2f} / {avg(mid, f, "cosine_mean"):.2f})')
     fr = fractions(emb)
     out = []
     for m in emb["memories"]:
         if m["own_size"]:
             x = result(emb, m["id"], "own")
             out.append(f'- {m["label"]} at its own size ({pct(x["held_fraction"])} of the cache): relative L2 '
-                       f'error {x["rel_l2"]:.3f} on the embedded layer, {avg(m["id"], "own"):.3f} averaged over '
-                       f'the {len(layers)} layers.')
+                       f'error on the embedded layer / averaged over the {len(layers)} layers {cell(m["id"], "own")}.')
             continue
-        cells = ", ".join(f'{f}: {result(emb, m["id"], f)["rel_l2"]:.3f} / {avg(m["id"], f):.3f}' for f in fr)
+        cells = ", ".join(f'{f}: {cell(m["id"], f)}' for f in fr)
         out.append(f'- {m["label"]}, relative L2 error on the embedded layer / averaged over the {len(layers)} '
                    f'layers, by budget: {cells}.')
     return "\n".join(out)

@@ -23,7 +23,7 @@ namespace kvmem::tools {
 struct KvmOptions {
   std::string input, output, mode = "prefill";
   int chunk = 256, window_chunks = 2, rope_dims = 64, sinks = 1;
-  long max_chunks = 1;
+  long max_chunks = 1, evict_rows_above = 0;
   BudgetOptions budget{.kind = "fixed"};
 };
 
@@ -41,6 +41,9 @@ inline CLI::App* add_kvm_command(CLI::App& app, KvmOptions& o) {
   cmd->add_option("--sinks", o.sinks, "S: protected sink rows")->capture_default_str();
   add_budget_options(cmd, o.budget, {"fixed", "power-law", "saturating", "plateau", "linear"});
   cmd->add_option("--max-chunks", o.max_chunks, "rows are capped at chunk * max-chunks")->capture_default_str();
+  cmd->add_option("--evict-rows-above", o.evict_rows_above,
+                  "also evict state rows by H2O (accumulated attention) down to this many after every fold (0 = off)")
+      ->capture_default_str();
   return cmd;
 }
 
@@ -93,15 +96,25 @@ inline void run_kvm(const KvmOptions& o) {
   require(o.max_chunks >= 1 && o.max_chunks <= (1L << 40) / o.chunk, "--max-chunks", o.max_chunks,
           "must be >= 1 and chunk * max-chunks must fit in 2^40 rows");
   cfg.max_rows = static_cast<long>(o.chunk) * o.max_chunks;
+  require(o.evict_rows_above == 0 || o.evict_rows_above > o.sinks, "--evict-rows-above", o.evict_rows_above,
+          "must be 0 (off) or exceed --sinks = " + std::to_string(o.sinks) + " (sink rows are never evicted)");
   const std::string details = "chunk=" + std::to_string(o.chunk) + "  window=" + std::to_string(o.window_chunks) +
                               " x " + std::to_string(o.chunk) + " tokens  sinks=" + std::to_string(o.sinks) +
                               "  rope_dims=" + std::to_string(o.rope_dims);
   BudgetOptions budget = o.budget;
   if (budget.plateau_n <= 0) budget.plateau_n = o.budget.saturation_n;
   with_budget(budget, cfg, *std::max_element(in.lengths.begin(), in.lengths.end()), [&](const auto& b) {
-    KvmMemory<exec, std::remove_cvref_t<decltype(b)>> mem(cfg, b, in.weights, static_cast<int>(in.B));
-    run_memory(mem, in, o.mode, {"kvm", "state_keys", "state_values", "state_radius", "state_rows", false}, o.input,
-               o.output, details);
+    const StateNames names{"kvm", "state_keys", "state_values", "state_radius", "state_rows", false};
+    using budget_t = std::remove_cvref_t<decltype(b)>;
+    if (o.evict_rows_above == 0) {
+      KvmMemory<exec, budget_t> mem(cfg, b, in.weights, static_cast<int>(in.B));
+      run_memory(mem, in, o.mode, names, o.input, o.output, details);
+    } else {
+      KvmMemoryWithRowEviction<exec, budget_t, score::RowAccumulatedAttention> mem(
+          cfg, b, in.weights, static_cast<int>(in.B), score::RowAccumulatedAttention{.max_rows = o.evict_rows_above});
+      run_memory(mem, in, o.mode, names, o.input, o.output,
+                 details + "  rows evicted by h2o above " + std::to_string(o.evict_rows_above));
+    }
   });
 }
 

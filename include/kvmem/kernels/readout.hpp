@@ -334,12 +334,15 @@ KOKKOS_INLINE_FUNCTION void attend_block(const Member& team, const QueryBlock& b
 /// stride. Query head hq reads kv-head hq / G (GQA). `max_queries` bounds query_end - query_begin.
 /// A team computes a block of readout_query_block queries of one (b, hq) (QueryBlock, attend_block), in a
 /// fixed order: the same bits on every run of a backend, for any block size and on any thread count.
-template <class Merge, class ExecSpace, class QueriesIn, class Out>
+/// When `lse` [B, Hq, >= max_queries] is not empty, lse(b, hq, u - query_begin) also receives each query's
+/// log-sum-exp max + log(normalizer) (for row eviction, score::RowEviction); otherwise nothing is paid.
+template <class Merge, class ExecSpace, class QueriesIn, class Out,
+          class Lse = Kokkos::View<float***, Kokkos::LayoutRight, typename ExecSpace::memory_space>>
 void readout(const ExecSpace& exec, const MemoryConfig& cfg, const LayerWeightsRef& w,
              const state::StateRows<typename ExecSpace::memory_space>& rows,
              const state::WindowRing<typename ExecSpace::memory_space>& ring,
              const StepPlan<typename ExecSpace::memory_space>& plan, const QueriesIn& q, const Out& y,
-             long max_queries) {
+             long max_queries, const Lse& lse = Lse{}) {
   const long B = static_cast<long>(plan.device.extent(0));
   if (max_queries <= 0 || B == 0) return;
   constexpr int QB = readout_query_block;
@@ -381,6 +384,10 @@ void readout(const ExecSpace& exec, const MemoryConfig& cfg, const LayerWeightsR
             [&](long j) { return &ring.values(b, h, ring.slot(wb + j), 0); }, NoBias{});
         Kokkos::parallel_for(Kokkos::TeamThreadRange(team, blk.queries),
                              [&](int u) { blk.finish(u, &y(b, hq, first + u - off, 0)); });
+        if (lse.data() != nullptr)
+          Kokkos::parallel_for(Kokkos::TeamThreadRange(team, blk.queries), [&](int u) {
+            lse(b, hq, first + u - p(b, query_begin)) = blk.max_logit[u] + Kokkos::log(blk.normalizer[u]);
+          });
       });
 }
 

@@ -21,6 +21,7 @@ enum PlanField : int {
   block_count,        ///< tokens of that block (0 = no state change this step)
   rows_before,        ///< state rows before the block is folded in
   append_count,       ///< tokens of the block that become new rows; the rest merge
+  rows_evicted,       ///< state rows evicted after the fold (row eviction, score::RowEviction)
   plan_fields
 };
 

@@ -16,6 +16,8 @@ namespace kvmem::state {
 /// - `counts`      [B, Hkv, capacity]     tokens folded into the row (OVQ's k-means counts)
 /// - `read_keys`   [B, Hkv, capacity, D]  LN_s(K_i), refreshed after every change of K_i
 /// - `read_values` [B, Hkv, capacity, Dv] rho_i * V_i / max(||V_i||, eps), refreshed likewise
+/// - `stats`       [B, Hkv, capacity]     float64 row-eviction statistic (score::RowEviction; allocated
+///                                        only when rows are evicted)
 /// Rows [0, rows) of a (sequence, kv-head) are live; `rows` is tracked on the host (SequenceCursor).
 /// `capacity` grows by doubling on the host (grow()), never inside a kernel.
 template <class MemorySpace>
@@ -24,6 +26,7 @@ struct StateRows {
   using matrix3 = Kokkos::View<float***, Kokkos::LayoutRight, MemorySpace>;
   matrix4 keys, values, read_keys, read_values;
   matrix3 radius, counts;
+  Kokkos::View<double***, Kokkos::LayoutRight, MemorySpace> stats;
 
   /// Allocates zeroed rows for `batch` sequences x `kv_heads` kv-heads x `capacity` rows.
   void allocate(int batch, int kv_heads, long capacity, int head_dim, int value_dim) {
@@ -33,6 +36,10 @@ struct StateRows {
     read_values = matrix4("kvmem::state_read_values", batch, kv_heads, capacity, value_dim);
     radius = matrix3("kvmem::state_radius", batch, kv_heads, capacity);
     counts = matrix3("kvmem::state_counts", batch, kv_heads, capacity);
+  }
+  /// Allocates the zeroed row-eviction statistics (same rows as the state).
+  void allocate_stats() {
+    stats = decltype(stats)("kvmem::state_stats", keys.extent(0), keys.extent(1), keys.extent(2));
   }
   /// Rows allocated per (sequence, kv-head).
   [[nodiscard]] long capacity() const { return static_cast<long>(keys.extent(2)); }
@@ -47,6 +54,7 @@ struct StateRows {
     Kokkos::resize(read_values, b, h, cap, read_values.extent(3));
     Kokkos::resize(radius, b, h, cap);
     Kokkos::resize(counts, b, h, cap);
+    if (stats.data() != nullptr) Kokkos::resize(stats, b, h, cap);
   }
   /// Row i of kv-head h of sequence b as the merge hooks see it.
   KOKKOS_INLINE_FUNCTION merge::Row row(long b, long h, long i) const {

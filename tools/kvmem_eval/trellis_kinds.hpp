@@ -1,0 +1,75 @@
+#pragma once
+/// \file trellis_kinds.hpp
+/// The Trellis row of kvmem-eval (trellis-paper Sec. 3; spec TRELLIS.md): `trellis`, m slots per head sized
+/// for each memory fraction, on the untrained inputs of trellis_inputs.hpp.
+
+#include <Kokkos_Core.hpp>
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <string>
+#include <vector>
+
+#include <kvmem/trellis_memory.hpp>
+
+#include "memory_kind.hpp"
+#include "trellis_inputs.hpp"
+
+namespace kvmem::tools::eval {
+
+/// Trellis as `kvmem-run trellis` runs it by default (spec TRELLIS.md §1, §7): phi = silu, f = ln-silu
+/// without affine, chunk C = 16 (stale-gradient prefill), readout2_phi on, grad_scale 2; m slots, Hq heads.
+inline TrellisConfig trellis_config(const Inputs& in, long slots) {
+  TrellisConfig c;
+  c.slots = static_cast<int>(slots);
+  c.head_dim = static_cast<int>(in.D);
+  c.value_dim = static_cast<int>(in.Dv);
+  c.heads = static_cast<int>(in.Hq);
+  c.chunk = 16;
+  c.readout2_phi = true;
+  return c;
+}
+
+/// Makes the inputs (not timed), prefills a zero Trellis memory with them and writes y [B, Hq, T, Dv].
+/// Held memory is the memory's held_bytes(): B x Hq x m x (D + Dv) float32, constant over the sequence.
+inline RunStats run_trellis(const TrellisConfig& cfg, const Inputs& in, const OutView& y) {
+  const auto t = make_trellis_inputs(in, cfg.slots);
+  TrellisMemory<exec> mem(cfg, static_cast<int>(in.B));
+  Kokkos::fence();
+  const auto start = std::chrono::steady_clock::now();
+  mem.prefill(t.q, t.k, t.v, t.alpha, t.forget, t.step, t.forget, t.step, y, in.lengths);
+  Kokkos::fence();
+  RunStats s;
+  s.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  s.rows.assign(in.B, cfg.slots);
+  s.window.assign(in.B, 0);
+  s.held_bytes = s.peak_bytes = mem.held_bytes();
+  return s;
+}
+
+/// trellis, in table order.
+inline std::vector<MemoryKind> trellis_kinds() {
+  std::vector<MemoryKind> kinds;
+  kinds.push_back(
+      {"trellis", "Trellis (untrained)",
+       "m = round(f*T*Hkv/Hq) slots per query head (M1 [m, D] + M2 [m, Dv] hold f of the cache), C = 16, phi = silu, "
+       "f = ln-silu; unit q, k, v, alpha = R khat (fixed random +-1 R), every gate sigmoid(0) = 1/2",
+       false, [](const Inputs& in, const SizingOptions&, double f, const std::string&) {
+         const double slots = f * static_cast<double>(longest(in)) * static_cast<double>(in.Hkv) /
+                              static_cast<double>(in.Hq);
+         const auto cfg = trellis_config(in, std::max(1L, static_cast<long>(std::llround(slots))));
+         const nlohmann::json inputs = {{"q_k_v", "x / max(||x||, 1e-12) per head and token"},
+                                        {"alpha", "R khat, R [m, D] with entries +-1 from splitmix64"},
+                                        {"alpha_seed", trellis_alpha_seed},
+                                        {"beta1_beta2", trellis_untrained_gate},
+                                        {"gamma1_gamma2", trellis_untrained_gate}};
+         return Plan{{{"slots", cfg.slots}, {"chunk", cfg.chunk}, {"phi", std::string(merge::name_of(cfg.phi))},
+                      {"f", std::string(merge::name_of(cfg.f))}, {"readout2_phi", cfg.readout2_phi},
+                      {"grad_scale", cfg.grad_scale}, {"inputs", inputs}},
+                     fmt("m=%d C=%d", cfg.slots, cfg.chunk),
+                     [cfg](const Inputs& i, const OutView& y) { return run_trellis(cfg, i, y); }};
+       }});
+  return kinds;
+}
+
+}  // namespace kvmem::tools::eval
