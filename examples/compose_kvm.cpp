@@ -10,6 +10,8 @@
 
 #include <kvmem/kvmem.hpp>
 
+#include "engine_buffers.hpp"
+
 int main() {
   Kokkos::ScopeGuard guard;
   using exec = Kokkos::DefaultHostExecutionSpace;
@@ -39,25 +41,12 @@ int main() {
   // An engine's buffers: [T, heads, head_dim] per tensor, as vLLM or llama.cpp hold them.
   const long prompt = 1000, generated = 200, T = prompt + generated;
   std::mt19937 rng(7);
-  std::normal_distribution<float> normal;
-  auto buffer = [&](long heads, long dim) {
-    std::vector<float> x(T * heads * dim);
-    for (auto& e : x) e = normal(rng);
-    return x;
-  };
-  std::vector<float> q = buffer(cfg.query_heads, cfg.head_dim), k = buffer(cfg.kv_heads, cfg.head_dim),
-                     v = buffer(cfg.kv_heads, cfg.value_dim), gate = buffer(cfg.kv_heads, 1),
-                     y(T * cfg.query_heads * cfg.value_dim);
-
-  // Wrap [t, h, c] as (b, h, t, c) with strides: no copy.
-  auto wrap = [&](float* data, long t0, long tokens, long heads, long dim) {
-    const Kokkos::LayoutStride layout(1, 0, heads, dim, tokens, heads * dim, dim, 1);
-    return Kokkos::View<float****, Kokkos::LayoutStride, space, Kokkos::MemoryUnmanaged>(data + t0 * heads * dim, layout);
-  };
-  auto wrap_gate = [&](float* data, long t0, long tokens) {
-    const Kokkos::LayoutStride layout(1, 0, cfg.kv_heads, 1, tokens, cfg.kv_heads);
-    return Kokkos::View<float***, Kokkos::LayoutStride, space, Kokkos::MemoryUnmanaged>(data + t0 * cfg.kv_heads, layout);
-  };
+  std::vector<float> q = example::random_buffer(rng, T, cfg.query_heads, cfg.head_dim),
+                     k = example::random_buffer(rng, T, cfg.kv_heads, cfg.head_dim),
+                     v = example::random_buffer(rng, T, cfg.kv_heads, cfg.value_dim),
+                     gate = example::random_buffer(rng, T, cfg.kv_heads, 1), y(T * cfg.query_heads * cfg.value_dim);
+  using example::wrap;
+  auto wrap_gate = [&](float* data, long t0, long tokens) { return example::wrap_scalar(data, t0, tokens, cfg.kv_heads); };
 
   memory.prefill(wrap(q.data(), 0, prompt, cfg.query_heads, cfg.head_dim), wrap(k.data(), 0, prompt, cfg.kv_heads, cfg.head_dim),
                  wrap(v.data(), 0, prompt, cfg.kv_heads, cfg.value_dim), wrap_gate(gate.data(), 0, prompt),
