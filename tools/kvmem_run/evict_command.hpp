@@ -25,7 +25,7 @@ namespace kvmem::tools {
 struct EvictOptions {
   std::string input, output, mode = "prefill", scorer = "h2o", weights, normalizer = "xlstm";
   int sinks = 4, window = 64, top_k = 448, decay_interval = 1;
-  bool h2o_normalize = false, mask = false;
+  bool h2o_normalize = false, tova_layer_mean = false, mask = false;
 };
 
 /// Registers the `evict` subcommand and its flags on `app`.
@@ -48,6 +48,8 @@ inline CLI::App* add_evict_command(CLI::App& app, EvictOptions& o) {
   cmd->add_option("--normalizer", o.normalizer, "kvpop mLSTM normaliser")->check(CLI::IsMember({"xlstm", "plain"}))
       ->capture_default_str();
   cmd->add_flag("--h2o-normalize", o.h2o_normalize, "h2o: divide by the queries that saw the token and the group (kvpress)");
+  cmd->add_flag("--tova-layer-mean", o.tova_layer_mean,
+                "tova: every kv-head evicts the same token, by the mean over all query heads (original TOVA)");
   cmd->add_flag("--mask", o.mask, "also write mask [B,Hkv,T,T] (U8): the keys each query attends (static scorers, n = 1)");
   return cmd;
 }
@@ -208,7 +210,13 @@ inline void run_evict(const EvictOptions& o) {
   cfg.decay_interval = o.decay_interval;
   if (o.scorer == "streaming") return detail::run_eviction(o, cfg, score::None{}, in);
   if (o.scorer == "knorm") return detail::run_eviction(o, cfg, score::KeyNorm{}, in);
-  if (o.scorer == "tova") return detail::run_eviction(o, cfg, score::LastQueryAttention{}, in);
+  require(o.scorer == "tova" || !o.tova_layer_mean, "--tova-layer-mean", o.scorer, "applies to the tova scorer only");
+  require(o.scorer == "h2o" || !o.h2o_normalize, "--h2o-normalize", o.scorer, "applies to the h2o scorer only");
+  if (o.scorer == "tova") {
+    score::LastQueryAttention tova;
+    tova.layer_mean = o.tova_layer_mean;
+    return detail::run_eviction(o, cfg, tova, in);
+  }
   if (o.scorer == "h2o") {
     score::AccumulatedAttention h2o;
     h2o.normalize = o.h2o_normalize;

@@ -38,52 +38,78 @@ KOKKOS_INLINE_FUNCTION double effective_score(const Scorer& scorer, const Evicti
   return base + static_cast<double>((q - t) / p.decay_interval) * log_gamma;
 }
 
-/// Step q (the token's position) of (b, h): token key [D] and value [Dv] enter, rows are evicted down to the
-/// budget, and out(g) [Dv] = softmax over the cached rows of query(g) [D] . k / sqrt(D), times the values,
-/// for the group's query heads g < G. Runs on one thread; every sum in a fixed order.
-template <class Scorer, class Cache, class QueryOf, class OutOf>
-KOKKOS_INLINE_FUNCTION void eviction_step(const EvictionParams& p, const Cache& c, const Scorer& scorer, long b, int h,
-                                          long q, const float* key, const float* value, const QueryOf& query_of,
-                                          const OutOf& out_of) {
-  const int D = p.head_dim, Dv = p.value_dim;
-  long live = c.live(b, h);
-  // 1. append token q into a free slot (one exists: at most B rows are cached before a step, B + 1 slots).
+/// Steps 1-2 of step q on (b, h): token q (key [D], value [Dv]) enters a free slot at the end of the position
+/// order (one exists: at most B rows are cached before a step, B + 1 slots), the scorer absorbs it, and a
+/// delayed scorer scores u = q - w + 1, the oldest token of the window (the live - w-th entry; spec §2).
+template <class Scorer, class Cache>
+KOKKOS_INLINE_FUNCTION void eviction_append(const EvictionParams& p, const Cache& c, const Scorer& scorer, long b, int h,
+                                            long q, const float* key, const float* value) {
+  const long live = c.live(b, h);
   long slot = 0;
   while (c.positions(b, h, slot) >= 0) ++slot;
-  for (int i = 0; i < D; ++i) c.keys(b, h, slot, i) = key[i];
-  for (int i = 0; i < Dv; ++i) c.values(b, h, slot, i) = value[i];
+  for (int i = 0; i < p.head_dim; ++i) c.keys(b, h, slot, i) = key[i];
+  for (int i = 0; i < p.value_dim; ++i) c.values(b, h, slot, i) = value[i];
   c.positions(b, h, slot) = q;
   c.order(b, h, live) = static_cast<int>(slot);
-  ++live;
+  c.live(b, h) = live + 1;
   c.stats(b, h, slot) = scorer.absorb(b, h, q, &c.keys(b, h, slot, 0), &c.values(b, h, slot, 0));
-  // 2. delayed scoring (§2): u = q - w + 1, the oldest token of the window, is the live - w-th entry.
   if constexpr (Scorer::delayed) {
     const long u = q - p.window + 1;
     if (u >= p.sinks && u >= 0) {
-      const int su = c.order(b, h, live - p.window);
+      const int su = c.order(b, h, live + 1 - p.window);
       c.stats(b, h, su) = scorer.delayed_score(b, h, u, &c.keys(b, h, su, 0), &c.values(b, h, su, 0));
     }
   }
-  // 3. evict the worst of R = {s <= t <= q - w} while |R| > k; R is a contiguous run of the order list:
-  //    after the min(s, q + 1) sinks and before the min(w, q + 1 - s) window tokens that are not sinks.
-  const long r_begin = q + 1 < p.sinks ? q + 1 : p.sinks;
-  const long window_only = q + 1 - p.sinks < p.window ? q + 1 - p.sinks : p.window;
-  long r_end = live - (window_only > 0 ? window_only : 0);
-  while (r_end - r_begin > p.top_k) {
-    long worst = r_begin;
-    double worst_score = 0.0;
-    for (long i = r_begin; i < r_end; ++i) {
-      const int si = c.order(b, h, i);
-      const double e = effective_score(scorer, p, c.stats(b, h, si), c.positions(b, h, si), q, h);
-      // strictly lower loses; on a tie the older token (visited first) stays the loser: newer wins (§4)
-      if (i == r_begin || e < worst_score) worst = i, worst_score = e;
-    }
-    c.positions(b, h, c.order(b, h, worst)) = -1;
-    for (long i = worst; i + 1 < live; ++i) c.order(b, h, i) = c.order(b, h, i + 1);
-    --live, --r_end;
+}
+
+/// The retained set R = {s <= t <= q - w} of step q as entries [begin, end) of the position order: after
+/// the min(s, q + 1) sinks and before the min(w, q + 1 - s) window tokens that are not sinks.
+struct RetainedRange {
+  long begin, end;
+  KOKKOS_INLINE_FUNCTION RetainedRange(const EvictionParams& p, long live, long q) {
+    begin = q + 1 < p.sinks ? q + 1 : p.sinks;
+    const long window_only = q + 1 - p.sinks < p.window ? q + 1 - p.sinks : p.window;
+    end = live - (window_only > 0 ? window_only : 0);
   }
-  c.live(b, h) = live;
-  // 4. attention of the G query heads over the cached rows in position order (one softmax).
+};
+
+/// The entry of [r.begin, r.end) to evict at step q: the lowest sum over kv-heads [h0, h1) of effective
+/// scores (one head, or every head of the layer for a layer-wide scorer; they hold the same positions);
+/// on a tie the older token (the first entry) loses (spec §4: newer wins).
+template <class Scorer, class Cache>
+KOKKOS_INLINE_FUNCTION long eviction_worst(const EvictionParams& p, const Cache& c, const Scorer& scorer, long b, int h0,
+                                           int h1, long q, const RetainedRange& r) {
+  long worst = r.begin;
+  double worst_score = 0.0;
+  for (long i = r.begin; i < r.end; ++i) {
+    double e = 0.0;
+    for (int h = h0; h < h1; ++h) {
+      const int si = c.order(b, h, i);
+      e += effective_score(scorer, p, c.stats(b, h, si), c.positions(b, h, si), q, h);
+    }
+    if (i == r.begin || e < worst_score) worst = i, worst_score = e;
+  }
+  return worst;
+}
+
+/// Frees the slot of order entry `index` of (b, h) and closes the gap in the position order.
+template <class Cache>
+KOKKOS_INLINE_FUNCTION void eviction_remove(const Cache& c, long b, int h, long index) {
+  const long live = c.live(b, h);
+  c.positions(b, h, c.order(b, h, index)) = -1;
+  for (long i = index; i + 1 < live; ++i) c.order(b, h, i) = c.order(b, h, i + 1);
+  c.live(b, h) = live - 1;
+}
+
+/// Steps 4-5 on (b, h): out(g) [Dv] = softmax over the cached rows, in position order, of query(g) [D] .
+/// k / sqrt(D), times the values, for the group's query heads g < G (one softmax; float32, mul_add and
+/// softmax_exp as the other readouts); then, for scorers that need them, the float64 probabilities summed
+/// over the group go to Scorer::attended.
+template <class Scorer, class Cache, class QueryOf, class OutOf>
+KOKKOS_INLINE_FUNCTION void eviction_attend(const EvictionParams& p, const Cache& c, const Scorer& scorer, long b, int h,
+                                            const QueryOf& query_of, const OutOf& out_of) {
+  const int D = p.head_dim, Dv = p.value_dim;
+  const long live = c.live(b, h);
   for (int g = 0; g < p.group; ++g) {
     const float* qv = query_of(g);
     float* y = out_of(g);
@@ -134,17 +160,56 @@ KOKKOS_INLINE_FUNCTION void eviction_step(const EvictionParams& p, const Cache& 
   }
 }
 
+/// Step q of (b, h) (spec EVICTION.md §1 steps 1-5): append, evict the worst retained rows while |R| > k,
+/// attend, update attention statistics. Runs on one thread; every sum in a fixed order.
+template <class Scorer, class Cache, class QueryOf, class OutOf>
+KOKKOS_INLINE_FUNCTION void eviction_step(const EvictionParams& p, const Cache& c, const Scorer& scorer, long b, int h,
+                                          long q, const float* key, const float* value, const QueryOf& query_of,
+                                          const OutOf& out_of) {
+  eviction_append(p, c, scorer, b, h, q, key, value);
+  for (RetainedRange r(p, c.live(b, h), q); r.end - r.begin > p.top_k; r = RetainedRange(p, c.live(b, h), q))
+    eviction_remove(c, b, h, eviction_worst(p, c, scorer, b, h, h + 1, q, r));
+  eviction_attend(p, c, scorer, b, h, query_of, out_of);
+}
+
+/// Step q of every kv-head of sequence b for a layer-wide scorer (Scorer::layer_wide(): every kv-head
+/// evicts the same token, the one with the lowest effective score summed over the kv-heads, as the
+/// original TOVA's mean over all heads of the layer; spec EVICTION.md §6).
+template <class Scorer, class Cache, class QueryOf, class OutOf, class KeyOf, class ValueOf>
+KOKKOS_INLINE_FUNCTION void eviction_step_layer(const EvictionParams& p, const Cache& c, const Scorer& scorer, long b,
+                                                int heads, long q, const KeyOf& key_of, const ValueOf& value_of,
+                                                const QueryOf& query_of, const OutOf& out_of) {
+  for (int h = 0; h < heads; ++h) eviction_append(p, c, scorer, b, h, q, key_of(h), value_of(h));
+  for (RetainedRange r(p, c.live(b, 0), q); r.end - r.begin > p.top_k; r = RetainedRange(p, c.live(b, 0), q)) {
+    const long worst = eviction_worst(p, c, scorer, b, 0, heads, q, r);
+    for (int h = 0; h < heads; ++h) eviction_remove(c, b, h, worst);
+  }
+  for (int h = 0; h < heads; ++h)
+    eviction_attend(p, c, scorer, b, h, [&](int g) { return query_of(h, g); }, [&](int g) { return out_of(h, g); });
+}
+
 /// Runs tokens [0, lengths[b]) of every sequence b through eviction_step, in order, at positions
 /// first[b] + i: q [B, Hq, T, D], k [B, Hkv, T, D], v [B, Hkv, T, Dv] in, y [B, Hq, T, Dv] out (rows past
 /// lengths[b] untouched). One thread per (sequence, kv-head): the steps of a head are sequential by
-/// definition (spec EVICTION.md §1), the heads and sequences independent.
+/// definition (spec EVICTION.md §1), the heads and sequences independent; one thread per sequence for a
+/// layer-wide scorer (eviction_step_layer).
 template <class Scorer, class ExecSpace, class Cache, class TokensIn, class TokensOut, class Lengths>
 void eviction_tokens(const ExecSpace& exec, const EvictionParams& p, const Cache& cache, const Scorer& scorer,
                      const TokensIn& q, const TokensIn& k, const TokensIn& v, const TokensOut& y, const Lengths& first,
                      const Lengths& lengths) {
   const long B = static_cast<long>(k.extent(0)), H = static_cast<long>(k.extent(1));
+  const bool layer = scorer.layer_wide();
   Kokkos::parallel_for(
-      "kvmem::evict", Kokkos::RangePolicy<ExecSpace>(exec, 0, B * H), KOKKOS_LAMBDA(long idx) {
+      "kvmem::evict", Kokkos::RangePolicy<ExecSpace>(exec, 0, layer ? B : B * H), KOKKOS_LAMBDA(long idx) {
+        if (layer) {
+          const long b = idx;
+          for (long i = 0; i < lengths(b); ++i)
+            eviction_step_layer(
+                p, cache, scorer, b, static_cast<int>(H), first(b) + i, [&](int h) { return &k(b, h, i, 0); },
+                [&](int h) { return &v(b, h, i, 0); }, [&](int h, int g) { return &q(b, h * p.group + g, i, 0); },
+                [&](int h, int g) { return &y(b, h * p.group + g, i, 0); });
+          return;
+        }
         const long b = idx / H;
         const int h = static_cast<int>(idx % H);
         for (long i = 0; i < lengths(b); ++i) {

@@ -45,6 +45,9 @@ struct EvictionDefaults {
   KOKKOS_INLINE_FUNCTION double attended(double stat, double, int) const { return stat; }
   KOKKOS_INLINE_FUNCTION double base_score(double stat, long, long, int) const { return stat; }
   KOKKOS_INLINE_FUNCTION double log_decay(int) const { return log_gamma; }
+  /// Every kv-head of a sequence evicts the same token (the lowest effective score summed over the
+  /// kv-heads) instead of its own: the original TOVA's layer mean (spec §6). False: per kv-head.
+  KOKKOS_INLINE_FUNCTION bool layer_wide() const { return false; }
 };
 
 /// An eviction scorer: a copyable value type (copied into kernels; state lives in Kokkos views it owns)
@@ -63,6 +66,7 @@ concept EvictionScorer =
       { cs.attended(stat, stat, g) } -> std::same_as<double>;
       { cs.base_score(stat, t, t, g) } -> std::same_as<double>;
       { cs.log_decay(h) } -> std::same_as<double>;
+      { cs.layer_wide() } -> std::convertible_to<bool>;
     };
 
 }  // namespace kvmem::score
