@@ -14,6 +14,7 @@
 #include "errors.hpp"
 #include "eviction_config.hpp"
 #include "kernels/eviction_step.hpp"
+#include "kernels/zero_tail.hpp"
 #include "policy/score/eviction_scorer.hpp"
 #include "state/eviction_cache.hpp"
 
@@ -92,7 +93,10 @@ class EvictionMemory {
       lengths_host_(b) = n;
       ragged = ragged || n < T;
     }
-    if (ragged) zero_tail(y);
+    if (ragged) {
+      Kokkos::deep_copy(exec_, lengths_, lengths_host_);
+      kernels::zero_tail(exec_, y, lengths_);
+    }
     run(q, k, v, y);
   }
 
@@ -159,17 +163,6 @@ class EvictionMemory {
     kernels::eviction_tokens(exec_, kernels::EvictionParams::of(cfg_), cache_, scorer_, q, k, v, y, first_, lengths_);
     exec_.fence();
     for (long b = 0; b < batch(); ++b) tokens_[b] += lengths_host_(b);
-  }
-
-  void zero_tail(const tokens_out& y) {
-    const auto len = lengths_;
-    Kokkos::deep_copy(exec_, lengths_, lengths_host_);
-    Kokkos::parallel_for(
-        "kvmem::evict_zero", Kokkos::MDRangePolicy<ExecSpace, Kokkos::Rank<3>>(exec_, {0, 0, 0}, {y.extent(0), y.extent(1), y.extent(2)}),
-        KOKKOS_LAMBDA(long b, long h, long t) {
-          if (t < len(b)) return;
-          for (long c = 0; c < static_cast<long>(y.extent(3)); ++c) y(b, h, t, c) = 0.0f;
-        });
   }
 
   void check_inputs(const tokens_in& q, const tokens_in& k, const tokens_in& v, const tokens_out& y, long T,

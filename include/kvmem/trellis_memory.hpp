@@ -111,7 +111,7 @@ class TrellisMemory {
     const inputs_t in{q, k, v, alpha, beta1, gamma1, beta2, gamma2};
     Kokkos::deep_copy(exec_, lengths_, lengths_host_);
     if (cfg_.check_gates) check_gates(in, T);
-    if (ragged) kernels::trellis_zero_tail(exec_, y, lengths_);
+    if (ragged) kernels::zero_tail(exec_, y, lengths_);
     const long longest = *std::max_element(lengths_host_.data(), lengths_host_.data() + batch());
     const long C = cfg_.chunk;
     scratch_.reserve(batch(), cfg_.heads, std::max(1L, std::min(C, longest)), cfg_.slots);

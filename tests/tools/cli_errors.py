@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
 """kvmem-run's answers to bad input: every case must exit with status 2 and an error line that names
 the parameter (tensor, flag or file) and its value; never a crash, a hang or a silently wrong answer.
+Subcommands kvm and evict (evict: flags, the --weights file of kvpop, --mask; spec EVICTION.md).
 
-Usage: cli_errors.py --runner PATH/TO/kvmem-run
+Usage: cli_errors.py --runner PATH/TO/kvmem-run [--subcommand kvm|evict]
 """
 import argparse
 import os
@@ -12,8 +13,10 @@ import tempfile
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [HERE, os.path.join(HERE, "..", "reference")]
 import safetensors_np  # noqa: E402
+from eviction_reference import random_kvpop_weights  # noqa: E402
 
 
 def good_tensors(B=2, Hq=4, Hkv=2, T=40, D=8, Dv=6, seed=0):
@@ -100,30 +103,100 @@ def materialize(build, path):
     return path
 
 
+EVICT_FLAGS = ["--sinks", "2", "--window", "4", "--top-k", "6", "--scorer", "kvpop"]
+
+
+def evict_tensors(B=2, Hq=4, Hkv=2, T=40, D=8, Dv=6, seed=0):
+    x = good_tensors(B, Hq, Hkv, T, D, Dv, seed)
+    return {n: x[n] for n in ("q", "k", "v")}
+
+
+def evict_weights(Hkv=2, D=8, Dv=6, **changes):
+    w = random_kvpop_weights(np.random.default_rng(1), Hkv, D, Dv)
+    for k, v in changes.items():
+        if v is None:
+            del w[k]
+        else:
+            w[k] = v
+    return w
+
+
+def evict_cases():
+    """(name, tensors builder, extra flags, expected substrings, --weights builder or None). The flags
+    replace those of EVICT_FLAGS; a weights builder adds --weights FILE."""
+    t, wts = evict_tensors, evict_weights
+    f = np.float32
+    yield "--window 0", t, ["--window", "0"], ["--window", "0"], wts
+    yield "--top-k -1", t, ["--top-k", "-1"], ["--top-k", "-1"], wts
+    yield "--decay-interval 0", t, ["--decay-interval", "0"], ["--decay-interval", "0"], wts
+    yield "snapkv with --sinks 1", t, ["--scorer", "snapkv", "--sinks", "1"], ["--sinks", "1"], None
+    yield "kvpop without --weights", t, [], ["--weights"], None
+    yield "weights without w_q", t, [], ["w_q", "missing"], lambda: wts(w_q=None)
+    yield "weights with misshapen w_s", t, [], ["w_s", "shape"], lambda: wts(w_s=np.zeros((2, 5), f))
+    yield "weights with another Hkv", t, [], ["w_k", "shape"], lambda: wts(w_k=np.zeros((3, 14, 4), f))
+    yield "weights theta of rank 2", t, [], ["'theta'", "2"], lambda: wts(theta=np.zeros((2, 1), f))
+    yield "weights of int32 dtype", t, [], ["b_f", "I32"], lambda: wts(b_f=np.zeros(2, np.int32))
+    yield "weights file missing", t, ["--weights", "/tmp/kvmem-no-such-weights.safetensors"], \
+        ["kvmem-no-such-weights.safetensors"], None
+    yield "odd D with kvpop", lambda: evict_tensors(D=7), [], ["7", "even"], lambda: wts(D=6, Dv=7)
+    yield "--mask with h2o", t, ["--scorer", "h2o", "--mask"], ["--mask", "h2o"], None
+    yield "--mask with tova", t, ["--scorer", "tova", "--mask"], ["--mask", "tova"], None
+    yield "--mask with kvpop --decay-interval 3", t, ["--mask", "--decay-interval", "3"], \
+        ["--mask", "--decay-interval"], wts
+    yield "unknown scorer", t, ["--scorer", "oracle"], ["--scorer", "oracle"], None
+    yield "unknown normalizer", t, ["--normalizer", "l2"], ["--normalizer", "l2"], wts
+    yield "Hq not a multiple of Hkv", lambda: dict(evict_tensors(), q=evict_tensors()["q"][:, :3]), \
+        ["--scorer", "knorm"], ["Hq = 3", "Hkv = 2"], None
+    yield "k missing", lambda: {n: a for n, a in evict_tensors().items() if n != "k"}, \
+        ["--scorer", "knorm"], ["'k'", "missing"], None
+    yield "lengths too long", lambda: dict(evict_tensors(), lengths=np.array([40, 41], np.int64)), \
+        ["--scorer", "tova"], ["lengths[1] = 41"], None
+
+
+def run_case(runner, sub, i, tmp, name, build, flags, expect, weights=None):
+    inp = materialize(build, os.path.join(tmp, f"{sub}{i}.safetensors"))
+    out = os.path.join(tmp, f"{sub}-out{i}.safetensors")
+    argv = [runner, sub, "--input", inp, "--output", out]
+    if sub == "kvm":
+        argv += GOOD_FLAGS + flags
+    else:   # flags replace the good ones; one without a value (--mask) is appended
+        good = dict(zip(EVICT_FLAGS[::2], EVICT_FLAGS[1::2]))
+        rest, j = [], 0
+        while j < len(flags):
+            if j + 1 < len(flags) and not flags[j + 1].startswith("--"):
+                good[flags[j]] = flags[j + 1]
+                j += 2
+            else:
+                rest.append(flags[j])
+                j += 1
+        if weights is not None:
+            wpath = os.path.join(tmp, f"{sub}-weights{i}.safetensors")
+            safetensors_np.save(wpath, weights())
+            good.setdefault("--weights", wpath)
+        argv += [a for kv in good.items() for a in kv] + rest
+    r = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+    text = r.stdout + r.stderr
+    ok = r.returncode == 2 and all(e in text for e in expect) and not os.path.exists(out)
+    first = text.strip().splitlines()[0] if text.strip() else "(no output)"
+    print(f"{'PASS' if ok else 'FAIL'} {sub}: {name}: exit {r.returncode}: {first}")
+    if not ok:
+        print(f"     expected exit 2 and {expect}; command: {' '.join(argv)}\n     full output:\n{text}")
+    return ok
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--runner", required=True)
+    ap.add_argument("--subcommand", choices=("kvm", "evict"), help="only this subcommand's cases")
     args = ap.parse_args()
-    passed = failed = 0
+    sections = {"kvm": cases, "evict": evict_cases}
+    res = []
     with tempfile.TemporaryDirectory(dir="/tmp") as tmp:
-        for i, (name, build, flags, expect) in enumerate(cases()):
-            inp = materialize(build, os.path.join(tmp, f"in{i}.safetensors"))
-            out = os.path.join(tmp, f"out{i}.safetensors")
-            argv = [args.runner, "kvm", "--input", inp, "--output", out]
-            argv += GOOD_FLAGS
-            argv += flags
-            r = subprocess.run(argv, capture_output=True, text=True, timeout=120)
-            text = r.stdout + r.stderr
-            ok = r.returncode == 2 and all(e in text for e in expect) and not os.path.exists(out)
-            status = "PASS" if ok else "FAIL"
-            first = text.strip().splitlines()[0] if text.strip() else "(no output)"
-            print(f"{status} {name}: exit {r.returncode}: {first}")
-            if not ok:
-                print(f"     expected exit 2 and {expect}; full output:\n{text}")
-            passed += ok
-            failed += not ok
-    print(f"{passed} passed, {failed} failed")
-    return 1 if failed else 0
+        for sub, gen in sections.items():
+            if args.subcommand in (None, sub):
+                res += [run_case(args.runner, sub, i, tmp, *c) for i, c in enumerate(gen())]
+    print(f"{sum(res)} passed, {len(res) - sum(res)} failed")
+    return 0 if all(res) else 1
 
 
 if __name__ == "__main__":

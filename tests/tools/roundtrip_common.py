@@ -4,6 +4,8 @@ import os
 import shlex
 import subprocess
 
+import numpy as np
+
 import safetensors_np as stn
 
 
@@ -43,3 +45,28 @@ def report(name, desc, problems, worst):
     print(f"{'PASS' if ok else 'FAIL'} {name}: {desc} worst_rel={worst:.2e}"
           + ("" if ok else " | " + "; ".join(problems)), flush=True)
     return ok
+
+
+def compare_tensors(exp, got, tol, dtypes=None):
+    """Checks every tensor of `exp` in `got`: dtype (dtypes.get(name, "F32")) and shape, then integer
+    tensors exactly and float ones to max|a-b| <= tol * max(1, max|ref|). Returns (errors, worst)."""
+    errs, worst = [], 0.0
+    for name, e in exp.items():
+        g, want = got.get(name), (dtypes or {}).get(name, "F32")
+        if g is None:
+            errs.append(f"{name} missing")
+        elif g.dtype != stn.DTYPES[want]:
+            errs.append(f"{name} dtype {g.dtype}, want {want}")
+        elif g.shape != e.shape:
+            errs.append(f"{name} shape {list(g.shape)}, want {list(e.shape)}")
+        elif want not in ("F32", "F64"):
+            if not np.array_equal(g, e):
+                bad = int(np.count_nonzero(g != e))
+                errs.append(f"{name}: {bad} of {e.size} entries differ")
+        elif e.size:
+            err = float(np.max(np.abs(g.astype(np.float64) - e)))
+            scale = max(1.0, float(np.max(np.abs(e))))
+            worst = max(worst, err / scale) if err == err else float("inf")
+            if not err <= tol * scale:
+                errs.append(f"{name} max|err| {err:.3g} > {tol * scale:.3g}")
+    return errs, worst

@@ -10,13 +10,13 @@ import struct
 import numpy as np
 
 DTYPES = {"F32": np.dtype("<f4"), "F64": np.dtype("<f8"),
-          "I64": np.dtype("<i8"), "I32": np.dtype("<i4")}
+          "I64": np.dtype("<i8"), "I32": np.dtype("<i4"), "U8": np.dtype("u1")}
 _NAMES = {v: k for k, v in DTYPES.items()}
 MAX_HEADER = 100 * 1024 * 1024
 
 
 def save(path, tensors, metadata=None):
-    """Write {name: ndarray} to `path` (dtypes F32, F64, I64, I32 only)."""
+    """Write {name: ndarray} to `path` (dtypes F32, F64, I64, I32, U8 only)."""
     header, blobs, off = {}, [], 0
     if metadata:
         header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}

@@ -22,14 +22,14 @@ void static_scores(const ExecSpace& exec, const EvictionParams& p, const Scorer&
       "kvmem::evict_scores", Kokkos::RangePolicy<ExecSpace>(exec, 0, B * H), KOKKOS_LAMBDA(long idx) {
         const long b = idx / H;
         const int h = static_cast<int>(idx % H);
-        const long L = lengths(b);
+        const long L = lengths(b), window = p.window;  // (p is captured here, outside the constexpr-if: nvcc)
         for (long t = 0; t < T; ++t) scores(b, h, t) = -Kokkos::Experimental::infinity_v<double>;
         for (long t = 0; t < L; ++t) {
           const double stat = scorer.absorb(b, h, t, &k(b, h, t, 0), &v(b, h, t, 0));
           if constexpr (!Scorer::delayed) {
             scores(b, h, t) = effective_score(scorer, p, stat, t, t, h);
           } else {
-            const long u = t - p.window + 1;
+            const long u = t - window + 1;
             if (u >= 0)
               scores(b, h, u) = effective_score(scorer, p, scorer.delayed_score(b, h, u, &k(b, h, u, 0), &v(b, h, u, 0)), u, u, h);
           }

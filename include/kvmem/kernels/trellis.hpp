@@ -23,6 +23,7 @@
 #include "../policy/merge/gradient_descent.hpp"
 #include "../trellis_config.hpp"
 #include "vector_ops.hpp"
+#include "zero_tail.hpp"
 
 namespace kvmem::kernels {
 
@@ -226,21 +227,6 @@ void trellis_chunk(const ExecSpace& exec, const TrellisParams& prm, const Trelli
   trellis_gradients(exec, prm, st, sc, in, lengths, first, max_tokens);
   trellis_readout(exec, prm, st, sc, in, ln_weight, ln_bias, y, lengths, first, max_tokens);
   trellis_state_update(exec, prm, st, sc, in, lengths, first);
-}
-
-/// Writes zeros to y[b, h, t, :] for every t >= lengths(b) (the padding of a ragged batch).
-template <class ExecSpace, class Out, class Lengths>
-void trellis_zero_tail(const ExecSpace& exec, const Out& y, const Lengths& lengths) {
-  const long B = static_cast<long>(y.extent(0)), H = static_cast<long>(y.extent(1)), T = static_cast<long>(y.extent(2));
-  const long Dv = static_cast<long>(y.extent(3)), n = B * H * T;
-  if (n == 0) return;
-  Kokkos::parallel_for(
-      "kvmem::trellis_zero_tail", Kokkos::RangePolicy<ExecSpace, Kokkos::IndexType<long>>(exec, 0, n),
-      KOKKOS_LAMBDA(const long idx) {
-        const long t = idx % T, h = (idx / T) % H, b = idx / (T * H);
-        if (t < lengths(b)) return;
-        for (long c = 0; c < Dv; ++c) y(b, h, t, c) = 0.0f;
-      });
 }
 
 /// The first out-of-range gate in the order beta1, gamma1, beta2, gamma2, then (b, h, t), among tokens

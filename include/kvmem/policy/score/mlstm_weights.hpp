@@ -72,7 +72,7 @@ struct MLstmWeights {
 
 /// Reads the mLSTM weights (names and shapes of MLstmWeights) from a parsed safetensors file into
 /// float32 views of `MemorySpace`, and validates them against `cfg`. Throws kvmem::invalid_argument
-/// naming the tensor for a missing tensor, a dtype other than F32/F64/I32/I64, or a wrong shape.
+/// naming the tensor for a missing tensor, a dtype other than F32 or F64, or a wrong shape.
 template <class MemorySpace>
 MLstmWeights<MemorySpace> load_mlstm_weights(const io::SafetensorsFile& file, const EvictionConfig& cfg) {
   auto load = [&](const char* name, auto rank_tag) {
@@ -80,6 +80,8 @@ MLstmWeights<MemorySpace> load_mlstm_weights(const io::SafetensorsFile& file, co
     if (!file.has(name))
       throw invalid_argument(std::string("mLSTM weight '") + name + "': missing from the weights file (spec EVICTION.md §3)");
     const auto& t = file.at(name);
+    require(t.dtype == "F32" || t.dtype == "F64", std::string("mLSTM weight '") + name + "' dtype", t.dtype,
+            "must be F32 or F64");
     require(t.shape.size() == static_cast<std::size_t>(R), std::string("mLSTM weight '") + name + "' rank", t.shape.size(),
             "must be " + std::to_string(R));
     const auto values = io::to_double(t, name);
