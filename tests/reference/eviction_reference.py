@@ -11,13 +11,16 @@ Section numbers refer to the spec. One (sequence, KV head) at a time, a GQA grou
   kvpop_scores_parallel(...)                             the same from the closed parallel form (§3)
   static_key / ranks / fenwick_mask / brute_mask         §4 + §5 (n = 1 static keys, running top-k mask)
   snapkv_keep(q, k, W_obs, C_max)                        §6 SnapKV selection after a T-token prompt
+  simulate_decode_tova_layer(q, k, v, s, w, top_k)       §6 TOVA layer mean (the original): all KV heads
+      of one sequence at once, q [Hq,T,D], k [Hkv,T,D], v [Hkv,T,Dv]; one shared set of kept positions
   evict_reference(tensors, scorer, sinks, window, top_k, ...)
       the `kvmem-run evict` mapping over [B, H, T, ...] tensors with optional ragged `lengths`:
       dict y, kept_positions, kept_rows (and mask), plus the smallest decision gap.
 
 Conventions: eviction removes the minimum of (eff, t) (ties: the newer token wins, §4); training-free
 scorers use log γ = 0; H2O is the raw sum over the group from insertion (normalize: divided by G times
-the number of queries that attended the token); TOVA is the group mean of the previous query's row;
+the number of queries that attended the token); TOVA is the group mean of the previous query's row
+(tova_layer_mean: the mean over all Hq query heads of the layer, so every KV head evicts the same token);
 SnapKV pools with avg_pool1d(5, stride 1, pad 2) counting the pads and averages over the group.
 
 `python3 eviction_reference.py` runs the self-test (worked example, decode == Fenwick == brute force,
@@ -250,6 +253,49 @@ def simulate_decode(q, k, v, s, w, top_k, scorer, scores=None, log_gamma=0.0, n=
     return Decode(y=y, kept=A, sets=sets, gap=gap)
 
 
+def simulate_decode_tova_layer(q, k, v, s, w, top_k, keep_sets=True):
+    """TOVA with the original's layer mean (§6), one sequence, all KV heads together.
+    q [Hq,T,D], k [Hkv,T,D], v [Hkv,T,Dv], Hq = G·Hkv (query head j reads KV head j // G).
+    The score of token t at step q is the mean over ALL Hq query heads of p_{q−1→t} (0 if t was not
+    attended at q−1); one R for the sequence, so every KV head evicts the same token: the minimum of
+    (score, t) (ties: the older token is evicted). Written as the mean over the Hq rows directly, not as
+    a sum of per-KV-head group means (the same order, since every group has G heads).
+    Returns Decode(y [Hq,T,Dv], kept (shared by every KV head), sets, gap)."""
+    if w < 1 or top_k < 0 or s < 0:
+        raise ValueError("need w >= 1, top_k >= 0, s >= 0")
+    Hq, T, D = q.shape
+    Hkv, Dv = k.shape[0], v.shape[2]
+    if Hq % Hkv:
+        raise ValueError("Hq must be a multiple of Hkv")
+    G = Hq // Hkv
+    y = np.zeros((Hq, T, Dv))
+    last = np.zeros(T)
+    R, sets, gap, A = [], [], Gap(), np.zeros(0, np.int64)
+    for qi in range(T):
+        t_new = qi - w
+        if t_new >= s:
+            R.append(t_new)
+        while len(R) > top_k:
+            pos = np.array(R)
+            eff = last[pos].copy()
+            i_min = int(np.lexsort((pos, eff))[0])
+            gap.update(eff, pos, i_min, qi, "layer-mean eviction at step")
+            R.remove(int(pos[i_min]))
+        A = np.concatenate([np.arange(0, min(s, qi + 1)), np.sort(np.array(R, np.int64)),
+                            np.arange(max(s, qi - w + 1), qi + 1)]).astype(np.int64)
+        rows = np.zeros((Hq, len(A)))
+        for j in range(Hq):
+            h = j // G
+            p = softmax(q[j, qi] @ k[h, A].T / math.sqrt(D))
+            y[j, qi] = p @ v[h, A]
+            rows[j] = p
+        last[:] = 0.0
+        last[A] = rows.mean(axis=0)
+        if keep_sets:
+            sets.append(A)
+    return Decode(y=y, kept=A, sets=sets, gap=gap)
+
+
 def sets_to_mask(sets, T):
     m = np.zeros((T, T), bool)
     for qi, A in enumerate(sets):
@@ -353,11 +399,13 @@ def snapkv_keep(q, k, W_obs, C_max, gap=None):
 
 # ------------------------------------------------------------------------------ kvmem-run evict mapping
 def evict_reference(t, scorer, sinks, window, top_k, weights=None, decay_interval=1, normalizer="xlstm",
-                    h2o_normalize=False, want_mask=False, check_mask=True):
+                    h2o_normalize=False, want_mask=False, check_mask=True, tova_layer_mean=False):
     """`kvmem-run evict` over tensors t: q [B,Hq,T,D], k [B,Hkv,T,D], v [B,Hkv,T,Dv], optional lengths [B].
     Returns (outputs, gap): outputs = dict y [B,Hq,T,Dv] float64, kept_positions [B,Hkv,K] int64 (−1 past
     kept_rows), kept_rows [B,Hkv] int64, and mask [B,Hkv,T,T] uint8 when want_mask (the §5 Fenwick mask of
-    the static keys; with check_mask it must equal the attended sets of the decode state machine)."""
+    the static keys; with check_mask it must equal the attended sets of the decode state machine).
+    tova_layer_mean (scorer tova only): the original's layer mean, every KV head of a sequence keeps the
+    same positions; near-ties are recorded with h = "all"."""
     q, k, v = (np.asarray(t[n], np.float64) for n in ("q", "k", "v"))
     B, Hq, T, D = q.shape
     Hkv, Dv = k.shape[1], v.shape[3]
@@ -368,8 +416,20 @@ def evict_reference(t, scorer, sinks, window, top_k, weights=None, decay_interva
     y = np.zeros((B, Hq, T, Dv))
     mask = np.zeros((B, Hkv, T, T), np.uint8) if want_mask else None
     kept, gap = {}, Gap()
+    if tova_layer_mean and scorer != "tova":
+        raise ValueError("tova_layer_mean needs scorer tova")
+    if tova_layer_mean and want_mask:
+        raise ValueError("--mask is defined for streaming, knorm and kvpop with n = 1")
     for b in range(B):
         L = lens[b]
+        if tova_layer_mean:
+            res = simulate_decode_tova_layer(q[b, :, :L], k[b, :, :L], v[b, :, :L], sinks, window, top_k,
+                                             keep_sets=False)
+            y[b, :, :L] = res.y
+            for h in range(Hkv):
+                kept[b, h] = res.kept.copy() if L else np.zeros(0, np.int64)
+            gap.merge(res.gap, b, "all")
+            continue
         for h in range(Hkv):
             Q, K, V = q[b, h * G:(h + 1) * G, :L], k[b, h, :L], v[b, h, :L]
             if scorer == "snapkv":
@@ -454,6 +514,25 @@ def _tova_original(q, k, v, cache_size):
         if len(cache) > cache_size:
             sc = p.mean(axis=0)
             cache.remove(int(A[np.lexsort((A, sc))[0]]))
+    return y, sets
+
+
+def _tova_layer_original(q, k, v, cache_size):
+    """TOVA's loop with its layer mean: q [Hq,T,D] over Hkv = k.shape[0] KV heads; attend every head over
+    the one shared cache, then drop the token with the lowest mean over all Hq heads of the current
+    query's attention (ties: newer kept). Returns (y [Hq,T,Dv], attended sets)."""
+    Hq, T, D = q.shape
+    G = Hq // k.shape[0]
+    y, cache, sets = np.zeros((Hq, T, v.shape[2])), [], []
+    for qi in range(T):
+        cache.append(qi)
+        A = np.array(cache)
+        P = np.stack([softmax(q[j, qi] @ k[j // G, A].T / math.sqrt(D)) for j in range(Hq)])
+        for j in range(Hq):
+            y[j, qi] = P[j] @ v[j // G, A]
+        sets.append(A)
+        if len(cache) > cache_size:
+            cache.remove(int(A[np.lexsort((A, P.mean(axis=0)))[0]]))
     return y, sets
 
 
@@ -589,6 +668,43 @@ def self_test(seed=7):
         ok &= all(A.tolist() == sorted(set(range(min(2, i + 1))) | set(range(max(0, i - 2), i + 1)))
                   for i, A in enumerate(r.sets))
     check("s + w >= T is causal attention; k = 0 is sinks + window (every scorer)", ok)
+
+    # 5b. TOVA layer mean: the original loop; Hkv = 1 is the group mean; all keys equal -> the oldest goes
+    bad = 0
+    for Hkv, G in ((1, 1), (2, 1), (2, 2), (3, 2), (3, 1)):
+        for _ in range(15):
+            T, Bc = int(rng.integers(1, 40)), int(rng.integers(1, 8))
+            q, k, v = (rng.standard_normal((Hkv * G, T, 4)), rng.standard_normal((Hkv, T, 4)),
+                       rng.standard_normal((Hkv, T, 3)))
+            y0, sets0 = _tova_layer_original(q, k, v, Bc)
+            r = simulate_decode_tova_layer(q, k, v, 0, 1, Bc)
+            bad += not (all(np.array_equal(x, y_) for x, y_ in zip(sets0, r.sets)) and np.allclose(y0, r.y, atol=1e-13))
+    check("TOVA layer mean (cache B) = original loop over all heads (s=0, w=1, k=B), Hkv 1-3, G 1-2",
+          bad == 0, f"{bad} mismatches")
+    bad = 0
+    for G in (1, 3):
+        for _ in range(20):
+            T, s, w, kk = int(rng.integers(1, 40)), int(rng.integers(0, 4)), int(rng.integers(1, 5)), int(rng.integers(0, 7))
+            q, k, v = rand_head(G, T)
+            a = simulate_decode(q, k, v, s, w, kk, "tova")
+            b = simulate_decode_tova_layer(q, k[None], v[None], s, w, kk)
+            bad += not (all(np.array_equal(x, y_) for x, y_ in zip(a.sets, b.sets)) and np.allclose(a.y, b.y, atol=1e-14))
+    check("TOVA layer mean with Hkv = 1 = group-mean tova", bad == 0, f"{bad} mismatches")
+    T, s, w, kk = 30, 1, 2, 4
+    q, k, v = rng.standard_normal((4, T, 4)), np.tile(rng.standard_normal((1, 1, 4)), (2, T, 1)), rng.standard_normal((2, T, 3))
+    r = simulate_decode_tova_layer(q, k, v, s, w, kk)
+    st = simulate_decode(q[:2], k[0], v[0], s, w + kk, 0, "streaming")
+    check("TOVA layer mean, all keys equal (every score ties): the older token is evicted (= streaming)",
+          all(np.array_equal(x, y_) for x, y_ in zip(r.sets, st.sets)))
+    differs = False
+    for _ in range(20):
+        T = 40
+        q, k, v = rng.standard_normal((4, T, 4)), rng.standard_normal((2, T, 4)), rng.standard_normal((2, T, 3))
+        lm = simulate_decode_tova_layer(q, k, v, 1, 2, 5)
+        g0 = simulate_decode(q[:2], k[0], v[0], 1, 2, 5, "tova")
+        g1 = simulate_decode(q[2:], k[1], v[1], 1, 2, 5, "tova")
+        differs |= not (np.array_equal(lm.kept, g0.kept) and np.array_equal(lm.kept, g1.kept))
+    check("TOVA layer mean differs from the per-KV-head group mean when Hkv > 1", differs)
     q, k, v = rand_head(2, 30)
     a = simulate_decode(q, k, v, 1, 3, 4, "h2o")
     b = simulate_decode(q, k, v, 1, 3, 4, "h2o", h2o_normalize=True)
@@ -645,11 +761,23 @@ def self_test(seed=7):
                 ok &= bool(np.all(out["kept_positions"][b, h, n_:] == -1))
                 if "mask" in out:
                     ok &= not out["mask"][b, h, L:].any()
+    B, Hkv, G, T, D, Dv = 3, 3, 2, 17, 4, 3
+    t = dict(q=rng.standard_normal((B, Hkv * G, T, D)), k=rng.standard_normal((B, Hkv, T, D)),
+             v=rng.standard_normal((B, Hkv, T, Dv)), lengths=np.array([17, 0, 9]))
+    out, _ = evict_reference(t, "tova", 1, 3, 4, tova_layer_mean=True)
+    for b, L in enumerate((17, 0, 9)):
+        r = simulate_decode_tova_layer(t["q"][b, :, :L], t["k"][b, :, :L], t["v"][b, :, :L], 1, 3, 4)
+        kp = r.kept if L else np.zeros(0, np.int64)
+        ok &= np.allclose(out["y"][b, :, :L], r.y, atol=1e-14) and not out["y"][b, :, L:].any()
+        for h in range(Hkv):
+            n_ = out["kept_rows"][b, h]
+            ok &= n_ == len(kp) and out["kept_positions"][b, h, :n_].tolist() == kp.tolist()
+            ok &= bool(np.all(out["kept_positions"][b, h, n_:] == -1))
     out, _ = evict_reference(dict(q=np.zeros((1, 2, 0, 4)), k=np.zeros((1, 1, 0, 4)), v=np.zeros((1, 1, 0, 3))),
                              "knorm", 1, 2, 3, want_mask=True)
     ok &= out["y"].shape == (1, 2, 0, 3) and out["kept_positions"].shape == (1, 1, 0)
     ok &= out["kept_rows"].tolist() == [[0]] and out["mask"].shape == (1, 1, 0, 0)
-    check("batch mapping: ragged lengths, GQA, -1 padding, zero rows past the length, T = 0", ok)
+    check("batch mapping: ragged lengths, GQA, -1 padding, zero rows past the length, T = 0, tova layer mean", ok)
     return results
 
 

@@ -143,6 +143,7 @@ def evict_cases():
     yield "--mask with tova", t, ["--scorer", "tova", "--mask"], ["--mask", "tova"], None
     yield "--mask with kvpop --decay-interval 3", t, ["--mask", "--decay-interval", "3"], \
         ["--mask", "--decay-interval"], wts
+    yield "--tova-layer-mean with h2o", t, ["--scorer", "h2o", "--tova-layer-mean"], ["--tova-layer-mean"], None
     yield "unknown scorer", t, ["--scorer", "oracle"], ["--scorer", "oracle"], None
     yield "unknown normalizer", t, ["--normalizer", "l2"], ["--normalizer", "l2"], wts
     yield "Hq not a multiple of Hkv", lambda: dict(evict_tensors(), q=evict_tensors()["q"][:, :3]), \

@@ -8,8 +8,9 @@ Each case writes random float32 (sometimes float64) q, k, v (and for kvpop a ran
 file), runs the tool in prefill and decode mode and compares with the reference evaluated on the same
 float32-rounded values: y to max|a-b| <= 1e-4 * max(1, max|ref|), kept_positions, kept_rows and mask
 exactly. Both modes must give the §1 decode state machine's answer (SnapKV: exact attention and the
-one-shot selection). Random inputs whose float64 decision gap (runner-up vs evicted effective score,
-relative) is below 1e-5 are redrawn, since float32 cannot be expected to settle such near-ties; a
+one-shot selection; --tova-layer-mean: the original TOVA's layer mean, one shared set of kept positions
+per sequence, eviction_reference.simulate_decode_tova_layer). Random inputs whose float64 decision gap
+(runner-up vs evicted effective score, relative) is below 1e-5 are redrawn, since float32 cannot be expected to settle such near-ties; a
 failing case lists the decisions of its reference with a gap below 1e-4 before the first divergence.
 Bad inputs of `evict` are in cli_errors.py. Ends with `N passed, M failed`; exits 1 if anything failed.
 """
@@ -32,7 +33,7 @@ REDRAWS = 12
 DTYPES = dict(y="F32", kept_positions="I64", kept_rows="I64", mask="U8")
 CASE_DEFAULTS = dict(B=1, Hq=2, Hkv=2, T=40, D=8, Dv=6, s=2, w=4, k=6, scorer="knorm", lengths=None,
                      f64=False, wf64=False, n=1, norm="xlstm", h2o_norm=False, mask=False, dup=0.0,
-                     theta=None, wscale=0.3, omit=False)
+                     theta=None, wscale=0.3, omit=False, tova_lm=False, ref_plain=False)
 
 KP = dict(scorer="kvpop")
 FIXED_CASES = [
@@ -79,6 +80,17 @@ FIXED_CASES = [
     ("tova k=0", dict(scorer="tova", k=0, T=20)),
     ("tova w > T", dict(scorer="tova", w=30, T=20)),
     ("tova T=1", dict(scorer="tova", T=1)),
+    # TOVA --tova-layer-mean: mean over all Hq query heads, every kv-head evicts the same token
+    ("tova --tova-layer-mean G=1 Hkv=2 B=2 ragged (original mapping s=0 w=1)",
+     dict(scorer="tova", tova_lm=True, B=2, Hq=2, Hkv=2, T=45, lengths=[45, 28], s=0, w=1, k=8)),
+    ("tova --tova-layer-mean G=2 Hkv=2 B=2 ragged",
+     dict(scorer="tova", tova_lm=True, B=2, Hq=4, Hkv=2, T=40, lengths=[40, 17], s=2, w=3, k=6)),
+    ("tova --tova-layer-mean G=1 Hkv=3 B=2 ragged",
+     dict(scorer="tova", tova_lm=True, B=2, Hq=3, Hkv=3, T=38, lengths=[25, 38], s=1, w=2, k=5)),
+    ("tova --tova-layer-mean G=2 Hkv=3 B=2 ragged (one length 0)",
+     dict(scorer="tova", tova_lm=True, B=2, Hq=6, Hkv=3, T=42, lengths=[42, 0], s=1, w=2, k=5)),
+    ("tova --tova-layer-mean Hkv=1 G=2 = plain tova (group-mean reference)",
+     dict(scorer="tova", tova_lm=True, ref_plain=True, B=2, Hq=2, Hkv=1, T=40, lengths=[40, 31], s=1, w=2, k=6)),
     # KVPOP: delayed mLSTM scores, both normalisers, decay, n = 1 and n > 1
     ("kvpop xlstm n=1", dict(KP, T=60, mask=True)),
     ("kvpop plain n=1", dict(KP, T=60, norm="plain", mask=True)),
@@ -167,9 +179,22 @@ def make_inputs(c, rng):
 
 
 def reference(c, t, w):
-    return er.evict_reference(t, c["scorer"], c["s"], c["w"], c["k"], weights=w, decay_interval=c["n"],
-                              normalizer=c["norm"], h2o_normalize=c["h2o_norm"], want_mask=c["mask"],
-                              check_mask=True)
+    """The expected outputs and decision gap. ref_plain: the plain (group-mean) tova reference is the
+    expectation, after checking that the layer-mean reference gives exactly the same kept positions and
+    y to 1e-12 (Hkv = 1, where the two are the same policy)."""
+    def ref(layer_mean):
+        return er.evict_reference(t, c["scorer"], c["s"], c["w"], c["k"], weights=w, decay_interval=c["n"],
+                                  normalizer=c["norm"], h2o_normalize=c["h2o_norm"], want_mask=c["mask"],
+                                  check_mask=True, tova_layer_mean=layer_mean)
+    if not c["ref_plain"]:
+        return ref(c["tova_lm"])
+    plain, lm = ref(False), ref(True)
+    for n in ("kept_positions", "kept_rows"):
+        if not np.array_equal(plain[0][n], lm[0][n]):
+            raise AssertionError(f"reference: layer-mean {n} != plain tova {n} (Hkv = {c['Hkv']})")
+    if plain[0]["y"].size and np.max(np.abs(plain[0]["y"] - lm[0]["y"])) > 1e-12:
+        raise AssertionError("reference: layer-mean y != plain tova y")
+    return plain
 
 
 def tool_args(c, weights_path):
@@ -182,6 +207,8 @@ def tool_args(c, weights_path):
             a += ["--normalizer", c["norm"]]
     if c["h2o_norm"]:
         a.append("--h2o-normalize")
+    if c["tova_lm"]:
+        a.append("--tova-layer-mean")
     if c["mask"]:
         a.append("--mask")
     return [str(x) for x in a]
@@ -233,8 +260,13 @@ def compare_with_diagnostics(c, gap):
                 row_e, row_g = np.flatnonzero(exp["mask"][b, h, qi]), np.flatnonzero(got["mask"][b, h, qi])
                 details.append(f"mask first differs at b={b} h={h} q={qi}: tool {row_g.tolist()} ref {row_e.tolist()}")
         # near-ties of the float64 reference at or before the first divergence explain a flip
-        near = [x for x in sorted(gap.near, key=lambda x: x[3]) if (x[1], x[2]) in divergence
-                and x[3] <= divergence[x[1], x[2]]] if divergence else sorted(gap.near)[:3]
+        # (layer mean: one decision per sequence, recorded with h = "all", precedes any kv-head's divergence)
+        first = {}
+        for (b, h), qs in divergence.items():
+            first[b, h] = qs
+            first[b, "all"] = min(qs, first.get((b, "all"), qs))
+        near = [x for x in sorted(gap.near, key=lambda x: x[3]) if (x[1], x[2]) in first
+                and x[3] <= first[x[1], x[2]]] if divergence else sorted(gap.near, key=lambda x: x[0])[:3]
         if near:
             details.append("float64 near-ties before the divergence: " + "; ".join(x[4] for x in near[:3]))
         else:
@@ -262,7 +294,8 @@ def run_case(runner, name, c, rng, tmp):
     desc = (f"{c['scorer']} B={c['B']} Hq={c['Hq']} Hkv={c['Hkv']} T={c['T']} lens={c['lengths']} D={c['D']} "
             f"Dv={c['Dv']} s={c['s']} w={c['w']} k={c['k']}"
             + (f" n={c['n']} {c['norm']}{lg}" if c["scorer"] == "kvpop" else "")
-            + (" normalize" if c["h2o_norm"] else "") + (" mask" if c["mask"] else "")
+            + (" normalize" if c["h2o_norm"] else "") + (" layer-mean" if c["tova_lm"] else "")
+            + (" (ref: plain tova)" if c["ref_plain"] else "") + (" mask" if c["mask"] else "")
             + (f" dup={c['dup']}" if c["dup"] else "") + (" f64" if c["f64"] else "")
             + (" w64" if c["wf64"] else "") + f" rows={exp['kept_rows'].max() if exp['kept_rows'].size else 0}"
             + (f" gap={gap.rel:.1e}" if np.isfinite(gap.rel) else "")

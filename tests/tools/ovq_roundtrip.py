@@ -22,7 +22,7 @@ import numpy as np
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [HERE, os.path.join(HERE, "..", "reference")]
 import safetensors_np as stn  # noqa: E402
-from roundtrip_common import report, run_modes  # noqa: E402
+from roundtrip_common import compare_tensors, report, run_modes  # noqa: E402
 from ovq_reference import Dictionary, make_params, ovq_decode, ovq_prefill, ovq_sizes  # noqa: E402
 
 TOL = 1e-4
@@ -141,26 +141,7 @@ def tool_args(c):
 
 
 def compare(exp, got):
-    errs, worst = [], 0.0
-    for name, e in exp.items():
-        g = got.get(name)
-        want = "I64" if name == "centroid_rows" else "F32"
-        if g is None:
-            errs.append(f"{name} missing")
-        elif g.dtype != stn.DTYPES[want]:
-            errs.append(f"{name} dtype {g.dtype}, want {want}")
-        elif g.shape != e.shape:
-            errs.append(f"{name} shape {list(g.shape)}, want {list(e.shape)}")
-        elif name == "centroid_rows":
-            if not np.array_equal(g, e):
-                errs.append(f"centroid_rows {g.tolist()}, want {e.tolist()}")
-        elif e.size:
-            err = float(np.max(np.abs(g.astype(np.float64) - e)))
-            scale = max(1.0, float(np.max(np.abs(e))))
-            worst = max(worst, err / scale) if err == err else float("inf")
-            if not err <= TOL * scale:
-                errs.append(f"{name} max|err| {err:.3g} > {TOL * scale:.3g}")
-    return errs, worst
+    return compare_tensors(exp, got, TOL, {"centroid_rows": "I64"})
 
 
 def run_case(runner, name, c, rng, tmp):

@@ -24,7 +24,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [HERE, os.path.join(HERE, "..", "reference")]
 import safetensors_np as stn  # noqa: E402
 import trellis_reference as tr  # noqa: E402
-from roundtrip_common import report, run_modes  # noqa: E402
+from roundtrip_common import compare_tensors, report, run_modes  # noqa: E402
 
 TOL = 1e-4
 PHIS = tr.PHIS
@@ -113,22 +113,7 @@ def tool_args(c):
 
 
 def compare(exp, got):
-    errs, worst = [], 0.0
-    for name, e in exp.items():
-        g = got.get(name)
-        if g is None:
-            errs.append(f"{name} missing")
-        elif g.dtype != stn.DTYPES["F32"]:
-            errs.append(f"{name} dtype {g.dtype}, want F32")
-        elif g.shape != e.shape:
-            errs.append(f"{name} shape {list(g.shape)}, want {list(e.shape)}")
-        elif e.size:
-            err = float(np.max(np.abs(g.astype(np.float64) - e)))
-            scale = max(1.0, float(np.max(np.abs(e))))
-            worst = max(worst, err / scale) if err == err else float("inf")
-            if not err <= TOL * scale:
-                errs.append(f"{name} max|err| {err:.3g} > {TOL * scale:.3g}")
-    return errs, worst
+    return compare_tensors(exp, got, TOL)
 
 
 def run_case(runner, name, c, rng, tmp):
