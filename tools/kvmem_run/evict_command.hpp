@@ -15,6 +15,7 @@
 #include <kvmem/eviction.hpp>
 #include <kvmem/io/safetensors.hpp>
 #include <kvmem/kernels/exact_attention.hpp>
+#include <kvmem/kernels/zero_tail.hpp>
 
 #include "batch.hpp"
 #include "tensors.hpp"
@@ -157,12 +158,7 @@ void run_snapkv(const EvictOptions& o, const Batch<MemorySpace>& in) {
   auto lh = Kokkos::create_mirror_view(lengths);
   for (long b = 0; b < in.B; ++b) lh(b) = in.lengths[b];
   Kokkos::deep_copy(lengths, lh);
-  const long T = in.T, Hq = in.Hq, Dv = in.Dv;
-  Kokkos::parallel_for("kvmem::zero_tail", Kokkos::RangePolicy<exec>(0, in.B * Hq * T), KOKKOS_LAMBDA(long idx) {
-    const long t = idx % T, b = idx / (T * Hq), hq = (idx / T) % Hq;
-    if (t >= lengths(b))
-      for (long c = 0; c < Dv; ++c) y(b, hq, t, c) = 0.0f;
-  });
+  kernels::zero_tail(exec(), y, lengths);
   kernels::SnapKvScratch<MemorySpace> scratch;
   scratch.allocate(in.B, in.Hq, in.Hkv, in.T, o.window);
   const long K = std::min<long>(in.T, static_cast<long>(o.window) + o.top_k);

@@ -88,16 +88,16 @@ MLstmWeights<MemorySpace> load_mlstm_weights(const io::SafetensorsFile& file, co
     std::vector<float> f(values.begin(), values.end());
     auto ext = [&](int i) { return static_cast<std::size_t>(t.shape[i]); };
     if constexpr (R == 1) {
-      Kokkos::View<float*, Kokkos::LayoutRight, MemorySpace> v(name, ext(0));
+      Kokkos::View<float*, Kokkos::LayoutRight, MemorySpace> v(std::string(name), ext(0));
       Kokkos::deep_copy(v, Kokkos::View<const float*, Kokkos::HostSpace, Kokkos::MemoryUnmanaged>(f.data(), ext(0)));
       return Kokkos::View<const float*, Kokkos::LayoutRight, MemorySpace>(v);
     } else if constexpr (R == 2) {
-      Kokkos::View<float**, Kokkos::LayoutRight, MemorySpace> v(name, ext(0), ext(1));
+      Kokkos::View<float**, Kokkos::LayoutRight, MemorySpace> v(std::string(name), ext(0), ext(1));
       Kokkos::deep_copy(v, Kokkos::View<const float**, Kokkos::LayoutRight, Kokkos::HostSpace, Kokkos::MemoryUnmanaged>(
                                f.data(), ext(0), ext(1)));
       return Kokkos::View<const float**, Kokkos::LayoutRight, MemorySpace>(v);
     } else {
-      Kokkos::View<float***, Kokkos::LayoutRight, MemorySpace> v(name, ext(0), ext(1), ext(2));
+      Kokkos::View<float***, Kokkos::LayoutRight, MemorySpace> v(std::string(name), ext(0), ext(1), ext(2));
       Kokkos::deep_copy(v, Kokkos::View<const float***, Kokkos::LayoutRight, Kokkos::HostSpace, Kokkos::MemoryUnmanaged>(
                                f.data(), ext(0), ext(1), ext(2)));
       return Kokkos::View<const float***, Kokkos::LayoutRight, MemorySpace>(v);
