@@ -2,11 +2,14 @@
 """Tests of kvmem-eval (tools/kvmem_eval):
 
 - a known answer: a budget whose window holds every token gives zero error (bit for bit: the memory's
-  readout and exact attention walk the same online-softmax tiles) and cosine 1, for every memory;
-- an independent check of every reported number: NumPy float64 exact causal attention and the float64 KVM
-  reference (tests/reference/kvm_reference.py) with the parameters kvmem-eval reports give the same
-  relative L2 error, cosine, per-bucket and per-head errors, rows and held bytes (to float32 accuracy);
-- the sizing rule: state rows + window tokens = f * T for power-of-two budgets;
+  readout and exact attention walk the same online-softmax tiles) and cosine 1, for every KVM memory; OVQ
+  then computes its own attention over every token, softmax(beta sqrt(D) qhat . khat) v, checked in closed form;
+- an independent check of every reported number: NumPy float64 exact causal attention and the float64
+  references of KVM, OVQ and Trellis (tests/reference/{kvm,ovq,trellis}_reference.py; Trellis on the inputs
+  kvmem-eval derives, rebuilt here from their description) with the parameters kvmem-eval reports give the
+  same relative L2 error, cosine, per-bucket and per-head errors, rows and held bytes (to float32 accuracy);
+- the sizing rule: state rows + window tokens = f * T (KVM, OVQ) and Hq * m slots = f * T * Hkv (Trellis)
+  for power-of-two budgets;
 - bad inputs and options exit with status 2 and a message naming the option or tensor;
 - --plot writes a PNG (when matplotlib is available).
 
@@ -27,6 +30,8 @@ sys.dont_write_bytecode = True  # no __pycache__ in the source tree
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [HERE, os.path.join(HERE, "..", "reference")]
 import safetensors_np as stn  # noqa: E402
+import ovq_reference  # noqa: E402
+import trellis_reference  # noqa: E402
 from kvm_reference import kvm_prefill, make_params  # noqa: E402
 
 
@@ -81,7 +86,79 @@ def metrics(y, ref, lengths, buckets):
     return out
 
 
+def cosine_attention(t):
+    """OVQ's attention over every token (spec OVQ.md §2, §4 with no centroid): causal softmax of
+    beta sqrt(D) qhat . khat, x-hat = x / (||x|| + 1e-5), beta = tau_bswa; float64, GQA."""
+    unit = lambda x: x / (np.linalg.norm(x, axis=-1, keepdims=True) + 1e-5)  # noqa: E731
+    s = dict(t)
+    s["q"] = unit(t["q"].astype(np.float64)) * (t["tau_bswa"].astype(np.float64)[None, :, None, None] * t["q"].shape[3])
+    s["k"] = unit(t["k"].astype(np.float64))
+    s["tau_bswa"] = np.ones_like(t["tau_bswa"])  # exact() scales by tau / sqrt(D): D / sqrt(D) = sqrt(D)
+    return exact(s)
+
+
+def splitmix64(seed, n):
+    """The (n+1)-th output of splitmix64 seeded with `seed`."""
+    mask = (1 << 64) - 1
+    z = (seed + (n + 1) * 0x9E3779B97F4A7C15) & mask
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & mask
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & mask
+    return z ^ (z >> 31)
+
+
+def trellis_inputs(t, m, seed):
+    """The Trellis inputs kvmem-eval derives (tools/kvmem_eval/trellis_inputs.hpp), float64: unit q, k, v
+    per head and token (k, v of the query head's kv-head), alpha = R khat with R[i, j] = -1 where the top bit
+    of splitmix64(seed, i*D + j) is set, else +1; every gate 1/2."""
+    unit = lambda x: x / np.maximum(np.linalg.norm(x, axis=-1, keepdims=True), 1e-12)  # noqa: E731
+    q, k, v = (t[n].astype(np.float64) for n in ("q", "k", "v"))
+    G = q.shape[1] // k.shape[1]
+    k, v = np.repeat(k, G, axis=1), np.repeat(v, G, axis=1)
+    D = q.shape[3]
+    R = np.array([[-1.0 if splitmix64(seed, i * D + j) >> 63 else 1.0 for j in range(D)] for i in range(m)])
+    g = np.full(q.shape[:3], 0.5)
+    return dict(q=unit(q), k=unit(k), v=unit(v), alpha=unit(k) @ R.T, beta1=g, gamma1=g, beta2=g, gamma2=g)
+
+
 def reference_y(t, r):
+    """The float64 reference of r's memory (KVM, OVQ or Trellis) run with the parameters kvmem-eval reports for
+    result r: (y [B, Hq, T, Dv], state rows or slots per sequence, lengths)."""
+    if r["memory"].startswith("ovq"):
+        return ovq_reference_y(t, r)
+    if r["memory"] == "trellis":
+        return trellis_reference_y(t, r)
+    return kvm_reference_y(t, r)
+
+
+def ovq_reference_y(t, r):
+    """The float64 OVQ reference, one query head at a time on its kv-head, beta = tau_bswa."""
+    cfg, bud = r["params"]["config"], r["params"]["budget"]
+    p = ovq_reference.make_params(chunk=cfg["chunk"], max_centroids=bud["max_centroids"])
+    B, Hq, T = t["q"].shape[:3]
+    G = Hq // t["k"].shape[1]
+    lengths = list(t["lengths"]) if "lengths" in t else [T] * B
+    y, rows = np.zeros((B, Hq, T, t["v"].shape[3])), []
+    for b, n in enumerate(lengths):
+        for h in range(Hq):
+            yh, _, _, _, m = ovq_reference.ovq_prefill(t["q"][b, h:h + 1, :n], t["k"][b, h // G:h // G + 1, :n],
+                                                       t["v"][b, h // G:h // G + 1, :n], t["tau_bswa"][h:h + 1], p)
+            y[b, h, :n] = yh[0]
+        rows.append(m)
+    return y, rows, lengths
+
+
+def trellis_reference_y(t, r):
+    """The float64 Trellis reference (chunk form) on the derived inputs."""
+    pr = r["params"]
+    B, Hq, T = t["q"].shape[:3]
+    lengths = list(t["lengths"]) if "lengths" in t else [T] * B
+    out = trellis_reference.trellis_batch(trellis_inputs(t, pr["slots"], pr["inputs"]["alpha_seed"]), pr["slots"],
+                                          C=pr["chunk"], phi=pr["phi"], f=pr["f"].replace("-", "_"), mode="chunk",
+                                          lengths=lengths)
+    return out["y"], [pr["slots"]] * B, lengths
+
+
+def kvm_reference_y(t, r):
     """The float64 KVM reference run with the parameters kvmem-eval reports for result r."""
     cfg, bud = r["params"]["config"], r["params"]["budget"]
     kind = {"fixed": "fixed", "power-law": "power_law"}[bud["kind"]]
@@ -139,23 +216,33 @@ def main():
             ids = {x["memory"] for x in rep["results"]}
             check("known answer: every memory ran", ids == {m["id"] for m in rep["memories"]} and len(ids) >= 3,
                   str(ids))
+            cos_ref = metrics(cosine_attention(t), exact(t), [64, 37], rep["buckets"])
             for x in rep["results"]:
-                # Zero up to float32 rounding: the memory's readout and exact attention compute the same
-                # softmax over the same keys (same tiles; bit for bit where their arithmetic agrees).
-                zero = (x["rel_l2"] <= 1e-6 and x["cosine_min"] >= 1 - 1e-9
-                        and all(v <= 1e-6 for v in x["bucket_rel_l2"] + x["head_rel_l2"]))
-                bits = " (bit for bit)" if x["rel_l2"] == 0.0 else f' (rel L2 {x["rel_l2"]:.1e}: float32 rounding)'
-                check(f'known answer: {x["memory"]} at {x["fraction_label"]}: window holds every token -> zero '
-                      f'error, cosine 1{bits}', zero and x["window_tokens"] == [64, 37],
-                      json.dumps({k: x[k] for k in ("rel_l2", "cosine_mean", "bucket_rel_l2", "window_tokens")}))
+                name = f'known answer: {x["memory"]} at {x["fraction_label"]}'
+                if x["memory"].startswith("kvm"):
+                    # Zero up to float32 rounding: the memory's readout and exact attention compute the same
+                    # softmax over the same keys (same tiles; bit for bit where their arithmetic agrees).
+                    zero = (x["rel_l2"] <= 1e-6 and x["cosine_min"] >= 1 - 1e-9
+                            and all(v <= 1e-6 for v in x["bucket_rel_l2"] + x["head_rel_l2"]))
+                    bits = " (bit for bit)" if x["rel_l2"] == 0.0 else f' (rel L2 {x["rel_l2"]:.1e}: float32 rounding)'
+                    check(f'{name}: window holds every token -> zero error, cosine 1{bits}',
+                          zero and x["window_tokens"] == [64, 37],
+                          json.dumps({k: x[k] for k in ("rel_l2", "cosine_mean", "bucket_rel_l2", "window_tokens")}))
+                elif x["memory"].startswith("ovq"):
+                    # Every token in the open chunk, no centroid read: OVQ's own (normalized) attention.
+                    ok = all(close(x[k], cos_ref[k]) for k in ("rel_l2", "cosine_mean", "cosine_min"))
+                    check(f'{name}: open chunk holds every token -> the error of softmax(beta sqrt(D) qhat.khat) v',
+                          ok and x["window_tokens"] == [64, 37] and x["rel_l2"] > 0,
+                          f'got {x["rel_l2"]}, {x["cosine_mean"]}; want {cos_ref["rel_l2"]}, {cos_ref["cosine_mean"]}')
             check("known answer: the table names the memories", "KVM fixed" in r.stdout and "rel L2" in r.stdout,
                   r.stdout)
 
-        # 2. Every number against NumPy float64: exact attention and the KVM reference, fractions that merge.
+        # 2. Every number of every memory against NumPy float64: exact attention and the KVM, OVQ and Trellis
+        #    references, at fractions that merge.
         t = inputs(B=2, Hq=4, Hkv=2, T=64, lengths=[64, 45], seed=1)
         stn.save(path("in2.safetensors"), t)
-        r = run(a.runner, path("in2.safetensors"), "--fractions", "1/2,1/4", "--memories", "kvm-fixed,kvm-sqrt",
-                "--buckets", "4", "--window-chunks", "2", "--json", path("m.json"))
+        r = run(a.runner, path("in2.safetensors"), "--fractions", "1/2,1/4", "--buckets", "4", "--window-chunks", "2",
+                "--json", path("m.json"))
         ok = r.returncode == 0
         check("reference: exit 0", ok, r.stdout + r.stderr)
         if ok:
@@ -172,14 +259,22 @@ def main():
                 want = metrics(y, ref, lengths, rep["buckets"])
                 got_ok = all(close(x[k], want[k]) for k in ("rel_l2", "cosine_mean", "cosine_min"))
                 got_ok &= all(close(g, w) for k in ("bucket_rel_l2", "head_rel_l2") for g, w in zip(x[k], want[k]))
-                check(name + ": rel L2, cosine, buckets and heads match NumPy", got_ok and x["rel_l2"] > 0,
+                # Every budget merges (rel L2 > 0); an own-size memory may hold all 64 tokens (kvm-16sqrt).
+                check(name + ": rel L2, cosine, buckets and heads match NumPy",
+                      got_ok and (x["rel_l2"] > 0 or x["fraction"] is None),
                       f"got {x['rel_l2']}, {x['cosine_mean']}, {x['bucket_rel_l2']}; want {want}")
                 check(name + ": state rows match the reference", x["state_rows"] == rows, f"{x['state_rows']} {rows}")
-                L = x["params"]["config"]["window"]
-                peak = sum(m + min(n, L) for m, n in zip(rows, lengths)) * 2 * (8 + 6 + 1) * 4
-                check(name + ": held bytes = (rows + window) x Hkv x (D + Dv + 1) x 4",
-                      x["peak_bytes"] == peak and close(x["held_fraction"], peak / full),
+                if x["memory"] == "trellis":
+                    peak, rule = 2 * 4 * rows[0] * (8 + 6) * 4, "B x Hq x m x (D + Dv) x 4"
+                else:
+                    L = x["params"]["config"]["window"]
+                    peak = sum(m + min(n, L) for m, n in zip(rows, lengths)) * 2 * (8 + 6 + 1) * 4
+                    rule = "(rows + window) x Hkv x (D + Dv + 1) x 4"
+                check(name + ": held bytes = " + rule, x["peak_bytes"] == peak and close(x["held_fraction"], peak / full),
                       f'{x["peak_bytes"]} vs {peak}')
+            ran, listed = {x["memory"] for x in rep["results"]}, {m["id"] for m in rep["memories"]}
+            check("reference: every memory was compared (KVM, OVQ and Trellis among them)",
+                  ran == listed and {"kvm-fixed", "kvm-sqrt", "ovq", "trellis"} <= ran, str(sorted(ran)))
             sq = [x for x in rep["results"] if x["memory"] == "kvm-sqrt"]
             check("reference: kvm-sqrt grows its rows (a > 0)", all(x["params"]["budget"]["growth_factor"] > 0
                                                                     for x in sq), json.dumps([x["params"] for x in sq]))
@@ -187,17 +282,23 @@ def main():
         # 3. Sizing rule: rows + window = f * T at power-of-two budgets (T = 256, one sequence).
         t = inputs(B=1, Hq=2, Hkv=1, T=256, D=8, Dv=8, seed=2)
         stn.save(path("in3.safetensors"), t)
-        r = run(a.runner, path("in3.safetensors"), "--fractions", "1/4,1/8,1/16", "--memories", "kvm-fixed,kvm-sqrt",
-                "--json", path("s.json"))
+        r = run(a.runner, path("in3.safetensors"), "--fractions", "1/4,1/8,1/16", "--memories",
+                "kvm-fixed,kvm-sqrt,ovq,trellis", "--json", path("s.json"))
         check("sizing: exit 0", r.returncode == 0, r.stdout + r.stderr)
         if r.returncode == 0:
             for x in json.load(open(path("s.json")))["results"]:
-                c = x["params"]["config"]
                 want = round(x["fraction"] * 256)
+                name = f'sizing: {x["memory"]} at {x["fraction_label"]}'
+                if x["memory"] == "trellis":  # Hq = 2 query heads of m slots hold f of Hkv = 1 kv-head's cache
+                    check(f'{name}: 2 x m = 2 x {x["state_rows"][0]} slots = f*T = {want}, no window, held f',
+                          2 * x["state_rows"][0] == want and x["window_tokens"] == [0]
+                          and close(x["held_fraction"], x["fraction"]), json.dumps(x))
+                    continue
+                c = x["params"]["config"]
                 got = x["state_rows"][0] + x["window_tokens"][0]
-                check(f'sizing: {x["memory"]} at {x["fraction_label"]}: rows {x["state_rows"][0]} + window '
-                      f'{x["window_tokens"][0]} = f*T = {want}, chunk = T*f/4',
-                      got == want and c["window"] == x["window_tokens"][0] and c["chunk"] == want // 4, json.dumps(x))
+                check(f'{name}: rows {x["state_rows"][0]} + window {x["window_tokens"][0]} = f*T = {want}, '
+                      f'chunk = T*f/4', got == want and c["window"] == x["window_tokens"][0] and c["chunk"] == want // 4,
+                      json.dumps(x))
 
         # 4. Bad inputs and options: exit 2 and a message naming the parameter.
         good = path("in.safetensors")
@@ -226,8 +327,8 @@ def main():
             ("fraction not a number", good, ["--fractions", "1/4,abc"], ["--fractions = abc", "not a fraction"]),
             ("fraction 1/0", good, ["--fractions", "1/0"], ["--fractions = 1/0", "division by zero"]),
             ("fraction too small", good, ["--fractions", "1/64"], ["--fractions = 1/64", "too small", "--sinks"]),
-            ("unknown memory", good, ["--memories", "kvm-fixed,h2o"], ["--memories = h2o", "unknown memory",
-                                                                       "kvm-fixed"]),
+            ("unknown memory", good, ["--memories", "kvm-fixed,no-such"], ["--memories = no-such", "unknown memory",
+                                                                           "kvm-fixed", "ovq", "trellis"]),
             ("buckets 0", good, ["--buckets", "0"], ["--buckets = 0"]),
             ("window-share 0", good, ["--window-share", "0"], ["--window-share = 0"]),
             ("window-share above 1", good, ["--window-share", "1.5"], ["--window-share = 1.5"]),
@@ -246,8 +347,9 @@ def main():
 
         # 5. --list-memories and --plot.
         r = subprocess.run([a.runner, "--list-memories"], capture_output=True, text=True, timeout=60)
-        check("--list-memories lists the memories and their sizing", r.returncode == 0 and "kvm-fixed" in r.stdout
-              and "kvm-sqrt" in r.stdout, r.stdout + r.stderr)
+        check("--list-memories lists the memories and their sizing", r.returncode == 0 and
+              all(m in r.stdout for m in ("kvm-fixed", "kvm-sqrt", "kvm-16sqrt", "ovq", "ovq-paper", "ovq-whole",
+                                          "trellis")), r.stdout + r.stderr)
         try:
             import matplotlib  # noqa: F401
             have_mpl = True
