@@ -1,17 +1,18 @@
-// kvmem_bench_decode: decode step time of the KVM memory (fixed 256 rows, power-law 16 sqrt(N)) at a
+// kvmem_bench_decode: decode step time of every memory (KVM fixed 256 rows and power-law 16 sqrt(N), KVM
+// with H2O row eviction, OVQ, Trellis, fixed-budget eviction with each scorer; bench/memories.hpp) at a
 // position P, against an exact-attention decode step over a full KV cache of P tokens, in one process.
 //
 //   kvmem_bench_decode [--grid=standard|quick] [--steps=512] [Google Benchmark flags]
 //
 // A memory's state at position P is built by prefilling P tokens (not timed); then 3 windows of `steps`
 // decode steps (a multiple of the chunk, so each window holds the same number of block folds, one every
-// 256 tokens) are timed step by step, each step a Google Benchmark iteration; the counters report the
+// 256 tokens in KVM) are timed step by step, each step a Google Benchmark iteration; the counters report the
 // fastest window's mean step. The exact baseline's KV cache is filled with random keys and values
 // (building it costs nothing), then each step appends a token and reads all P + 1 keys (windows of 16).
 //
 // Names: decode/<memory>/pos:<P>/D:<head_dim>/G:<GQA group>/B:<batch>/Hkv:<kv-heads>/threads:<threads>.
 
-#include "common.hpp"
+#include "memories.hpp"
 
 #include <utility>
 
@@ -37,18 +38,12 @@ std::map<std::string, std::pair<long, double>>& first_position() {
   return m;
 }
 
-template <class V>
-auto token(const V& x, long t) {
-  return Kokkos::subview(x, Kokkos::ALL, Kokkos::ALL, std::make_pair(t, t + 1), Kokkos::ALL);
-}
-auto token(const view3& x, long t) { return Kokkos::subview(x, Kokkos::ALL, Kokkos::ALL, std::make_pair(t, t + 1)); }
-
 void set_counters(benchmark::State& st, const std::string& memory, const Shape& s, long pos, const Work& w,
                   long step_count, double step_sec, double readout_sec, double held) {
   using benchmark::Counter;
   const double steps = double(step_count);
   const double flops = w.flops(s) / steps;
-  const double bytes = (w.rows_read + w.window_read) / steps * (2.0 * s.D) * sizeof(float) * s.Hkv * s.B;
+  const double bytes = w.bytes_read(s) / steps;
   st.counters["step_us"] = step_sec * 1e6;
   st.counters["tokens/s"] = Counter(double(s.B), Counter::kIsIterationInvariantRate);
   st.counters["GFLOP/s"] = Counter(flops / 1e9, Counter::kIsIterationInvariantRate);
@@ -86,12 +81,6 @@ struct Windows {
   }
 };
 
-Work minus(Work a, const Work& b) {
-  a.pairs -= b.pairs, a.score -= b.score, a.route -= b.route, a.merged -= b.merged;
-  a.rows_read -= b.rows_read, a.window_read -= b.window_read;
-  return a;
-}
-
 void bm_exact(benchmark::State& st, Shape s, long pos, long steps) {
   const exec_t exec = make_exec(s.threads);
   const long total_steps = kWindows * steps;
@@ -114,46 +103,48 @@ void bm_exact(benchmark::State& st, Shape s, long pos, long steps) {
     ++i;
   }
   Work w;
-  for (long j = win.best() * steps; j < (win.best() + 1) * steps; ++j) {
-    w.pairs += double(pos + j + 1);
-    w.window_read += double(pos + j + 1);
-  }
+  for (long j = win.best() * steps; j < (win.best() + 1) * steps; ++j) w += attention_work(s.D, s.D, s.G, double(pos + j + 1));
   const double sec = win.step_seconds();
   exact_step_seconds()[Key::of(s, pos)] = sec;
   set_counters(st, "exact", s, pos, w, steps, sec,
-               KernelClock::seconds("bench::exact_decode") / i * sec / win.mean_step_seconds(), kv_cache_bytes(s, pos));
+               KernelClock::seconds({"bench::exact_decode"}) / i * sec / win.mean_step_seconds(), kv_cache_bytes(s, pos));
   st.counters["mean_step_us"] = win.mean_step_seconds() * 1e6;
 }
 
-template <class Budget>
-void bm_kvm(benchmark::State& st, const std::string& memory, Shape s, long pos, Budget budget) {
+/// Decode steps of the memory `make` builds (memories.hpp), from the state a prefill of `pos` tokens
+/// leaves (not timed).
+template <class Make>
+void bm_memory(benchmark::State& st, const std::string& memory, Shape s, long pos, Make make) {
   const exec_t exec = make_exec(s.threads);
-  const auto cfg = memory_config(s);
-  kvmem::KvmMemory<exec_t, Budget> mem(cfg, budget, Inputs(s, 1).weights, s.B, exec);
+  auto mem = make(s, exec);
   {  // build the state at `pos` by prefill (not timed)
     Inputs prompt(s, pos);
-    mem.prefill(prompt.q, prompt.k, prompt.v, prompt.gate, prompt.y);
+    mem.prepare(prompt);
+    mem.prefill(prompt);
+    mem.model.prefill(pos);
   }
-  const auto start = mem.cursor(0);
   Inputs in(s, kWindows * g_steps, 4321);
+  mem.prepare(in);
   Windows win(g_steps, kWindows);
   long i = 0;
   KernelClock::reset();
   for (auto _ : st) {
     const auto t0 = clock_t_::now();
-    mem.decode(token(in.q, i), token(in.k, i), token(in.v, i), token(in.gate, i), token(in.y, i));
+    mem.decode(in, i);
     win.add(i, seconds_since(t0));
     ++i;
   }
-  const long k = win.best();
-  const Work w = minus(decode_work(cfg, budget, start, (k + 1) * g_steps), decode_work(cfg, budget, start, k * g_steps));
+  std::vector<Work> work(kWindows);
+  for (long j = 0; j < i; ++j) work[j / g_steps] += mem.model.step();
   const double sec = win.step_seconds(), scale = sec / win.mean_step_seconds();
   KernelClock::report(st.name(), i);
-  set_counters(st, memory, s, pos, w, g_steps, sec, KernelClock::seconds("kvmem::readout") / i * scale,
-               double(mem.held_bytes()));
-  st.counters["state_rows"] = double(mem.cursor(0).rows);
-  st.counters["update_share"] = KernelClock::seconds("kvmem::update_") / i * scale / sec;
+  set_counters(st, memory, s, pos, work[win.best()], g_steps, sec,
+               KernelClock::seconds(mem.readout_kernels()) / i * scale, double(mem.held_bytes()));
+  st.counters["state_rows"] = double(mem.rows());
+  if (!mem.update_kernels().empty())
+    st.counters["update_share"] = KernelClock::seconds(mem.update_kernels()) / i * scale / sec;
   st.counters["mean_step_us"] = win.mean_step_seconds() * 1e6;
+  check_model(st, mem);
 }
 
 void add(const std::string& memory, const Shape& s, long pos, long steps, std::function<void(benchmark::State&)> fn) {
@@ -163,38 +154,53 @@ void add(const std::string& memory, const Shape& s, long pos, long steps, std::f
       ->Unit(benchmark::kMicrosecond);
 }
 
-void add_position(Shape s, long pos, bool exact, bool fixed, bool power) {
+/// Exact attention, then the memories, at position `pos` of one shape: the `series` bits (memories.hpp).
+void add_position(Shape s, long pos, unsigned series) {
   if (s.threads == 0) s.threads = all_threads();
   // Exact decode costs the same at every step (no folds): shorter windows suffice.
   const long exact_steps = std::min<long>(g_steps, 16);
-  if (exact) add("exact", s, pos, exact_steps, [s, pos, exact_steps](benchmark::State& st) { bm_exact(st, s, pos, exact_steps); });
-  if (fixed)
-    add("kvm-fixed256", s, pos, g_steps,
-        [s, pos](benchmark::State& st) { bm_kvm(st, "kvm-fixed256", s, pos, fixed256()); });
-  if (power)
-    add("kvm-power-law", s, pos, g_steps,
-        [s, pos](benchmark::State& st) { bm_kvm(st, "kvm-power-law", s, pos, power_law()); });
+  if (series & kExact)
+    add("exact", s, pos, exact_steps, [s, pos, exact_steps](benchmark::State& st) { bm_exact(st, s, pos, exact_steps); });
+  memory_series(
+      [&](const std::string& name, auto make) {
+        add(name, s, pos, g_steps, [name, s, pos, make](benchmark::State& st) { bm_memory(st, name, s, pos, make); });
+      },
+      series, s);
 }
 
 void register_grid(const std::string& grid) {
   const int all = all_threads();
+  constexpr unsigned others = kKvmH2oRows | kOvq | kTrellis;
   if (grid == "quick") {
-    for (long pos : {4096L, 16384L}) add_position({0, 64, 1, 1, 2, all}, pos, true, true, true);
-    add_position({0, 64, 1, 1, 2, 1}, 4096, true, true, false);
+    for (long pos : {4096L, 16384L})
+      add_position({0, 64, 1, 1, 2, all}, pos, kExact | kKvmFixed | kKvmPowerLaw | others | kEvictAll);
+    add_position({0, 64, 4, 2, 2, all}, 4096, kExact | kKvmFixed | others | kEvictAll);  // GQA and a batch
+    add_position({0, 64, 1, 1, 2, 1}, 4096, kExact | kKvmFixed);
     return;
   }
-  // standard (bench/README.md): about 5 minutes of the 10 on 2 cores.
+  // standard (bench/README.md).
   // 1. step time against position, 2 kv-heads, G = 1, B = 1, D = 128 (fixed-256 up to 256K, power-law
-  //    up to 64K: prefilling its state further would take minutes).
-  for (long pos : {4096L, 16384L, 65536L, 262144L})
-    add_position({0, 128, 1, 1, 2, all}, pos, true, true, pos <= 65536);
+  //    up to 64K: prefilling its state further would take minutes; the other memories up to 16K and
+  //    eviction with H2O also at 64K: building their state takes seconds per 16K tokens, eviction's
+  //    prefill being a per-token state machine).
+  for (long pos : {4096L, 16384L, 65536L, 262144L}) {
+    unsigned series = kExact | kKvmFixed | (pos <= 65536 ? kKvmPowerLaw : 0u);
+    if (pos <= 16384) series |= others | kEvictAll;
+    else if (pos <= 65536) series |= kEvictH2o;
+    add_position({0, 128, 1, 1, 2, all}, pos, series);
+  }
   // 2. the shape (8 kv-heads) at position 4K, D = 128: (G, B) in {(1, 1), (4, 1), (1, 8)}
-  //    (the power-law memory with B = 1 only: prefilling B = 8 of it takes half a minute).
-  for (auto [G, B] : {std::pair{1, 1}, std::pair{4, 1}, std::pair{1, 8}})
-    add_position({0, 128, G, B, 8, all}, 4096, true, true, B == 1);
+  //    (the power-law memory with B = 1 only: prefilling B = 8 of it takes half a minute; the other
+  //    memories, eviction with the H2O scorer, with G = B = 1, OVQ also with G = 4: building the state
+  //    of the others with G = 4 takes 20 to 25 s each here).
+  for (auto [G, B] : {std::pair{1, 1}, std::pair{4, 1}, std::pair{1, 8}}) {
+    unsigned series = kExact | kKvmFixed;
+    if (B == 1) series |= kKvmPowerLaw | (G == 1 ? others | kEvictH2o : kOvq);
+    add_position({0, 128, G, B, 8, all}, 4096, series);
+  }
   // 3. one thread against all threads.
   if (all > 1)
-    for (int threads : {1, all}) add_position({0, 128, 1, 1, 4, threads}, 4096, true, true, false);
+    for (int threads : {1, all}) add_position({0, 128, 1, 1, 4, threads}, 4096, kExact | kKvmFixed);
 }
 
 }  // namespace

@@ -20,6 +20,7 @@
 #include <map>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <kvmem/kernels/exact_attention.hpp>
@@ -100,13 +101,26 @@ inline kvmem::MemoryConfig memory_config(const Shape& s) {
 inline kvmem::budget::Fixed fixed256() { return kvmem::budget::Fixed{256}; }
 inline kvmem::budget::PowerLaw power_law() { return kvmem::budget::PowerLaw{256, 16.0, 0.5, 1}; }
 
+/// Unit layer weights: LayerNorm weight 1 and bias 0 [D], temperatures (KVM) or beta (OVQ) 1 [Hq].
+inline kvmem::LayerWeights<space_t> unit_weights(const Shape& s) {
+  view1 ln_w("ln_weight", s.D), ln_b("ln_bias", s.D), tau_s("tau_state", s.Hq()), tau_w("tau_window", s.Hq());
+  Kokkos::deep_copy(ln_w, 1.0f);
+  Kokkos::deep_copy(tau_s, 1.0f);
+  Kokkos::deep_copy(tau_w, 1.0f);
+  return {ln_w, ln_b, tau_s, tau_w};
+}
+
 /// Random q, k, v (uniform [-1, 1)), gate pre-activations (uniform [-2, 2)), y, and unit layer weights,
-/// for `tokens` tokens of every sequence.
+/// for `tokens` tokens of every sequence; add_trellis() adds the Trellis memory's inputs.
 struct Inputs {
   view4 q, k, v, y;
   view3 gate;
   kvmem::LayerWeights<space_t> weights;
-  view1 tau;
+  kvmem::LayerWeights<space_t>::vector tau;  // tau_window, the exact baseline's temperatures
+  // Trellis only: latent targets alpha [B, Hkv, T, m], forget gates beta1, beta2 and step sizes gamma1,
+  // gamma2 [B, Hkv, T].
+  view4 alpha;
+  view3 beta1, gamma1, beta2, gamma2;
 
   Inputs(const Shape& s, long tokens, unsigned seed = 12345) {
     q = view4(Kokkos::view_alloc(Kokkos::WithoutInitializing, "q"), s.B, s.Hq(), tokens, s.D);
@@ -119,15 +133,32 @@ struct Inputs {
     Kokkos::fill_random(k, pool, -1.0f, 1.0f);
     Kokkos::fill_random(v, pool, -1.0f, 1.0f);
     Kokkos::fill_random(gate, pool, -2.0f, 2.0f);
-    view1 ln_w("ln_weight", s.D), ln_b("ln_bias", s.D), tau_s("tau_state", s.Hq()), tau_w("tau_window", s.Hq());
-    Kokkos::deep_copy(ln_w, 1.0f);
-    Kokkos::deep_copy(tau_s, 1.0f);
-    Kokkos::deep_copy(tau_w, 1.0f);
-    weights = {ln_w, ln_b, tau_s, tau_w};
-    tau = tau_w;
+    weights = unit_weights(s);
+    tau = weights.tau_window;
+    Kokkos::fence();
+  }
+
+  /// The Trellis inputs for `slots` slots: alpha uniform [-1, 1), beta uniform [0.9, 1), gamma uniform
+  /// [0, 0.1) (in range, so the memory's gate check can be off).
+  void add_trellis(int slots, unsigned seed = 999) {
+    const long B = long(k.extent(0)), H = long(k.extent(1)), T = long(k.extent(2));
+    auto gates = [&](const char* name) { return view3(Kokkos::view_alloc(Kokkos::WithoutInitializing, std::string(name)), B, H, T); };
+    alpha = view4(Kokkos::view_alloc(Kokkos::WithoutInitializing, "alpha"), B, H, T, slots);
+    beta1 = gates("beta1"), gamma1 = gates("gamma1"), beta2 = gates("beta2"), gamma2 = gates("gamma2");
+    Kokkos::Random_XorShift64_Pool<exec_t> pool(seed);
+    Kokkos::fill_random(alpha, pool, -1.0f, 1.0f);
+    for (const auto& beta : {beta1, beta2}) Kokkos::fill_random(beta, pool, 0.9f, 1.0f);
+    for (const auto& gamma : {gamma1, gamma2}) Kokkos::fill_random(gamma, pool, 0.0f, 0.1f);
     Kokkos::fence();
   }
 };
+
+/// Token t of a [B, H, T, C] or [B, H, T] input, as a view of one token.
+template <class V>
+auto token(const V& x, long t) {
+  return Kokkos::subview(x, Kokkos::ALL, Kokkos::ALL, std::make_pair(t, t + 1), Kokkos::ALL);
+}
+inline auto token(const view3& x, long t) { return Kokkos::subview(x, Kokkos::ALL, Kokkos::ALL, std::make_pair(t, t + 1)); }
 
 /// Bytes of a full float32 KV cache of `tokens` tokens (what exact attention holds).
 inline double kv_cache_bytes(const Shape& s, long tokens) {
@@ -135,92 +166,40 @@ inline double kv_cache_bytes(const Shape& s, long tokens) {
 }
 
 // ---------------------------------------------------------------------------------------------------
-// Work model. Per (sequence, kv-head):
-//   pairs   (query, key) pairs of the readout, per query head: state rows read + window keys read;
-//   score   (token, row) pairs of the novelty score (only when a block both appends and merges);
-//   route   (token, candidate row) pairs of the merge routing argmax;
-//   merged  tokens folded into a row.
-// FLOPs: readout 2 * (D + Dv) per pair and query head (q.k and p.v), merge 2 * D per score or route
-// pair plus 2 * (D + Dv) per merged token. LayerNorms, exps and read-cache refreshes are not counted
-// (O(D) per token, not per pair).
+// Work model: what a run computes and reads, per (sequence, kv-head), counted by each memory's model
+// (bench/memories.hpp) from the same host-side schedule the memory follows, never measured. FLOPs count
+// 2 per multiply-add of the dot products and matrix-vector products (q.k, p.v, scores, gradients);
+// exponentials, LayerNorms, normalizations, read-cache refreshes and comparisons are not counted (O(D)
+// per token or per row, not per pair). The formulas are written out in bench/README.md.
 
 struct Work {
-  double pairs = 0, score = 0, route = 0, merged = 0;
-  // State-row and window keys read by the queries of one step (for the decode bandwidth model):
-  double rows_read = 0, window_read = 0;
+  double readout = 0;    // FLOPs of the readout, the G query heads of the kv-head together
+  double update = 0;     // FLOPs outside the readout: merge, gradient steps, eviction scorer, row statistics
+  double rows_read = 0;  // key/value rows (D + Dv floats each) the readout reads: state rows and window keys
 
-  [[nodiscard]] double readout_flops(const Shape& s) const {
-    return pairs * s.G * 2.0 * (s.D + s.D) * s.Hkv * s.B;
+  Work& operator+=(const Work& o) {
+    readout += o.readout, update += o.update, rows_read += o.rows_read;
+    return *this;
   }
-  [[nodiscard]] double merge_flops(const Shape& s) const {
-    return ((score + route) * 2.0 * s.D + merged * 2.0 * (s.D + s.D)) * s.Hkv * s.B;
-  }
-  [[nodiscard]] double flops(const Shape& s) const { return readout_flops(s) + merge_flops(s); }
+  [[nodiscard]] double readout_flops(const Shape& s) const { return readout * s.Hkv * s.B; }
+  [[nodiscard]] double update_flops(const Shape& s) const { return update * s.Hkv * s.B; }
+  [[nodiscard]] double flops(const Shape& s) const { return readout_flops(s) + update_flops(s); }
+  /// Bytes of the rows read, float32: the G query heads of a group read each row once.
+  [[nodiscard]] double bytes_read(const Shape& s) const { return rows_read * (2.0 * s.D) * sizeof(float) * s.Hkv * s.B; }
 };
 
-template <class Budget>
-void add_update(Work& w, const kvmem::MemoryConfig& cfg, const kvmem::state::UpdatePlan& up, long count) {
-  const long app = up.append;
-  if (app == count) return;  // direct copy: nothing scored, routed or folded
-  if (app > 0) w.score += double(count) * up.rows_before;
-  const long rows_now = up.rows_before + app;
-  w.route += double(count - app) * (rows_now - std::min<long>(cfg.sinks, rows_now));
-  w.merged += double(count - app);
-}
-
-/// Work of Memory::prefill of `T` tokens into an empty memory (mirrors its host loop).
-template <class Budget>
-Work prefill_work(const kvmem::MemoryConfig& cfg, const Budget& budget, long T) {
+/// Readout work of `queries` queries that read `pairs` (query, key) pairs in all: 2 (D + Dv) FLOPs per
+/// pair and query head of the group (q.k and p.v).
+inline Work attention_work(int D, int Dv, int G, double pairs) {
   Work w;
-  const long C = cfg.chunk, L = cfg.window();
-  const long front = std::min(T, L);
-  w.pairs += double(front) * (front + 1) / 2;
-  long rows = std::min(T, C);
-  for (long s = L; s < T; s += C) {
-    const long e = std::min(T, s + C), wb = kvmem::state::window_begin(e, C, L);
-    // queries u in [s, e) read `rows` state rows and window keys [wb, u]
-    w.pairs += double(e - s) * rows + (double(e - wb) * (e - wb + 1) - double(s - wb) * (s - wb + 1)) / 2;
-    const long nb = kvmem::state::window_begin(std::min(T, e + C), C, L);
-    if (nb > wb) {
-      const auto up = kvmem::state::plan_update(cfg, budget, rows, wb);
-      add_update<Budget>(w, cfg, up, C);
-      rows = up.rows_after();
-    }
-  }
-  return w;
-}
-
-/// Work of `steps` decode steps starting from `cursor` (mirrors Memory::decode's host planning).
-template <class Budget>
-Work decode_work(const kvmem::MemoryConfig& cfg, const Budget& budget, kvmem::state::SequenceCursor cur, long steps) {
-  Work w;
-  const long C = cfg.chunk, L = cfg.window();
-  for (long i = 0; i < steps; ++i) {
-    const long n = cur.tokens + 1;
-    const long direct = std::min(n, C), nb = kvmem::state::window_begin(n, C, L), target = std::max(direct, nb);
-    if (cur.covered < direct) {
-      cur.rows += direct - cur.covered;
-      cur.covered = direct;
-    } else if (cur.covered < target) {
-      const auto up = kvmem::state::plan_update(cfg, budget, cur.rows, cur.covered);
-      add_update<Budget>(w, cfg, up, C);
-      cur.rows = up.rows_after();
-      cur.covered = target;
-    }
-    const long rows = nb > 0 ? cur.rows : 0;
-    w.pairs += double(rows) + double(n - nb);
-    w.rows_read += double(rows);
-    w.window_read += double(n - nb);
-    cur.tokens = n;
-  }
+  w.readout = pairs * G * 2.0 * (D + Dv);
+  w.rows_read = pairs;
   return w;
 }
 
 /// Exact causal attention over T tokens: T (T + 1) / 2 pairs per query head.
-inline Work exact_prefill_work(long T) {
-  Work w;
-  w.pairs = double(T) * (T + 1) / 2;
-  return w;
+inline Work exact_prefill_work(const Shape& s, long T) {
+  return attention_work(s.D, s.D, s.G, double(T) * (T + 1) / 2);
 }
 
 // ---------------------------------------------------------------------------------------------------
@@ -387,11 +366,15 @@ struct KernelClock {
     for (const auto& [name, t] : totals())
       std::fprintf(stderr, "[kernels]   %-40s %10.3f ms\n", name.c_str(), 1e3 * t / iterations);
   }
-  /// Seconds spent in kernels whose name starts with `prefix`.
-  static double seconds(const std::string& prefix) {
+  /// Seconds spent in kernels whose name starts with one of `prefixes`.
+  static double seconds(const std::vector<std::string>& prefixes) {
     double s = 0;
     for (const auto& [name, t] : totals())
-      if (name.rfind(prefix, 0) == 0) s += t;
+      for (const auto& prefix : prefixes)
+        if (name.rfind(prefix, 0) == 0) {
+          s += t;
+          break;
+        }
     return s;
   }
 };

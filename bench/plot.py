@@ -110,6 +110,31 @@ def decode_rows(runs):
     return out
 
 
+def memory_order(runs):
+    """Memories in a stable order: exact attention, then KVM, OVQ, Trellis, eviction, the reference."""
+    rank = {"exact": 0, "kvm": 1, "ovq": 2, "trellis": 3, "evict": 4, "reference": 5}
+    names = {r["memory"] for r in runs}
+    return sorted(names, key=lambda m: (rank.get(m.split("-")[0], 9), m))
+
+
+def side_by_side(runs, axis, label, fmt_cell):
+    """One row per memory, one column per value of `axis` (T or pos): every memory at a glance."""
+    values = sorted({r[axis] for r in runs})
+    out = [f"| memory | " + " | ".join(f"{label} = {size(v)}" for v in values) + " |", "|" + "---|" * (len(values) + 1)]
+    for mem in memory_order(runs):
+        cells = []
+        for v in values:
+            r = one(runs, memory=mem, **{axis: v})
+            cells.append(fmt_cell(r) if r else "-")
+        out.append(f"| {mem} | " + " | ".join(cells) + " |")
+    return out
+
+
+def with_speedup(r):
+    s = r.get("speedup_vs_exact")
+    return fmt_time(r["sec"]) + (f" ({s:.1f}x)" if s is not None else "")
+
+
 def targets(pre, dec, all_threads):
     lines = ["| target | measured | met |", "|---|---|---|"]
 
@@ -172,6 +197,7 @@ def main():
             meta = json.load(f)
     ctx = ctx_p or ctx_d
     all_threads = int(ctx.get("kokkos_threads", 2))
+    rank = {m: i for i, m in enumerate(memory_order(pre + dec))}
 
     md = ["# kvmem benchmark summary", ""]
     if meta:
@@ -188,17 +214,26 @@ def main():
     md.append("")
     if pre:
         scaling = [r for r in pre if r["Hkv"] == 1 and r["threads"] == all_threads and r["memory"] != "reference-fixed256"]
+        for D in sorted({r["D"] for r in scaling}):
+            md += [f"## Prefill time against T, every memory (D = {D}, G = 1, B = 1, Hkv = 1; x: speedup "
+                   "against exact attention in the same run)", ""] + side_by_side(
+                pick(scaling, D=D), "T", "T", with_speedup) + [""]
         md += ["## Prefill against T (G = 1, B = 1, Hkv = 1)", ""] + prefill_rows(
-            sorted(scaling, key=lambda r: (r["D"], r["memory"], r["T"]))) + [""]
+            sorted(scaling, key=lambda r: (r["D"], rank[r["memory"]], r["T"]))) + [""]
         grid = [r for r in pre if r["Hkv"] == 8]
         if grid:
             md += ["## Prefill over the issue's shape grid (Hkv = 8)", ""] + prefill_rows(
-                sorted(grid, key=lambda r: (r["T"], r["D"], r["G"], r["B"], r["memory"]))) + [""]
-        same = lambda q, r: all(q[k] == r[k] for k in ("T", "D", "G", "B", "Hkv"))
+                sorted(grid, key=lambda r: (r["T"], r["D"], r["G"], r["B"], rank[r["memory"]]))) + [""]
+        same = lambda q, r: all(q[k] == r[k] for k in ("memory", "T", "D", "G", "B", "Hkv"))
         thr = [r for r in pre if any(q["threads"] == 1 and same(q, r) for q in pre)]
         if thr:
             md += ["## Prefill on one thread and on all threads", ""] + prefill_rows(
-                sorted(thr, key=lambda r: (r["memory"], r["threads"]))) + [""]
+                sorted(thr, key=lambda r: (rank[r["memory"]], r["threads"]))) + [""]
+        shown = scaling + grid + thr
+        rest = [r for r in pre if r["memory"] != "reference-fixed256" and not any(r is q for q in shown)]
+        if rest:
+            md += ["## Prefill at other shapes", ""] + prefill_rows(
+                sorted(rest, key=lambda r: (r["T"], r["D"], r["G"], r["B"], r["Hkv"], r["threads"], rank[r["memory"]]))) + [""]
         ref = pick(pre, memory="reference-fixed256")
         if ref:
             md += ["## The naive float64 reference (tests/reference/kvm_reference.hpp)", ""]
@@ -208,11 +243,15 @@ def main():
             md.append("")
     if dec:
         series = lambda r: r["Hkv"] == 2 and r["B"] == 1 and r["G"] == 1 and r["threads"] == all_threads
+        for D in sorted({r["D"] for r in dec if series(r)}):
+            md += [f"## Decode step against position, every memory (D = {D}, G = 1, B = 1, Hkv = 2; x: speedup "
+                   "against exact attention in the same run)", ""] + side_by_side(
+                [r for r in dec if series(r) and r["D"] == D], "pos", "position", with_speedup) + [""]
         md += ["## Decode step against position (G = 1, B = 1, Hkv = 2)", ""] + decode_rows(
-            sorted([r for r in dec if series(r)], key=lambda r: (r["memory"], r["pos"]))) + [""]
+            sorted([r for r in dec if series(r)], key=lambda r: (rank[r["memory"]], r["pos"]))) + [""]
         md += ["## Decode over the issue's shape grid (Hkv = 8) and on one thread and all threads (Hkv = 4)", ""] + \
             decode_rows(sorted([r for r in dec if not series(r)],
-                               key=lambda r: (r["Hkv"], r["G"], r["B"], r["threads"], r["memory"]))) + [""]
+                               key=lambda r: (r["Hkv"], r["G"], r["B"], r["threads"], rank[r["memory"]]))) + [""]
     md += ["## Targets", ""] + targets(pre, dec, all_threads) + [""]
     text = "\n".join(md)
     if a.summary:
@@ -224,11 +263,18 @@ def main():
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
-        fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.8))
-        styles = {"exact": ("black", "o"), "kvm-fixed256": ("tab:blue", "s"), "kvm-power-law": ("tab:orange", "^"),
-                  "reference-fixed256": ("tab:gray", "x")}
+        fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(14, 6))
+        names = memory_order(pre + dec)
+        colors = {m: plt.get_cmap("tab20")(i % 20) for i, m in enumerate(names)}
+        colors.update({"exact": "black", "kvm-fixed256": "tab:blue", "kvm-power-law": "tab:orange",
+                       "kvm-power-law-h2o256": "tab:cyan", "ovq-plateau256": "tab:green", "trellis-m64": "tab:olive",
+                       "evict-h2o256": "tab:red", "evict-tova256": "tab:pink", "evict-kvpop256": "tab:purple",
+                       "evict-knorm256": "tab:brown", "evict-streaming256": "goldenrod", "reference-fixed256": "tab:gray"})
+        markers = {"exact": "o", "kvm": "s", "ovq": "D", "trellis": "P", "evict": "v", "reference": "x"}
+        style = lambda m: (colors[m], markers.get(m.split("-")[0], "."))
         for D, ls in ((64, "-"), (128, "--")):
-            for mem, (color, marker) in styles.items():
+            for mem in names:
+                color, marker = style(mem)
                 rs = sorted(pick(pre, memory=mem, D=D, G=1, B=1, Hkv=1, threads=all_threads), key=lambda r: r["T"])
                 if rs:
                     ax1.plot([r["T"] for r in rs], [r["sec"] for r in rs], ls, color=color, marker=marker,
@@ -239,19 +285,21 @@ def main():
         ax1.set_ylabel("prefill time (s)")
         ax1.set_title(f"Prefill, B=1, 1 kv-head, G=1, {all_threads} threads")
         ax1.grid(True, which="both", alpha=0.3)
-        ax1.legend(fontsize=8)
-        for mem, (color, marker) in styles.items():
-            rs = sorted(pick(dec, memory=mem, D=128, G=1, B=1, Hkv=2, threads=all_threads), key=lambda r: r["pos"])
+        ax1.legend(fontsize=7, ncol=2)
+        dec_D = max([r["D"] for r in pick(dec, G=1, B=1, Hkv=2, threads=all_threads)], default=128)
+        for mem in names:
+            color, marker = style(mem)
+            rs = sorted(pick(dec, memory=mem, D=dec_D, G=1, B=1, Hkv=2, threads=all_threads), key=lambda r: r["pos"])
             if rs:
                 ax2.plot([r["pos"] for r in rs], [r["sec"] * 1e3 for r in rs], "-", color=color, marker=marker,
-                         label=f"{mem}, Hkv={rs[0]['Hkv']}, D=128")
+                         label=f"{mem}, D={dec_D}")
         ax2.set_xscale("log", base=2)
         ax2.set_yscale("log")
         ax2.set_xlabel("position (tokens already in the cache)")
         ax2.set_ylabel("decode step time (ms)")
-        ax2.set_title(f"Decode step, B=1, 2 kv-heads, G=1, {all_threads} threads")
+        ax2.set_title(f"Decode step, B=1, 2 kv-heads, G=1, D={dec_D}, {all_threads} threads")
         ax2.grid(True, which="both", alpha=0.3)
-        ax2.legend(fontsize=8)
+        ax2.legend(fontsize=7, ncol=2)
         if meta:
             fig.suptitle(f"kvmem {meta['commit']} on {meta['cpu']} ({meta['cores']} cores), {meta['started'][:10]}",
                          fontsize=9)

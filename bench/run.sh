@@ -3,8 +3,8 @@
 #   bench/results/prefill.json, decode.json (Google Benchmark JSON), meta.json (machine, date, commit),
 #   bench/results/summary.md (tables and the targets), docs/performance.png (log-log plots).
 #
-#   bench/run.sh                      # the standard grid (about 10 minutes on 2 cores)
-#   KVMEM_BENCH_GRID=quick bench/run.sh   # a smoke test (about a minute)
+#   bench/run.sh                      # the standard grid (about 12 minutes on 2 cores)
+#   KVMEM_BENCH_GRID=quick bench/run.sh   # a smoke test (one to two minutes)
 #   bench/run.sh --benchmark_filter=kvm-fixed256   # extra arguments go to both programs
 #
 # KVMEM_BUILD_DIR (default build/) is the build directory; KVMEM_BENCH_MIN_TIME (default 0.2s) is

@@ -43,8 +43,9 @@ namespace kvmem {
 ///
 /// RowPolicy (score::RowEviction; default score::KeepRows, none) optionally evicts state rows too: after a
 /// fold leaves more than RowPolicy::max_rows rows, the rows with the lowest statistic go (e.g.
-/// score::RowAccumulatedAttention, H2O over rows: KVM merging with eviction of stale rows). Folds then append
-/// the least redundant tokens up to the budget and the eviction takes the rows back to the cap.
+/// score::RowAccumulatedAttention, H2O over rows: KVM merging with eviction of stale rows). The schedule
+/// still decides how many rows each fold appends (its growth, as if no row had been evicted: the other
+/// tokens of the block merge as usual), and the eviction takes the rows back to the cap.
 template <class ExecSpace, merge::MergePolicy Merge, budget::BudgetSchedule Budget, score::AppendScorer Scorer,
           score::RowEviction RowPolicy = score::KeepRows>
 class Memory {
@@ -130,7 +131,7 @@ class Memory {
       if constexpr (Merge::first_chunk_verbatim) {
         const long first = std::min(len[b], C);
         set_block(b, 0, first, 0, first);
-        cur.covered = cur.rows = first;
+        cur.covered = cur.rows = cur.granted = first;
         front_block = std::max(front_block, first);
       } else if (fold_due(cur, len[b], front)) {
         plan_block(b, cur);
@@ -182,7 +183,7 @@ class Memory {
       if (Merge::first_chunk_verbatim && cur.covered < std::min(n, C)) {
         set_block(b, cur.covered, n - cur.covered, cur.rows, n - cur.covered);  // the token becomes a row
         block = std::max(block, n - cur.covered);
-        cur.rows = cur.covered = n;
+        cur.rows = cur.covered = cur.granted = n;
       } else if (Merge::commit_eagerly ? fold_due(cur, n, n) : fold_due(cur, n, pos)) {
         plan_block(b, cur);
         block = C;
@@ -256,9 +257,13 @@ class Memory {
   }
   /// Plans the fold of `cur`'s next block for sequence b and advances the cursor past it.
   void plan_block(long b, state::SequenceCursor& cur) {
-    const auto up = state::plan_update(cfg_, budget_, cur.rows, cur.covered);
-    set_block(b, cur.covered, cfg_.chunk, up.rows_before, up.append);
-    cur.rows = up.rows_after();
+    // The schedule grants rows as if none were ever evicted (cur.granted); a fold appends what it grants.
+    // Without row eviction granted == rows. With it, the growth of the budget becomes the number of fresh
+    // rows per fold, the other tokens still merge, and as many stale rows are evicted.
+    const auto up = state::plan_update(cfg_, budget_, cur.granted, cur.covered);
+    set_block(b, cur.covered, cfg_.chunk, cur.rows, up.append);
+    cur.granted = up.rows_after();
+    cur.rows += up.append;
     if constexpr (RowPolicy::evicts) {
       const long evicted = std::max(0L, cur.rows - row_policy_.max_rows);
       plan_.host(b, kernels::rows_evicted) = evicted;

@@ -48,6 +48,7 @@ struct SequenceCursor {
   long tokens = 0;   ///< n: tokens seen so far
   long covered = 0;  ///< cov: tokens [0, cov) are represented by the state
   long rows = 0;     ///< m: state rows (the same for every kv-head of the sequence)
+  long granted = 0;  ///< rows the budget schedule has granted: rows plus those evicted (row eviction)
 };
 
 /// The rows a sequence of `tokens` tokens ends with after prefill, without running it (for sizing).
