@@ -2,14 +2,17 @@
 """Tests of kvmem-eval (tools/kvmem_eval):
 
 - a known answer: a budget whose window holds every token gives zero error (bit for bit: the memory's
-  readout and exact attention walk the same online-softmax tiles) and cosine 1, for every KVM memory; OVQ
-  then computes its own attention over every token, softmax(beta sqrt(D) qhat . khat) v, checked in closed form;
+  readout and exact attention walk the same online-softmax tiles) and cosine 1, for every KVM memory
+  (kvm-h2o included); OVQ then computes its own attention over every token, softmax(beta sqrt(D) qhat . khat) v,
+  checked in closed form; an eviction memory whose budget holds every token is exact attention (float32);
 - an independent check of every reported number: NumPy float64 exact causal attention and the float64
-  references of KVM, OVQ and Trellis (tests/reference/{kvm,ovq,trellis}_reference.py; Trellis on the inputs
-  kvmem-eval derives, rebuilt here from their description) with the parameters kvmem-eval reports give the
-  same relative L2 error, cosine, per-bucket and per-head errors, rows and held bytes (to float32 accuracy);
-- the sizing rule: state rows + window tokens = f * T (KVM, OVQ) and Hq * m slots = f * T * Hkv (Trellis)
-  for power-of-two budgets;
+  references of KVM, OVQ, Trellis and eviction (tests/reference/{kvm,ovq,trellis,eviction}_reference.py;
+  Trellis on the inputs kvmem-eval derives, rebuilt here from their description; eviction with
+  evict_reference on tau_bswa * q) with the parameters kvmem-eval reports give the same relative L2 error,
+  cosine, per-bucket and per-head errors, rows and held bytes (to float32 accuracy). kvm-h2o (KVM with H2O
+  row eviction) has no independent reference: only its row cap, held bytes and known answer are checked;
+- the sizing rule: state rows + window tokens = f * T (KVM, OVQ, kvm-h2o; eviction: sinks + top-k + window,
+  with window round(f*T/4) and 4 sinks) and Hq * m slots = f * T * Hkv (Trellis) for power-of-two budgets;
 - bad inputs and options exit with status 2 and a message naming the option or tensor;
 - --plot writes a PNG (when matplotlib is available).
 
@@ -30,6 +33,7 @@ sys.dont_write_bytecode = True  # no __pycache__ in the source tree
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [HERE, os.path.join(HERE, "..", "reference")]
 import safetensors_np as stn  # noqa: E402
+import eviction_reference  # noqa: E402
 import ovq_reference  # noqa: E402
 import trellis_reference  # noqa: E402
 from kvm_reference import kvm_prefill, make_params  # noqa: E402
@@ -120,14 +124,34 @@ def trellis_inputs(t, m, seed):
     return dict(q=unit(q), k=unit(k), v=unit(v), alpha=unit(k) @ R.T, beta1=g, gamma1=g, beta2=g, gamma2=g)
 
 
+EVICTION = ("streaming", "knorm", "h2o", "tova")  # kvmem-eval ids = eviction_reference scorer names
+NEAR = 1e-5  # an eviction decision closer than this (relative) is a near-tie float32 may settle either way
+
+
 def reference_y(t, r):
-    """The float64 reference of r's memory (KVM, OVQ or Trellis) run with the parameters kvmem-eval reports for
-    result r: (y [B, Hq, T, Dv], state rows or slots per sequence, lengths)."""
+    """The float64 reference of r's memory (KVM, OVQ, Trellis or eviction) run with the parameters kvmem-eval
+    reports for result r: (y [B, Hq, T, Dv], state rows or slots per sequence, lengths)."""
     if r["memory"].startswith("ovq"):
         return ovq_reference_y(t, r)
     if r["memory"] == "trellis":
         return trellis_reference_y(t, r)
+    if r["memory"] in EVICTION:
+        return eviction_reference_y(t, r)[:3]
     return kvm_reference_y(t, r)
+
+
+def eviction_reference_y(t, r):
+    """eviction_reference.evict_reference (the spec's decode state machine) on q scaled by tau_bswa per query
+    head, as kvmem-eval feeds EvictionMemory: (y, rows outside the window per sequence (the most of any
+    kv-head), lengths, the smallest relative gap of an eviction decision)."""
+    pr = r["params"]
+    B, Hq, T = t["q"].shape[:3]
+    lengths = list(t["lengths"]) if "lengths" in t else [T] * B
+    scaled = dict(q=t["q"].astype(np.float64) * t["tau_bswa"].astype(np.float64)[None, :, None, None],
+                  k=t["k"], v=t["v"], lengths=np.array(lengths))
+    out, gap = eviction_reference.evict_reference(scaled, pr["scorer"], pr["sinks"], pr["window"], pr["top_k"])
+    rows = [int(out["kept_rows"][b].max()) - min(n, pr["window"]) for b, n in enumerate(lengths)]
+    return out["y"], rows, lengths, gap.rel
 
 
 def ovq_reference_y(t, r):
@@ -176,6 +200,19 @@ def kvm_reference_y(t, r):
         y[b, :, :n] = yb
         rows.append(m)
     return y, rows, lengths
+
+
+def kvm_h2o_checks(check, name, x):
+    """kvm-h2o on the reference inputs (B = 2, Hkv = 2, D = 8, Dv = 6; no independent reference): rows end at
+    the cap R of kvm-fixed, and held counts the cap, the rows a fold appends before its eviction (a whole
+    chunk C: at these sizes 16*sqrt(ctx) grants more than a chunk at every fold) and the window."""
+    c, cap = x["params"]["config"], x["params"]["row_eviction"]["max_rows"]
+    lengths = [64, 45]
+    check(name + f": state rows end at the row cap R = {cap}", x["state_rows"] == [cap, cap] and x["rel_l2"] > 0,
+          json.dumps(x))
+    peak = sum(cap + c["chunk"] + min(n, c["window"]) for n in lengths) * 2 * (8 + 6 + 1) * 4
+    check(name + ": held bytes = (R + C + window) x Hkv x (D + Dv + 1) x 4", x["peak_bytes"] == peak,
+          f'{x["peak_bytes"]} vs {peak}')
 
 
 class Checks:
@@ -228,6 +265,15 @@ def main():
                     check(f'{name}: window holds every token -> zero error, cosine 1{bits}',
                           zero and x["window_tokens"] == [64, 37],
                           json.dumps({k: x[k] for k in ("rel_l2", "cosine_mean", "bucket_rel_l2", "window_tokens")}))
+                elif x["memory"] in EVICTION:
+                    # Budget M = T = window: nothing is ever evicted, every query reads every token (float32,
+                    # q scaled by tau_bswa, so not the tiles of exact attention: rounding only).
+                    p = x["params"]
+                    zero = x["rel_l2"] <= 1e-5 and x["cosine_min"] >= 1 - 1e-6
+                    check(f'{name}: window w = {p["window"]} holds every token -> exact attention (float32)',
+                          zero and x["window_tokens"] == [64, 37] and x["state_rows"] == [0, 0]
+                          and p["sinks"] + p["window"] + p["top_k"] == 64,
+                          json.dumps({k: x[k] for k in ("rel_l2", "cosine_min", "window_tokens", "params")}))
                 elif x["memory"].startswith("ovq"):
                     # Every token in the open chunk, no centroid read: OVQ's own (normalized) attention.
                     ok = all(close(x[k], cos_ref[k]) for k in ("rel_l2", "cosine_mean", "cosine_min"))
@@ -255,6 +301,13 @@ def main():
             check("reference: full KV cache bytes", rep["full_kv_bytes"] == full, str(rep["full_kv_bytes"]))
             for x in rep["results"]:
                 name = f'reference: {x["memory"]} at {x["fraction_label"]}'
+                if x["memory"] == "kvm-h2o":
+                    kvm_h2o_checks(check, name, x)
+                    continue
+                if x["memory"] in EVICTION:
+                    gap = eviction_reference_y(t, x)[3]
+                    check(name + f": no near-tie among the reference's eviction decisions (gap {gap:.1e} >= {NEAR})",
+                          gap >= NEAR, "redraw the inputs (seed)")
                 y, rows, lengths = reference_y(t, x)
                 want = metrics(y, ref, lengths, rep["buckets"])
                 got_ok = all(close(x[k], want[k]) for k in ("rel_l2", "cosine_mean", "cosine_min"))
@@ -266,6 +319,10 @@ def main():
                 check(name + ": state rows match the reference", x["state_rows"] == rows, f"{x['state_rows']} {rows}")
                 if x["memory"] == "trellis":
                     peak, rule = 2 * 4 * rows[0] * (8 + 6) * 4, "B x Hq x m x (D + Dv) x 4"
+                elif x["memory"] in EVICTION:
+                    budget = x["params"]["budget"]
+                    peak = sum(min(n, budget + 1) for n in lengths) * 2 * (8 + 6) * 4
+                    rule = "min(n, s + w + k + 1) x Hkv x (D + Dv) x 4"
                 else:
                     L = x["params"]["config"]["window"]
                     peak = sum(m + min(n, L) for m, n in zip(rows, lengths)) * 2 * (8 + 6 + 1) * 4
@@ -273,8 +330,9 @@ def main():
                 check(name + ": held bytes = " + rule, x["peak_bytes"] == peak and close(x["held_fraction"], peak / full),
                       f'{x["peak_bytes"]} vs {peak}')
             ran, listed = {x["memory"] for x in rep["results"]}, {m["id"] for m in rep["memories"]}
-            check("reference: every memory was compared (KVM, OVQ and Trellis among them)",
-                  ran == listed and {"kvm-fixed", "kvm-sqrt", "ovq", "trellis"} <= ran, str(sorted(ran)))
+            check("reference: every memory was compared (KVM, OVQ, Trellis and eviction among them)",
+                  ran == listed and {"kvm-fixed", "kvm-sqrt", "ovq", "trellis", "kvm-h2o", *EVICTION} <= ran,
+                  str(sorted(ran)))
             sq = [x for x in rep["results"] if x["memory"] == "kvm-sqrt"]
             check("reference: kvm-sqrt grows its rows (a > 0)", all(x["params"]["budget"]["growth_factor"] > 0
                                                                     for x in sq), json.dumps([x["params"] for x in sq]))
@@ -283,7 +341,7 @@ def main():
         t = inputs(B=1, Hq=2, Hkv=1, T=256, D=8, Dv=8, seed=2)
         stn.save(path("in3.safetensors"), t)
         r = run(a.runner, path("in3.safetensors"), "--fractions", "1/4,1/8,1/16", "--memories",
-                "kvm-fixed,kvm-sqrt,ovq,trellis", "--json", path("s.json"))
+                "kvm-fixed,kvm-sqrt,ovq,trellis,streaming,h2o,kvm-h2o", "--json", path("s.json"))
         check("sizing: exit 0", r.returncode == 0, r.stdout + r.stderr)
         if r.returncode == 0:
             for x in json.load(open(path("s.json")))["results"]:
@@ -293,6 +351,15 @@ def main():
                     check(f'{name}: 2 x m = 2 x {x["state_rows"][0]} slots = f*T = {want}, no window, held f',
                           2 * x["state_rows"][0] == want and x["window_tokens"] == [0]
                           and close(x["held_fraction"], x["fraction"]), json.dumps(x))
+                    continue
+                if x["memory"] in EVICTION:  # w = round(f*T/4), 4 sinks, k the rest; the window holds w tokens
+                    p = x["params"]
+                    check(f'{name}: sinks {p["sinks"]} + window {p["window"]} + top-k {p["top_k"]} = f*T = {want} '
+                          f'= rows {x["state_rows"][0]} + window {x["window_tokens"][0]}, w = f*T/4, 4 sinks',
+                          p["sinks"] + p["window"] + p["top_k"] == want == p["budget"] and p["window"] == want // 4
+                          and p["sinks"] == 4 and x["state_rows"][0] + x["window_tokens"][0] == want
+                          and x["window_tokens"][0] == p["window"]
+                          and x["peak_bytes"] == (want + 1) * (8 + 8) * 4, json.dumps(x))
                     continue
                 c = x["params"]["config"]
                 got = x["state_rows"][0] + x["window_tokens"][0]
@@ -327,6 +394,8 @@ def main():
             ("fraction not a number", good, ["--fractions", "1/4,abc"], ["--fractions = abc", "not a fraction"]),
             ("fraction 1/0", good, ["--fractions", "1/0"], ["--fractions = 1/0", "division by zero"]),
             ("fraction too small", good, ["--fractions", "1/64"], ["--fractions = 1/64", "too small", "--sinks"]),
+            ("fraction too small for eviction", good, ["--memories", "streaming", "--fractions", "1/256"],
+             ["--fractions = 1/256", "too small for streaming", "0 rows"]),
             ("unknown memory", good, ["--memories", "kvm-fixed,no-such"], ["--memories = no-such", "unknown memory",
                                                                            "kvm-fixed", "ovq", "trellis"]),
             ("buckets 0", good, ["--buckets", "0"], ["--buckets = 0"]),
@@ -349,7 +418,7 @@ def main():
         r = subprocess.run([a.runner, "--list-memories"], capture_output=True, text=True, timeout=60)
         check("--list-memories lists the memories and their sizing", r.returncode == 0 and
               all(m in r.stdout for m in ("kvm-fixed", "kvm-sqrt", "kvm-16sqrt", "ovq", "ovq-paper", "ovq-whole",
-                                          "trellis")), r.stdout + r.stderr)
+                                          "trellis", "kvm-h2o", *EVICTION)), r.stdout + r.stderr)
         try:
             import matplotlib  # noqa: F401
             have_mpl = True

@@ -285,9 +285,11 @@ inline void print_report(const nlohmann::json& r) {
     for (const auto& v : x["bucket_rel_l2"]) std::printf(" %11.4f", v.get<double>());
     std::printf("\n");
   }
-  std::printf("\nrows, window: state rows (Trellis: slots m) and window tokens per head after the last token; held: the\n"
-              "most the memory holds at any token (KVM, OVQ: state rows + full window, (D + Dv + 1) float32 each per\n"
-              "kv-head, their held_bytes(); Trellis: m x (D + Dv) float32 per query head); of cache: held / full KV cache\n"
+  std::printf("\nrows, window: state rows (Trellis: slots m; eviction: sinks + kept tokens) and window tokens per head\n"
+              "after the last token; held: the most the memory holds at any token (KVM, OVQ: state rows + full window,\n"
+              "(D + Dv + 1) float32 each per kv-head, their held_bytes(), plus the rows a kvm-h2o fold holds before its\n"
+              "eviction; Trellis: m x (D + Dv) float32 per query head; eviction: s + w + k + 1 rows of (D + Dv) float32\n"
+              "per kv-head); of cache: held / full KV cache\n"
               "(tokens x Hkv x (D + Dv) float32); rel L2: ||y - y*|| / ||y*|| over all tokens and query heads; cos: mean\n"
               "cosine similarity of y_t and y*_t; wall s: the memory's prefill.\n");
 }
@@ -330,7 +332,7 @@ int main(int argc, char** argv) {
   app.add_option("--buckets", o.buckets, "position buckets for the error by position")->capture_default_str();
   app.add_option("--window-share", o.sizing.window_share, "s: share of the token budget f*T given to the window")->capture_default_str();
   app.add_option("--window-chunks", o.sizing.window_chunks, "n_b: chunks in the KVM window (chunk = s*f*T/n_b)")->capture_default_str();
-  app.add_option("--sinks", o.sizing.sinks, "S: protected sink rows of KVM")->capture_default_str();
+  app.add_option("--sinks", o.sizing.sinks, "S: protected sink rows of KVM (eviction rows keep 4)")->capture_default_str();
   app.add_option("--rope-dims", o.sizing.rope_dims, "r: key channels with RoPE (0 for models without RoPE)")->capture_default_str();
   app.add_flag("--no-progress", o.no_progress, "no progress bar (it is drawn on stderr only when that is a terminal)");
   app.add_flag("--list-memories", o.list, "list the memories and how each is sized for a fraction, then exit");

@@ -12,6 +12,7 @@
 #include <utility>
 #include <vector>
 
+#include "eviction_kinds.hpp"
 #include "kvm_kinds.hpp"
 #include "memory_kind.hpp"
 #include "ovq_kinds.hpp"
@@ -22,7 +23,7 @@ namespace kvmem::tools::eval {
 /// Every memory kind, in table order.
 inline std::vector<MemoryKind> memory_kinds() {
   std::vector<MemoryKind> kinds;
-  for (auto family : {kvm_kinds, ovq_kinds, trellis_kinds})
+  for (auto family : {kvm_kinds, ovq_kinds, trellis_kinds, eviction_kinds})
     for (auto& k : family()) kinds.push_back(std::move(k));
   return kinds;
 }

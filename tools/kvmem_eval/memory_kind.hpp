@@ -2,8 +2,8 @@
 /// \file memory_kind.hpp
 /// What kvmem-eval compares: a `MemoryKind` (one row family of the table) turns the inputs, the sizing
 /// options and a memory fraction f into a `Plan` (the memory's parameters and a function that runs it over
-/// the inputs and writes y). The families live in kvm_kinds.hpp, ovq_kinds.hpp, trellis_kinds.hpp; the
-/// registry that lists them in table order is memories.hpp.
+/// the inputs and writes y). The families live in kvm_kinds.hpp, ovq_kinds.hpp, trellis_kinds.hpp and
+/// eviction_kinds.hpp; the registry that lists them in table order is memories.hpp.
 
 #include <Kokkos_Core.hpp>
 #include <algorithm>
@@ -28,9 +28,9 @@ using OutView = Kokkos::View<float****, Kokkos::LayoutRight, mem_space>;
 
 /// Options shared by every memory's sizing rule (kvmem-eval flags).
 struct SizingOptions {
-  double window_share = 0.25;  ///< s: share of the token budget f*T given to the window (KVM, OVQ open chunk)
+  double window_share = 0.25;  ///< s: share of the token budget f*T given to the window (KVM, OVQ open chunk, eviction)
   int window_chunks = 1;       ///< n_b: chunks in the window (KVM); the chunk is window / n_b tokens
-  int sinks = 1;               ///< S: protected sink rows (KVM)
+  int sinks = 1;               ///< S: protected sink rows (KVM; eviction rows keep 4, sizing.hpp)
   int rope_dims = 0;           ///< r: key channels zeroed before LN_s (0 for models without RoPE)
 };
 

@@ -24,8 +24,9 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.ticker import FixedLocator, NullLocator  # noqa: E402
 
-COLORS = ["#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b", "#e377c2", "#17becf", "#7f7f7f"]
-MARKERS = ["o", "s", "^", "D", "v", "P", "X", "*", "h"]
+COLORS = ["#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b", "#e377c2", "#17becf", "#7f7f7f",
+          "#bcbd22", "#000000", "#aec7e8"]
+MARKERS = ["o", "s", "^", "D", "v", "P", "X", "*", "h", "<", ">", "p"]
 OFF_SCALE = 2.0  # relative L2 errors above this are drawn clipped at the top edge
 
 
@@ -102,8 +103,8 @@ def error_panel(ax, r, colors, top, legend=True):
     ax.grid(True, which="both", alpha=0.3)
     ax.set_xlabel("memory held / full KV cache")
     ax.set_ylabel("relative L2 error of y")
-    if legend:
-        ax.legend(fontsize=8)
+    if legend:  # below the axes: with a dozen memories a legend inside covers lines
+        ax.legend(fontsize=8, ncol=2, loc="upper center", bbox_to_anchor=(0.5, -0.12))
 
 
 def bucket_panel(ax, r, colors):

@@ -54,7 +54,8 @@ def result(rep, memory, label):
 
 
 def main_table(rep):
-    lines = ["| memory | budget | parameters | state rows (Trellis: slots) | window tokens | held MiB | of full cache "
+    lines = ["| memory | budget | parameters | state rows (Trellis: slots; eviction: sinks + kept) | window tokens "
+             "| held MiB | of full cache "
              "| rel. L2 error | mean cosine | min cosine | prefill s |",
              "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for x in rep["results"]:

@@ -2,7 +2,8 @@
 /// \file sizing.hpp
 /// Turning a memory fraction f of a T-token KV cache into the parameters of a memory with state rows and a
 /// window (KVM, OVQ): the token budget M = f*T split between window and rows, the MemoryConfig that
-/// carries it, and the bisection that picks a budget schedule's parameter so the rows reach R at token T.
+/// carries it, and the bisection that picks a budget schedule's parameter so the rows reach R at token T;
+/// and for eviction memories the split of M into sinks + window + top-k (split_eviction).
 
 #include <algorithm>
 #include <cmath>
@@ -35,6 +36,31 @@ inline TokenBudget split_budget(long T, double fraction, const SizingOptions& o,
   const long floor_rows = first_chunk_rows ? std::min(T, static_cast<long>(s.chunk)) : 0;
   s.rows = std::max(floor_rows, static_cast<long>(std::llround(s.tokens)) - s.window);
   return s;
+}
+
+/// The eviction budget of a fraction f: M = round(f*T) rows per (sequence, kv-head), T the longest sequence,
+/// split as
+///   window w = min(M, max(1, round(s*f*T)))   (s = --window-share: the window KVM gets with one chunk),
+///   sinks   = min(4, M - w)                   (StreamingLLM's four attention sinks, EvictionConfig's default),
+///   top_k   = M - w - sinks;
+/// so sinks + w + top_k = M, the same tokens as KVM's rows + window. M = 0 (f*T < 1/2) is left to the caller.
+struct EvictionSplit {
+  long budget = 0;  ///< M, rows
+  long sinks = 0;   ///< s, tokens
+  long window = 0;  ///< w, tokens
+  long top_k = 0;   ///< k, tokens
+};
+
+inline constexpr long eviction_sinks = 4;  ///< sinks of every eviction row (StreamingLLM's)
+
+inline EvictionSplit split_eviction(long T, double fraction, const SizingOptions& o) {
+  const auto s = split_budget(T, fraction, o, 1, /*first_chunk_rows=*/false);
+  EvictionSplit e;
+  e.budget = std::llround(s.tokens);
+  e.window = std::min(e.budget, s.window);
+  e.sinks = std::max(0L, std::min(eviction_sinks, e.budget - e.window));
+  e.top_k = std::max(0L, e.budget - e.window - e.sinks);
+  return e;
 }
 
 /// A MemoryConfig for the inputs' shape (D, Dv, Hq, Hkv) with chunk and window from `s`; rope_dims, sinks,

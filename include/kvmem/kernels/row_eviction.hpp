@@ -50,9 +50,10 @@ void accumulate_row_attention(const ExecSpace& exec, const MemoryConfig& cfg, co
 }
 
 /// After a fold left rows_before + append_count rows, evicts p(b, rows_evicted) of them per (b, h): the
-/// lowest statistic first (ties: the lower index, the older row), never one of the first cfg.sinks rows,
-/// and compacts the rest in their order (keys, values, read caches, radius, counts, statistics). New rows
-/// of this fold start at statistic 0 (set here). One thread per (sequence, kv-head).
+/// lowest statistic first (ties: the lower index, the older row) among the rows that existed before the
+/// fold, then (only if those run out) among the fold's fresh rows; never one of the first cfg.sinks rows.
+/// Compacts the rest in their order (keys, values, read caches, radius, counts, statistics). New rows of
+/// this fold start at statistic 0 (set here). One thread per (sequence, kv-head).
 template <class ExecSpace>
 void evict_rows(const ExecSpace& exec, const MemoryConfig& cfg, const state::StateRows<typename ExecSpace::memory_space>& rows,
                 const StepPlan<typename ExecSpace::memory_space>& plan) {
@@ -66,20 +67,26 @@ void evict_rows(const ExecSpace& exec, const MemoryConfig& cfg, const state::Sta
         if (p(b, block_count) == 0) return;
         const long before = p(b, rows_before), m = before + p(b, append_count);
         for (long i = before; i < m; ++i) rows.stats(b, h, i) = 0.0;
+        // The fold's fresh rows [before, m) have not been read by any query yet (statistic 0): they are
+        // exempt while older rows remain, so a fold evicts stale rows, not the tokens it just appended.
         long evict = p(b, rows_evicted);
-        while (evict-- > 0) {  // mark the worst live row with NaN-free sentinel: statistic = +inf after removal
-          long worst = -1;
-          for (long i = sinks; i < m; ++i) {
-            const double s = rows.stats(b, h, i);
-            if (s == Kokkos::Experimental::infinity_v<double>) continue;
-            if (worst < 0 || s < rows.stats(b, h, worst)) worst = i;
+        const double gone = Kokkos::Experimental::infinity_v<double>;  // marks an evicted row
+        for (int pass = 0; pass < 2 && evict > 0; ++pass) {
+          const long lo = pass == 0 ? sinks : (before > sinks ? before : sinks), hi = pass == 0 ? before : m;
+          while (evict > 0) {
+            long worst = -1;
+            for (long i = lo; i < hi; ++i) {
+              const double s = rows.stats(b, h, i);
+              if (s != gone && (worst < 0 || s < rows.stats(b, h, worst))) worst = i;
+            }
+            if (worst < 0) break;
+            rows.stats(b, h, worst) = gone;
+            --evict;
           }
-          if (worst < 0) break;
-          rows.stats(b, h, worst) = Kokkos::Experimental::infinity_v<double>;
         }
         long out = 0;
         for (long i = 0; i < m; ++i) {
-          if (i >= sinks && rows.stats(b, h, i) == Kokkos::Experimental::infinity_v<double>) continue;
+          if (i >= sinks && rows.stats(b, h, i) == gone) continue;
           if (out != i) {
             for (int c = 0; c < D; ++c) rows.keys(b, h, out, c) = rows.keys(b, h, i, c);
             for (int c = 0; c < D; ++c) rows.read_keys(b, h, out, c) = rows.read_keys(b, h, i, c);

@@ -1,0 +1,175 @@
+#pragma once
+/// \file eviction_kinds.hpp
+/// The eviction rows of kvmem-eval (kvpop-paper Sec. 2; spec EVICTION.md; docs/eviction.md): `streaming`
+/// (StreamingLLM), `knorm`, `h2o` and `tova`, each a kvmem::EvictionMemory whose budget s + w + k rows per
+/// kv-head is the fraction f of the cache (eviction_sizing), and `kvm-h2o`, KVM with a growing budget whose
+/// state rows H2O evicts down to the rows of kvm-fixed (KvmMemoryWithRowEviction). KVPOP is not a row: its
+/// scorer needs trained mLSTM weights, which no public checkpoint provides.
+
+#include <Kokkos_Core.hpp>
+#include <algorithm>
+#include <chrono>
+#include <string>
+#include <vector>
+
+#include <kvmem/eviction.hpp>
+#include <kvmem/kvmem.hpp>
+
+#include "kvm_kinds.hpp"
+#include "memory_kind.hpp"
+#include "run_composed.hpp"
+#include "sizing.hpp"
+
+namespace kvmem::tools::eval {
+
+/// tau_bswa[h] * q [B, Hq, T, D] (float32): EvictionMemory's logit is q . k / sqrt(D) with no temperature,
+/// so this makes it tau q . k / sqrt(D), exact attention's (tau = 1 in every capture: a bitwise copy).
+inline Kokkos::View<float****, Kokkos::LayoutRight, mem_space> tau_scaled_queries(const Inputs& in) {
+  Kokkos::View<float****, Kokkos::LayoutRight, mem_space> q("q_times_tau", in.B, in.Hq, in.T, in.D);
+  const auto src = in.q;
+  const auto tau = in.weights.tau_window;
+  Kokkos::parallel_for(
+      "kvmem_eval::tau_scaled_queries",
+      Kokkos::MDRangePolicy<exec, Kokkos::Rank<4>>({0, 0, 0, 0}, {in.B, in.Hq, in.T, in.D}),
+      KOKKOS_LAMBDA(long b, long h, long t, long c) { q(b, h, t, c) = tau(h) * src(b, h, t, c); });
+  return q;
+}
+
+/// An EvictionConfig for the inputs' shape with the split of split_eviction (sizing.hpp). Throws
+/// kvmem::invalid_argument naming --fractions when f*T rounds to 0 rows.
+inline EvictionConfig eviction_sizing(const Inputs& in, const SizingOptions& o, double fraction,
+                                      const std::string& label, const std::string& memory) {
+  const long T = longest(in);
+  const auto e = split_eviction(T, fraction, o);
+  require(e.budget >= 1, "--fractions = " + label, fraction,
+          "too small for " + memory + ": " + std::to_string(fraction * static_cast<double>(T)) + " tokens of a " +
+              std::to_string(T) + "-token sequence round to 0 rows (use a larger fraction)");
+  EvictionConfig c;
+  c.head_dim = static_cast<int>(in.D);
+  c.value_dim = static_cast<int>(in.Dv);
+  c.query_heads = static_cast<int>(in.Hq);
+  c.kv_heads = static_cast<int>(in.Hkv);
+  c.sinks = static_cast<int>(e.sinks);
+  c.window = static_cast<int>(e.window);
+  c.top_k = static_cast<int>(e.top_k);
+  return c;
+}
+
+/// Prefills an EvictionMemory<exec, Scorer> with tau-scaled queries (not timed) and writes y [B, Hq, T, Dv].
+/// rows: cached rows outside the window (sinks + retained) of the fullest kv-head, window: min(n, w).
+/// Held memory: the memory's held_bytes() (budget + 1 rows of D + Dv float32 per kv-head); peak: what it
+/// holds at its fullest step, min(n, budget + 1) rows per kv-head (the + 1: the row a step holds between
+/// its append and its eviction).
+template <class Scorer>
+RunStats run_eviction(const EvictionConfig& cfg, const Scorer& scorer, const Inputs& in, const OutView& y) {
+  const auto q = tau_scaled_queries(in);
+  EvictionMemory<exec, Scorer> mem(cfg, static_cast<int>(in.B), scorer);
+  Kokkos::fence();
+  const auto start = std::chrono::steady_clock::now();
+  mem.prefill(q, in.k, in.v, y, in.lengths);
+  Kokkos::fence();
+  RunStats s;
+  s.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  Kokkos::View<long***, Kokkos::LayoutRight, mem_space> positions("kept_positions", in.B, in.Hkv, 0);
+  Kokkos::View<long**, Kokkos::LayoutRight, mem_space> kept("kept_rows", in.B, in.Hkv);
+  mem.kept(positions, kept);
+  const auto kh = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), kept);
+  long units = 0;
+  for (long b = 0; b < in.B; ++b) {
+    long most = 0;
+    for (long h = 0; h < in.Hkv; ++h) most = std::max(most, kh(b, h));
+    const long window = std::min<long>(in.lengths[b], cfg.window);
+    s.rows.push_back(most - window);
+    s.window.push_back(window);
+    units += std::min(in.lengths[b], cfg.budget() + 1);
+  }
+  s.held_bytes = mem.held_bytes();
+  s.peak_bytes = units * in.Hkv * (in.D + in.Dv) * static_cast<long>(sizeof(float));
+  return s;
+}
+
+/// A plan that runs EvictionMemory with `cfg` and `scorer` (`name`: its kvmem-run evict --scorer).
+template <class Scorer>
+Plan eviction_plan(const EvictionConfig& cfg, const Scorer& scorer, const std::string& name) {
+  return {{{"scorer", name}, {"sinks", cfg.sinks}, {"window", cfg.window}, {"top_k", cfg.top_k},
+           {"budget", cfg.budget()}, {"queries", "tau_bswa * q"}},
+          fmt("s=%d w=%d k=%d", cfg.sinks, cfg.window, cfg.top_k),
+          [cfg, scorer](const Inputs& i, const OutView& y) { return run_eviction(cfg, scorer, i, y); }};
+}
+
+/// A MemoryKind for the eviction scorer `Scorer` sized by eviction_sizing.
+template <class Scorer>
+MemoryKind eviction_kind(std::string id, std::string label, std::string what) {
+  return {id, std::move(label),
+          "EvictionMemory, " + what + "; window w = max(1, round(s*f*T)), sinks min(4, f*T - w), top_k = f*T - w - "
+          "sinks: the budget s + w + k is f*T rows",
+          false, [id](const Inputs& in, const SizingOptions& o, double f, const std::string& label) {
+            return eviction_plan(eviction_sizing(in, o, f, label, id), Scorer{}, id);
+          }};
+}
+
+/// The most state rows a kvm-h2o prefill of n tokens holds at any moment. The schedule grants rows as if
+/// none were evicted (Memory::plan_block: plan_update on the granted count); a fold appends what it grants
+/// on top of the live rows, and the eviction then takes them back to `cap`.
+inline long kvm_h2o_peak_rows(const MemoryConfig& cfg, const budget::PowerLaw& b, long cap, long n) {
+  long rows = std::min<long>(n, cfg.chunk), granted = rows, peak = rows;
+  const long target = std::max(rows, state::window_begin(n, cfg.chunk, cfg.window()));
+  for (long cov = rows; cov < target; cov += cfg.chunk) {
+    const auto up = state::plan_update(cfg, b, granted, cov);
+    granted = up.rows_after();
+    rows += up.append;
+    peak = std::max(peak, rows);
+    rows = std::min(rows, cap);
+  }
+  return peak;
+}
+
+/// KVM (C, window, R of kvm_sizing) with budget::PowerLaw 16*sqrt(ctx) and H2O row eviction down to R after
+/// every fold; the row cap of the config (T + C) never binds, so the schedule's growth sets the fresh rows of
+/// every fold. Peak memory counts the rows a fold holds before its eviction (kvm_h2o_peak_rows).
+inline Plan kvm_h2o_plan(const Inputs& in, const SizingOptions& o, double f, const std::string& label) {
+  const auto s = kvm_sizing(in, o, f, label, "kvm-h2o");
+  require(s.rows > o.sinks, "--fractions = " + label, f,
+          "too small for kvm-h2o: its row cap R = " + std::to_string(s.rows) + " must exceed --sinks = " +
+              std::to_string(o.sinks));
+  const budget::PowerLaw b{-1, 16.0, 0.5, 1};
+  const score::RowAccumulatedAttention evict{.max_rows = s.rows};
+  auto cfg = s.cfg;
+  cfg.max_rows = longest(in) + cfg.chunk;  // a schedule grants at most the tokens it has seen
+  return {{{"config", config_json(cfg)},
+           {"budget", {{"kind", "power-law"}, {"min_rows", -1}, {"growth_factor", 16.0}, {"growth_exponent", 0.5},
+                       {"round_down", 1}}},
+           {"row_eviction", {{"scorer", "h2o"}, {"max_rows", s.rows}}}},
+          fmt("C=%d L=%dx%d a=16 cap=%ld", cfg.chunk, cfg.window_chunks, cfg.chunk, s.rows),
+          [cfg, b, evict](const Inputs& i, const OutView& y) {
+            KvmMemoryWithRowEviction<exec, budget::PowerLaw, score::RowAccumulatedAttention> mem(
+                cfg, b, i.weights, static_cast<int>(i.B), evict);
+            auto stats = run_composed(mem, i, y);
+            long units = 0;
+            for (long n : i.lengths) units += kvm_h2o_peak_rows(cfg, b, evict.max_rows, n) + std::min(n, cfg.window());
+            stats.peak_bytes = std::max(stats.peak_bytes,
+                                        units * i.Hkv * (i.D + i.Dv + 1) * static_cast<long>(sizeof(float)));
+            return stats;
+          }};
+}
+
+/// streaming, knorm, h2o, tova and kvm-h2o, in table order.
+inline std::vector<MemoryKind> eviction_kinds() {
+  std::vector<MemoryKind> kinds;
+  kinds.push_back(eviction_kind<score::None>("streaming", "StreamingLLM",
+                                             "score::None (sinks + the last w + k tokens)"));
+  kinds.push_back(eviction_kind<score::KeyNorm>("knorm", "KNorm", "score::KeyNorm (keeps the smallest key norms)"));
+  kinds.push_back(eviction_kind<score::AccumulatedAttention>(
+      "h2o", "H2O", "score::AccumulatedAttention (attention summed since insertion, H2O's raw sum)"));
+  kinds.push_back(eviction_kind<score::LastQueryAttention>(
+      "tova", "TOVA", "score::LastQueryAttention (the last query's attention, mean over the kv-head's group)"));
+  kinds.push_back(
+      {"kvm-h2o", "KVM + H2O rows",
+       "C, window and R as kvm-fixed; budget::PowerLaw 16*sqrt(ctx) (rows grow from C; its growth sets the fresh "
+       "rows of each fold), and after every fold score::RowAccumulatedAttention evicts state rows down to R; held "
+       "counts the rows a fold holds before its eviction",
+       false, kvm_h2o_plan});
+  return kinds;
+}
+
+}  // namespace kvmem::tools::eval
