@@ -106,11 +106,10 @@ class EvictionMemory {
   /// shapes or a token count other than 1.
   void decode(const tokens_in& q, const tokens_in& k, const tokens_in& v, const tokens_out& y,
               std::span<const unsigned char> active = {}) {
-    require(q.extent(2) == 1, "q.extent(2)", q.extent(2), "decode takes one token per sequence");
+    if (q.extent(2) != 1) throw invalid_argument(detail::describe("q.extent(2)", q.extent(2), "decode takes one token per sequence"));
     check_inputs(q, k, v, y, 1, "decode");
-    if (!active.empty())
-      require(static_cast<long>(active.size()) == batch(), "active.size()", active.size(),
-              "must equal the batch size " + std::to_string(batch()));
+    if (!active.empty() && static_cast<long>(active.size()) != batch())
+      throw invalid_argument(detail::describe("active.size()", active.size(), "must equal the batch size " + std::to_string(batch())));
     for (long b = 0; b < batch(); ++b) lengths_host_(b) = active.empty() || active[b] ? 1 : 0;
     run(q, k, v, y);
   }
@@ -154,6 +153,15 @@ class EvictionMemory {
     return batch() * cfg_.kv_heads * (cfg_.budget() + 1) * (cfg_.head_dim + cfg_.value_dim) *
            static_cast<long>(sizeof(float));
   }
+  /// Bytes this object has allocated on the device for its cache and scratch (the scorer's own state,
+  /// e.g. the mLSTM's, is not counted). Fixed at construction.
+  [[nodiscard]] long allocated_bytes() const {
+    const auto& c = cache_;
+    return static_cast<long>((c.keys.span() + c.values.span() + c.logits.span()) * sizeof(float) +
+                             (c.stats.span() + c.probabilities.span() + c.logits64.span()) * sizeof(double) +
+                             (c.positions.span() + c.live.span() + first_.span() + lengths_.span()) * sizeof(long) +
+                             c.order.span() * sizeof(int));
+  }
 
  private:
   void run(const tokens_in& q, const tokens_in& k, const tokens_in& v, const tokens_out& y) {
@@ -161,24 +169,27 @@ class EvictionMemory {
     Kokkos::deep_copy(exec_, first_, first_host_);
     Kokkos::deep_copy(exec_, lengths_, lengths_host_);
     kernels::eviction_tokens(exec_, kernels::EvictionParams::of(cfg_), cache_, scorer_, q, k, v, y, first_, lengths_);
-    exec_.fence();
+    static const std::string fence_label = "kvmem::EvictionMemory::step";  // not a heap string per call
+    exec_.fence(fence_label);
     for (long b = 0; b < batch(); ++b) tokens_[b] += lengths_host_(b);
   }
 
   void check_inputs(const tokens_in& q, const tokens_in& k, const tokens_in& v, const tokens_out& y, long T,
                     const char* where) const {
-    const std::string at = std::string(" (") + where + ")";
+    // Messages are built only on failure: decode runs this every token and must not allocate.
     auto dims = [&](const auto& x, const char* name, long heads, const char* heads_what, long c, const char* what) {
-      const std::string n(name);
-      require(static_cast<long>(x.extent(0)) == batch(), n + ".extent(0)", x.extent(0),
-              "must equal the batch size " + std::to_string(batch()) + at);
-      require(static_cast<long>(x.extent(1)) == heads, n + ".extent(1)", x.extent(1),
-              "must equal " + std::string(heads_what) + " = " + std::to_string(heads) + at);
-      require(static_cast<long>(x.extent(2)) == T, n + ".extent(2)", x.extent(2),
-              "must equal the token count " + std::to_string(T) + " of q" + at);
-      require(static_cast<long>(x.extent(3)) == c, n + ".extent(3)", x.extent(3),
-              "must equal " + std::string(what) + " = " + std::to_string(c) + at);
-      require(x.stride(3) == 1 || x.extent(3) <= 1, n + ".stride(3)", x.stride(3), "channels must be contiguous" + at);
+      auto fail = [&](const char* field, auto value, const std::string& reason) {
+        throw invalid_argument(detail::describe(std::string(name) + field, value, reason + " (" + where + ")"));
+      };
+      if (static_cast<long>(x.extent(0)) != batch())
+        fail(".extent(0)", x.extent(0), "must equal the batch size " + std::to_string(batch()));
+      if (static_cast<long>(x.extent(1)) != heads)
+        fail(".extent(1)", x.extent(1), "must equal " + std::string(heads_what) + " = " + std::to_string(heads));
+      if (static_cast<long>(x.extent(2)) != T)
+        fail(".extent(2)", x.extent(2), "must equal the token count " + std::to_string(T) + " of q");
+      if (static_cast<long>(x.extent(3)) != c)
+        fail(".extent(3)", x.extent(3), "must equal " + std::string(what) + " = " + std::to_string(c));
+      if (x.stride(3) != 1 && x.extent(3) > 1) fail(".stride(3)", x.stride(3), "channels must be contiguous");
     };
     dims(q, "q", cfg_.query_heads, "the query heads Hq", cfg_.head_dim, "head_dim D");
     dims(k, "k", cfg_.kv_heads, "the kv-heads Hkv", cfg_.head_dim, "head_dim D");
