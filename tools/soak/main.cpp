@@ -163,6 +163,16 @@ long nonfinite_rows(const View& view, long rows) {
   return bad;
 }
 
+/// Copies the output y [1, H, 1, Dv] of a decode step to its host mirror and counts its non-finite entries.
+template <class View, class Mirror>
+long nonfinite_y(const View& y, const Mirror& hy) {
+  Kokkos::deep_copy(hy, y);
+  long bad = 0;
+  for (std::size_t h = 0; h < hy.extent(1); ++h)
+    for (std::size_t c = 0; c < hy.extent(3); ++c) bad += std::isfinite(hy(0, h, 0, c)) ? 0 : 1;
+  return bad;
+}
+
 /// Fills `x` [dim] with a Gaussian vector scaled to unit L2 norm (Trellis' recommended input, spec
 /// TRELLIS.md §5).
 template <class Rng>
@@ -212,13 +222,7 @@ struct AttentionSubject {
     Kokkos::deep_copy(gate, hg);
   }
   void decode() { mem.decode(q, k, v, gate, y); }
-  long nonfinite_output() {
-    Kokkos::deep_copy(hy, y);
-    long bad = 0;
-    for (int h = 0; h < Hq; ++h)
-      for (int c = 0; c < Dv; ++c) bad += std::isfinite(hy(0, h, 0, c)) ? 0 : 1;
-    return bad;
-  }
+  long nonfinite_output() { return nonfinite_y(y, hy); }
   [[nodiscard]] long rows() const { return mem.cursor(0).rows; }
   [[nodiscard]] long held_bytes() const { return mem.held_bytes(); }
   [[nodiscard]] long allocated_bytes() const { return mem.allocated_bytes(); }
@@ -280,13 +284,7 @@ struct TrellisSubject {
     Kokkos::deep_copy(gamma2, hg2);
   }
   void decode() { mem.decode(q, k, v, alpha, beta1, gamma1, beta2, gamma2, y); }
-  long nonfinite_output() {
-    Kokkos::deep_copy(hy, y);
-    long bad = 0;
-    for (int h = 0; h < H; ++h)
-      for (int c = 0; c < Dv; ++c) bad += std::isfinite(hy(0, h, 0, c)) ? 0 : 1;
-    return bad;
-  }
+  long nonfinite_output() { return nonfinite_y(y, hy); }
   [[nodiscard]] long rows() const { return m; }
   [[nodiscard]] long held_bytes() const { return mem.held_bytes(); }
   [[nodiscard]] long allocated_bytes() const { return mem.allocated_bytes(); }
@@ -298,6 +296,54 @@ struct TrellisSubject {
     return nonfinite_rows(mem.m1(), rows) + nonfinite_rows(mem.m2(), rows);
   }
 };
+
+/// A kvmem::EvictionMemory under soak: the inputs of AttentionSubject (the gate is not used), decode(q, k, v, y).
+/// Rows: the cached rows of the (only) kv-head, min(n, budget); held bound: (budget + 1) x (D + Dv) x 4 B per kv-head.
+template <class Memory>
+struct EvictionSubject : AttentionSubject<Memory> {
+  using AttentionSubject<Memory>::AttentionSubject;
+  void decode() { this->mem.decode(this->q, this->k, this->v, this->y); }
+  [[nodiscard]] long rows() const {
+    long live = 0;
+    Kokkos::deep_copy(live, Kokkos::subview(this->mem.cache().live, 0, 0));
+    return live;
+  }
+  /// held_bytes() is the fixed allocation of budget + 1 rows, whatever the rows cached so far.
+  [[nodiscard]] long held_bound(long) const {
+    return (this->mem.config().budget() + 1) * (this->D + this->Dv) * static_cast<long>(sizeof(float)) * this->Hkv;
+  }
+  /// Non-finite entries among the keys and values of every row slot.
+  [[nodiscard]] long nonfinite_state(long) const {
+    const auto& c = this->mem.cache();
+    return nonfinite_rows(c.keys, c.slots()) + nonfinite_rows(c.values, c.slots());
+  }
+};
+
+/// Random mLSTM weights [1 kv-head] for the soak of score::MLstm: N(0, 0.3^2) projections and gates.
+template <class Space>
+kvmem::score::MLstmWeights<Space> soak_mlstm_weights(unsigned seed) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> normal(0.0f, 0.3f);
+  const long X = 2 * kDim, h = kDim / 2;
+  auto fill = [&](auto view) {
+    auto host = Kokkos::create_mirror_view(view);
+    for (std::size_t i = 0; i < host.span(); ++i) host.data()[i] = normal(rng);
+    Kokkos::deep_copy(view, host);
+    return view;
+  };
+  kvmem::score::MLstmWeights<Space> w;
+  w.w_q = fill(Kokkos::View<float***, Kokkos::LayoutRight, Space>("w_q", 1, X, h));
+  w.w_k = fill(Kokkos::View<float***, Kokkos::LayoutRight, Space>("w_k", 1, X, h));
+  w.w_v = fill(Kokkos::View<float***, Kokkos::LayoutRight, Space>("w_v", 1, X, h));
+  w.w_i = fill(Kokkos::View<float**, Kokkos::LayoutRight, Space>("w_i", 1, X));
+  w.w_f = fill(Kokkos::View<float**, Kokkos::LayoutRight, Space>("w_f", 1, X));
+  w.w_s = fill(Kokkos::View<float**, Kokkos::LayoutRight, Space>("w_s", 1, h));
+  w.b_i = fill(Kokkos::View<float*, Space>("b_i", 1));
+  w.b_f = fill(Kokkos::View<float*, Space>("b_f", 1));
+  w.b_s = fill(Kokkos::View<float*, Space>("b_s", 1));
+  w.theta = fill(Kokkos::View<float*, Space>("theta", 1));
+  return w;
+}
 
 /// Decodes o.tokens tokens through `subject`. expected(n): the rows after n tokens; bound(n): their upper bound.
 template <class Subject>
@@ -435,7 +481,29 @@ std::vector<SoakCase> soak_cases() {
                      const long m = cfg.slots;
                      return soak(subject, "trellis", o, [m](long) { return m; }, [m](long) { return m; });
                    }});
-  // Eviction memories (issue "Fixed-budget KV eviction"): one entry per scorer here.
+  // Eviction memories: sinks 4 + window 64 + top-k 188 = 256 rows, one entry per scorer.
+  const auto eviction = [](const char* name, const char* text, auto make_scorer) {
+    return SoakCase{name, text, [name, make_scorer](const Options& o) {
+                      kvmem::EvictionConfig cfg{.head_dim = kDim, .value_dim = kDim, .query_heads = 1, .kv_heads = 1,
+                                                .sinks = 4, .window = 64, .top_k = 188};
+                      kvmem::EvictionMemory<exec, decltype(make_scorer(o))> mem(cfg, 1, make_scorer(o));
+                      EvictionSubject<decltype(mem)> subject(mem);
+                      const long budget = cfg.budget();
+                      auto rows = [budget](long n) { return std::min(n, budget); };
+                      return soak(subject, name, o, rows, rows);
+                    }};
+  };
+  const char* policy = ", sinks 4 + window 64 + top-k 188 = 256 rows";
+  cases.push_back(eviction("evict-streaming", (std::string("StreamingLLM") + policy).c_str(),
+                           [](const Options&) { return kvmem::score::None{}; }));
+  cases.push_back(eviction("evict-knorm", (std::string("KNorm") + policy).c_str(),
+                           [](const Options&) { return kvmem::score::KeyNorm{}; }));
+  cases.push_back(eviction("evict-h2o", (std::string("H2O") + policy).c_str(),
+                           [](const Options&) { return kvmem::score::AccumulatedAttention{}; }));
+  cases.push_back(eviction("evict-tova", (std::string("TOVA") + policy).c_str(),
+                           [](const Options&) { return kvmem::score::LastQueryAttention{}; }));
+  cases.push_back(eviction("evict-kvpop", (std::string("KVPOP mLSTM, random N(0, 0.3) weights") + policy).c_str(),
+                           [](const Options& o) { return kvmem::score::MLstm<space>(soak_mlstm_weights<space>(o.seed)); }));
   return cases;
 }
 
