@@ -148,7 +148,7 @@ struct MergingAdapter {
       : mem(cfg, budget, unit_weights(s), s.B, row_policy, exec), model(cfg, budget, row_policy) {}
 
   static std::vector<std::string> readout_kernels() { return {"kvmem::readout"}; }
-  static std::vector<std::string> update_kernels() { return {"kvmem::update_", "kvmem::row_attention", "kvmem::evict_rows"}; }
+  static std::vector<std::string> update_kernels() { return {"kvmem::update_", "kvmem::row_attn", "kvmem::rowevict"}; }
   void prepare(Inputs&) {}
   void prefill(const Inputs& in) { mem.prefill(in.q, in.k, in.v, in.gate, in.y); }
   void decode(const Inputs& in, long i) {

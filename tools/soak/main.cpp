@@ -450,6 +450,19 @@ std::vector<SoakCase> soak_cases() {
                          subject, "kvm-sqrt16", o, [&](long n) { return kvmem::state::final_rows(cfg, budget, n); },
                          [&, L, C](long n) { return std::max(std::min(n, C), budget.rows(L + n)); });
                    }});
+  // KVM 16 sqrt(ctx) whose state rows are also evicted by H2O above 256 (kvmem::KvmMemoryWithRowEviction):
+  // rows = the schedule's grant, capped at 256.
+  cases.push_back({"kvm-sqrt16-h2o256", "KVM, budget::PowerLaw{256, 16, 0.5}, H2O row eviction above 256 rows, C 256",
+                   [](const Options& o) {
+                     const auto cfg = soak_config(1L << 40);
+                     const kvmem::budget::PowerLaw budget{256, 16.0, 0.5, 1};
+                     constexpr long cap = 256;
+                     kvmem::KvmMemoryWithRowEviction<exec, kvmem::budget::PowerLaw, kvmem::score::RowAccumulatedAttention>
+                         mem(cfg, budget, soak_weights<space>(o.seed), 1, kvmem::score::RowAccumulatedAttention{.max_rows = cap});
+                     AttentionSubject subject(mem);
+                     auto rows = [&](long n) { return std::min(kvmem::state::final_rows(cfg, budget, n), cap); };
+                     return soak(subject, "kvm-sqrt16-h2o256", o, rows, rows);
+                   }});
   // OVQ with the OVQ code defaults (kvmem-run ovq): C 128, N 2048 centroids, plateau tN/(t+N), window of one
   // chunk, no sinks, no RoPE split, beta 1.
   cases.push_back({"ovq", "OVQ, budget::Plateau{2048}, max_rows 2048, C 128, window 1 x 128, beta 1", [](const Options& o) {

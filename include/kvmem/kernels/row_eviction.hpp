@@ -1,7 +1,9 @@
 #pragma once
 /// \file row_eviction.hpp
 /// Row eviction for merging memories (score::RowEviction): each state row's attention probability, and the
-/// eviction of the rows with the lowest statistic after a fold.
+/// eviction of the rows with the lowest statistic after a fold. Kernel labels have at most 15 characters:
+/// Kokkos copies a label into a std::string at every launch, and a longer one is a heap allocation per
+/// decoded token (docs/reliability.md).
 
 #include <Kokkos_Core.hpp>
 
@@ -28,7 +30,7 @@ void accumulate_row_attention(const ExecSpace& exec, const MemoryConfig& cfg, co
   const int G = cfg.group(), D = cfg.head_dim;
   const auto p = plan.device;
   Kokkos::parallel_for(
-      "kvmem::row_attention", Kokkos::RangePolicy<ExecSpace>(exec, 0, B * H * max_rows), KOKKOS_LAMBDA(long idx) {
+      "kvmem::row_attn", Kokkos::RangePolicy<ExecSpace>(exec, 0, B * H * max_rows), KOKKOS_LAMBDA(long idx) {
         const long i = idx % max_rows, h = (idx / max_rows) % H, b = idx / (max_rows * H);
         if (i >= p(b, read_rows)) return;
         const long first = p(b, query_begin), last = p(b, query_end), off = p(b, input_offset);
@@ -62,7 +64,7 @@ void evict_rows(const ExecSpace& exec, const MemoryConfig& cfg, const state::Sta
   const long sinks = cfg.sinks;
   const auto p = plan.device;
   Kokkos::parallel_for(
-      "kvmem::evict_rows", Kokkos::RangePolicy<ExecSpace>(exec, 0, B * H), KOKKOS_LAMBDA(long idx) {
+      "kvmem::rowevict", Kokkos::RangePolicy<ExecSpace>(exec, 0, B * H), KOKKOS_LAMBDA(long idx) {
         const long h = idx % H, b = idx / H;
         if (p(b, block_count) == 0) return;
         const long before = p(b, rows_before), m = before + p(b, append_count);
