@@ -21,6 +21,8 @@
 #include <stdexcept>
 #include <vector>
 
+#include "float64_math.hpp"
+
 namespace kvmem_ref {
 
 enum class EvictKind { streaming, knorm, h2o, tova, kvpop, given };
@@ -70,20 +72,13 @@ struct EvictResult {
 
 namespace evict_detail {
 
-using Vec = std::vector<double>;
+using math::Vec;
+using math::log_sigmoid;
+using math::sigmoid;
+using math::softmax;
 inline constexpr double nan = std::numeric_limits<double>::quiet_NaN();
 
-inline double sigmoid(double z) { return z >= 0 ? 1.0 / (1.0 + std::exp(-z)) : std::exp(z) / (1.0 + std::exp(z)); }
-inline double log_sigmoid(double z) { return z >= 0 ? -std::log1p(std::exp(-z)) : z - std::log1p(std::exp(z)); }
 
-inline Vec softmax(const Vec& z) {
-  const double top = *std::max_element(z.begin(), z.end());
-  Vec p(z.size());
-  double s = 0;
-  for (std::size_t i = 0; i < z.size(); ++i) s += (p[i] = std::exp(z[i] - top));
-  for (auto& x : p) x /= s;
-  return p;
-}
 
 /// y[a] = sum_j x[j] W[j][a], W [X][h].
 inline Vec project(const Vec& x, const Vec& W, long h) {
@@ -101,6 +96,24 @@ inline Vec hedgehog(const Vec& y) {
   const Vec b = softmax(neg);
   out.insert(out.end(), b.begin(), b.end());
   return out;
+}
+
+/// Steps 2-3 of step q (§1): while more than k cached tokens lie in R = [s, q - w], evict the one with the
+/// lowest (eff(t, q), t).
+template <class Eff>
+void evict_down(std::vector<long>& cache, long s, long w, long k, long q, const Eff& eff) {
+  while (true) {
+    std::vector<long> R;
+    for (long t : cache)
+      if (t >= s && t <= q - w) R.push_back(t);
+    if (static_cast<long>(R.size()) <= k) return;
+    long worst = R[0];
+    for (long t : R) {
+      const double e = eff(t, q), ew = eff(worst, q);
+      if (e < ew || (e == ew && t < worst)) worst = t;
+    }
+    cache.erase(std::find(cache.begin(), cache.end(), worst));
+  }
 }
 
 }  // namespace evict_detail
@@ -219,18 +232,7 @@ inline EvictResult evict_decode(const EvictHead& x, const EvictPolicy& p) {
     // 1. append (scores of static scorers are precomputed: a static score never changes).
     cache.push_back(q);
     // 2.-3. R = cached tokens in [s, q - w]; token q - w has joined it. Evict the min of (eff, t).
-    while (true) {
-      std::vector<long> R;
-      for (long t : cache)
-        if (t >= s && t <= q - w) R.push_back(t);
-      if (static_cast<long>(R.size()) <= k) break;
-      long worst = R[0];
-      for (long t : R) {
-        const double e = eff(t, q), ew = eff(worst, q);
-        if (e < ew || (e == ew && t < worst)) worst = t;
-      }
-      cache.erase(std::find(cache.begin(), cache.end(), worst));
-    }
+    evict_down(cache, s, w, k, q, eff);
     r.attended[q] = cache;
     // 4. one softmax per query head over the attended set.
     Vec psum(cache.size(), 0.0);
@@ -277,16 +279,7 @@ inline std::vector<EvictResult> evict_decode_layer(const std::vector<EvictHead>&
   auto eff = [&](long t, long q) { return last[t] + static_cast<double>((q - t) / n) * p.log_gamma; };
   for (long q = 0; q < T; ++q) {
     cache.push_back(q);
-    while (true) {
-      std::vector<long> R;
-      for (long t : cache)
-        if (t >= s && t <= q - w) R.push_back(t);
-      if (static_cast<long>(R.size()) <= k) break;
-      long worst = R[0];
-      for (long t : R)
-        if (eff(t, q) < eff(worst, q) || (eff(t, q) == eff(worst, q) && t < worst)) worst = t;
-      cache.erase(std::find(cache.begin(), cache.end(), worst));
-    }
+    evict_down(cache, s, w, k, q, eff);
     Vec psum(cache.size(), 0.0);
     long heads_of_layer = 0;
     for (long h = 0; h < H; ++h) {

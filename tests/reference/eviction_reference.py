@@ -32,6 +32,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from float64_math import logsigmoid, sigmoid, softmax  # noqa: F401 (re-exported)
+
 SCORERS = ("streaming", "knorm", "h2o", "tova", "snapkv", "kvpop")
 STATIC = ("streaming", "knorm", "kvpop")
 MASK_SCORERS = ("streaming", "knorm", "kvpop")   # --mask is defined for these (with n = 1)
@@ -41,21 +43,7 @@ KVPOP_WEIGHTS = ("w_q", "w_k", "w_v", "w_i", "b_i", "w_f", "b_f", "w_s", "b_s", 
 
 
 # ---------------------------------------------------------------------------------------------- basics
-def softmax(z):
-    z = np.asarray(z, dtype=np.float64)
-    e = np.exp(z - z.max(axis=-1, keepdims=True))
-    return e / e.sum(axis=-1, keepdims=True)
 
-
-def sigmoid(z):
-    z = np.asarray(z, dtype=np.float64)
-    e = np.exp(-np.abs(z))
-    return np.where(z >= 0, 1.0 / (1.0 + e), e / (1.0 + e))
-
-
-def logsigmoid(z):
-    z = np.asarray(z, dtype=np.float64)
-    return np.minimum(z, 0.0) - np.log1p(np.exp(-np.abs(z)))
 
 
 def silu(z):
@@ -200,6 +188,20 @@ class Decode:
     gap: Gap = field(default_factory=Gap)
 
 
+
+def evict_min(R, pos, eff, gap, qi, what):
+    """Removes from R the token with the lowest (eff, position) (§4: ties evict the older token) and records
+    the decision gap."""
+    i_min = int(np.lexsort((pos, eff))[0])
+    gap.update(eff, pos, i_min, qi, what)
+    R.remove(int(pos[i_min]))
+
+
+def attended_set(R, s, w, qi):
+    """Sinks, the retained set R and the window of step qi, in increasing position (§1)."""
+    return np.concatenate([np.arange(0, min(s, qi + 1)), np.sort(np.array(R, np.int64)),
+                           np.arange(max(s, qi - w + 1), qi + 1)]).astype(np.int64)
+
 def simulate_decode(q, k, v, s, w, top_k, scorer, scores=None, log_gamma=0.0, n=1, h2o_normalize=False,
                     keep_sets=True):
     """The §1 decode state machine for one KV head. q [G,T,D], k [T,D], v [T,Dv].
@@ -235,11 +237,8 @@ def simulate_decode(q, k, v, s, w, top_k, scorer, scores=None, log_gamma=0.0, n=
                 eff = acc[pos] / (G * cnt[pos]) if h2o_normalize else acc[pos].copy()
             else:
                 eff = last[pos].copy()
-            i_min = int(np.lexsort((pos, eff))[0])
-            gap.update(eff, pos, i_min, qi, "eviction at step")
-            R.remove(int(pos[i_min]))
-        A = np.concatenate([np.arange(0, min(s, qi + 1)), np.sort(np.array(R, np.int64)),
-                            np.arange(max(s, qi - w + 1), qi + 1)]).astype(np.int64)
+            evict_min(R, pos, eff, gap, qi, "eviction at step")
+        A = attended_set(R, s, w, qi)
         p = softmax(q[:, qi] @ k[A].T / math.sqrt(D))                 # 4. attend, [G, |A|]
         y[:, qi] = p @ v[A]
         if scorer == "h2o":                                          # 5. dynamic statistics
@@ -278,11 +277,8 @@ def simulate_decode_tova_layer(q, k, v, s, w, top_k, keep_sets=True):
         while len(R) > top_k:
             pos = np.array(R)
             eff = last[pos].copy()
-            i_min = int(np.lexsort((pos, eff))[0])
-            gap.update(eff, pos, i_min, qi, "layer-mean eviction at step")
-            R.remove(int(pos[i_min]))
-        A = np.concatenate([np.arange(0, min(s, qi + 1)), np.sort(np.array(R, np.int64)),
-                            np.arange(max(s, qi - w + 1), qi + 1)]).astype(np.int64)
+            evict_min(R, pos, eff, gap, qi, "layer-mean eviction at step")
+        A = attended_set(R, s, w, qi)
         rows = np.zeros((Hq, len(A)))
         for j in range(Hq):
             h = j // G

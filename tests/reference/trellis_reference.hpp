@@ -11,13 +11,17 @@
 #include <stdexcept>
 #include <vector>
 
+#include "float64_math.hpp"
+
 namespace kvmem_ref::trellis {
 
 enum class Phi { identity, silu, softmax, tanh, sigmoid };
 enum class F { ln_silu, l2_silu, softmax, identity };
 enum class Form { recurrent, stale_gradient };
 
-using Vec = std::vector<double>;
+using math::Vec;
+using math::sigmoid;
+using math::softmax;
 /// Row-major matrix rows x cols.
 struct Mat {
   long rows = 0, cols = 0;
@@ -28,16 +32,7 @@ struct Mat {
   double operator()(long i, long j) const { return a[i * cols + j]; }
 };
 
-inline double sigmoid(double z) { return z >= 0 ? 1.0 / (1.0 + std::exp(-z)) : std::exp(z) / (1.0 + std::exp(z)); }
 
-inline Vec softmax(const Vec& z) {
-  const double top = *std::max_element(z.begin(), z.end());
-  Vec p(z.size());
-  double s = 0;
-  for (std::size_t i = 0; i < z.size(); ++i) s += (p[i] = std::exp(z[i] - top));
-  for (auto& x : p) x /= s;
-  return p;
-}
 
 /// phi(z) (§2.3).
 inline Vec phi(Phi f, const Vec& z) {

@@ -16,6 +16,8 @@ ln_weight/ln_bias are given. omega is built from products of the betas and never
 """
 import numpy as np
 
+from float64_math import sigmoid, softmax  # noqa: F401 (re-exported)
+
 PHIS = ("identity", "silu", "softmax", "tanh", "sigmoid")
 FS = ("ln_silu", "l2_silu", "softmax", "identity")
 
@@ -24,17 +26,6 @@ def _fname(f):
     return f.replace("-", "_")
 
 
-def sigmoid(z):
-    """1 / (1 + exp(-z)) without overflow (§2.3)."""
-    z = np.asarray(z, dtype=np.float64)
-    e = np.exp(-np.abs(z))
-    return np.where(z >= 0, 1.0 / (1.0 + e), e / (1.0 + e))
-
-
-def softmax(z):
-    z = np.asarray(z, dtype=np.float64)
-    e = np.exp(z - z.max(axis=-1, keepdims=True))
-    return e / e.sum(axis=-1, keepdims=True)
 
 
 def phi_fn(name, z):
