@@ -148,7 +148,10 @@ struct MergingAdapter {
       : mem(cfg, budget, unit_weights(s), s.B, row_policy, exec), model(cfg, budget, row_policy) {}
 
   static std::vector<std::string> readout_kernels() { return {"kvmem::readout"}; }
-  static std::vector<std::string> update_kernels() { return {"kvmem::update_", "kvmem::row_attn", "kvmem::rowevict"}; }
+  static std::vector<std::string> update_kernels() {
+    return {"kvmem::stage", "kvmem::score",   "kvmem::select",  "kvmem::append",
+            "kvmem::route", "kvmem::fold",    "kvmem::row_attn", "kvmem::rowevict"};
+  }
   void prepare(Inputs&) {}
   void prefill(const Inputs& in) { mem.prefill(in.q, in.k, in.v, in.gate, in.y); }
   void decode(const Inputs& in, long i) {
@@ -232,8 +235,8 @@ struct TrellisAdapter {
   TrellisAdapter(const Shape& s, const exec_t& exec, const kvmem::TrellisConfig& cfg)
       : mem(cfg, s.B, exec), model(cfg) {}
 
-  static std::vector<std::string> readout_kernels() { return {"kvmem::trellis_readout"}; }
-  static std::vector<std::string> update_kernels() { return {"kvmem::trellis_gradients", "kvmem::trellis_state_update"}; }
+  static std::vector<std::string> readout_kernels() { return {"kvmem::tr_read"}; }
+  static std::vector<std::string> update_kernels() { return {"kvmem::tr_grad", "kvmem::tr_state"}; }
   void prepare(Inputs& in) const { in.add_trellis(mem.config().slots); }
   void prefill(const Inputs& in) {
     mem.prefill(in.q, in.k, in.v, in.alpha, in.beta1, in.gamma1, in.beta2, in.gamma2, in.y);

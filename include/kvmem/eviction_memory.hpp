@@ -17,6 +17,7 @@
 #include "kernels/zero_tail.hpp"
 #include "policy/score/eviction_scorer.hpp"
 #include "state/eviction_cache.hpp"
+#include "token_checks.hpp"
 
 namespace kvmem {
 
@@ -177,24 +178,12 @@ class EvictionMemory {
   void check_inputs(const tokens_in& q, const tokens_in& k, const tokens_in& v, const tokens_out& y, long T,
                     const char* where) const {
     // Messages are built only on failure: decode runs this every token and must not allocate.
-    auto dims = [&](const auto& x, const char* name, long heads, const char* heads_what, long c, const char* what) {
-      auto fail = [&](const char* field, auto value, const std::string& reason) {
-        throw invalid_argument(detail::describe(std::string(name) + field, value, reason + " (" + where + ")"));
-      };
-      if (static_cast<long>(x.extent(0)) != batch())
-        fail(".extent(0)", x.extent(0), "must equal the batch size " + std::to_string(batch()));
-      if (static_cast<long>(x.extent(1)) != heads)
-        fail(".extent(1)", x.extent(1), "must equal " + std::string(heads_what) + " = " + std::to_string(heads));
-      if (static_cast<long>(x.extent(2)) != T)
-        fail(".extent(2)", x.extent(2), "must equal the token count " + std::to_string(T) + " of q");
-      if (static_cast<long>(x.extent(3)) != c)
-        fail(".extent(3)", x.extent(3), "must equal " + std::string(what) + " = " + std::to_string(c));
-      if (x.stride(3) != 1 && x.extent(3) > 1) fail(".stride(3)", x.stride(3), "channels must be contiguous");
-    };
-    dims(q, "q", cfg_.query_heads, "the query heads Hq", cfg_.head_dim, "head_dim D");
-    dims(k, "k", cfg_.kv_heads, "the kv-heads Hkv", cfg_.head_dim, "head_dim D");
-    dims(v, "v", cfg_.kv_heads, "the kv-heads Hkv", cfg_.value_dim, "value_dim Dv");
-    dims(y, "y", cfg_.query_heads, "the query heads Hq", cfg_.value_dim, "value_dim Dv");
+    const detail::ExpectedExtent hq{cfg_.query_heads, "the query heads Hq"}, hkv{cfg_.kv_heads, "the kv-heads Hkv"};
+    const detail::ExpectedExtent d{cfg_.head_dim, "head_dim D"}, dv{cfg_.value_dim, "value_dim Dv"};
+    detail::check_token_view(q, "q", where, batch(), hq, T, d);
+    detail::check_token_view(k, "k", where, batch(), hkv, T, d);
+    detail::check_token_view(v, "v", where, batch(), hkv, T, dv);
+    detail::check_token_view(y, "y", where, batch(), hq, T, dv);
   }
 
   EvictionConfig cfg_;

@@ -22,6 +22,7 @@
 #include "policy/score/row_eviction.hpp"
 #include "state/schedule.hpp"
 #include "state/state_rows.hpp"
+#include "token_checks.hpp"
 
 namespace kvmem {
 
@@ -306,24 +307,13 @@ class Memory {
   void check_inputs(const tokens_in& q, const tokens_in& k, const tokens_in& v, const gates_in& gate,
                     const tokens_out& y, long T, const char* where) const {
     // Messages are built only on failure: decode runs this every token (see decode()).
-    auto dims = [&](const auto& x, const char* name, long h, long t, long c) {
-      auto fail = [&](const char* field, auto value, const std::string& reason) {
-        throw invalid_argument(detail::describe(std::string(name) + field, value, reason + " (" + where + ")"));
-      };
-      if (static_cast<long>(x.extent(0)) != batch())
-        fail(".extent(0)", x.extent(0), "must equal the batch size " + std::to_string(batch()));
-      if (static_cast<long>(x.extent(1)) != h) fail(".extent(1)", x.extent(1), "must equal the head count " + std::to_string(h));
-      if (static_cast<long>(x.extent(2)) != t) fail(".extent(2)", x.extent(2), "must equal the token count " + std::to_string(t));
-      if constexpr (std::remove_cvref_t<decltype(x)>::rank() == 4) {
-        if (static_cast<long>(x.extent(3)) != c) fail(".extent(3)", x.extent(3), "must equal " + std::to_string(c) + " channels");
-        if (x.stride(3) != 1 && x.extent(3) > 1) fail(".stride(3)", x.stride(3), "channels must be contiguous");
-      }
-    };
-    dims(q, "q", cfg_.query_heads, T, cfg_.head_dim);
-    dims(k, "k", cfg_.kv_heads, T, cfg_.head_dim);
-    dims(v, "v", cfg_.kv_heads, T, cfg_.value_dim);
-    dims(y, "y", cfg_.query_heads, T, cfg_.value_dim);
-    if (gate.data() != nullptr) dims(gate, "gate", cfg_.kv_heads, T, 0);
+    const detail::ExpectedExtent hq{cfg_.query_heads, "the query heads Hq"}, hkv{cfg_.kv_heads, "the kv-heads Hkv"};
+    const detail::ExpectedExtent d{cfg_.head_dim, "head_dim D"}, dv{cfg_.value_dim, "value_dim Dv"};
+    detail::check_token_view(q, "q", where, batch(), hq, T, d);
+    detail::check_token_view(k, "k", where, batch(), hkv, T, d);
+    detail::check_token_view(v, "v", where, batch(), hkv, T, dv);
+    detail::check_token_view(y, "y", where, batch(), hq, T, dv);
+    if (gate.data() != nullptr) detail::check_token_view(gate, "gate", where, batch(), hkv, T, {0, ""});
   }
 
   MemoryConfig cfg_;

@@ -14,6 +14,7 @@
 #include "errors.hpp"
 #include "kernels/trellis.hpp"
 #include "policy/merge/gradient_descent.hpp"
+#include "token_checks.hpp"
 #include "trellis_config.hpp"
 
 namespace kvmem {
@@ -82,6 +83,7 @@ class TrellisMemory {
     state_.m1 = state_view("kvmem::trellis_m1", batch, cfg_.heads, cfg_.slots, cfg_.head_dim);
     state_.m2 = state_view("kvmem::trellis_m2", batch, cfg_.heads, cfg_.slots, cfg_.value_dim);
     lengths_ = Kokkos::View<long*, memory_space>("kvmem::trellis_lengths", batch);
+    first_bad_gate_ = Kokkos::View<long, memory_space>("kvmem::trellis_first_bad_gate");
     lengths_host_ = Kokkos::create_mirror_view(lengths_);
   }
 
@@ -119,7 +121,7 @@ class TrellisMemory {
     for (long first = 0; first < longest; first += C)
       kernels::trellis_chunk(exec_, prm, state_, scratch_, in, weights_.ln_weight, weights_.ln_bias, y, lengths_, first,
                              std::min(C, longest - first));
-    exec_.fence();
+    fence_step();
     for (long b = 0; b < batch(); ++b) tokens_[b] += lengths_host_(b);
   }
 
@@ -132,11 +134,10 @@ class TrellisMemory {
   void decode(const tokens_in& q, const tokens_in& k, const tokens_in& v, const tokens_in& alpha,
               const gates_in& beta1, const gates_in& gamma1, const gates_in& beta2, const gates_in& gamma2,
               const tokens_out& y, std::span<const unsigned char> active = {}) {
-    require(q.extent(2) == 1, "q.extent(2)", q.extent(2), "decode takes one token per sequence");
+    if (q.extent(2) != 1) throw invalid_argument(detail::describe("q.extent(2)", q.extent(2), "decode takes one token per sequence"));
     check_inputs(q, k, v, alpha, beta1, gamma1, beta2, gamma2, y, 1, "decode");
-    if (!active.empty())
-      require(static_cast<long>(active.size()) == batch(), "active.size()", active.size(),
-              "must equal the batch size " + std::to_string(batch()));
+    if (!active.empty() && static_cast<long>(active.size()) != batch())
+      throw invalid_argument(detail::describe("active.size()", active.size(), "must equal the batch size " + std::to_string(batch())));
     for (long b = 0; b < batch(); ++b) lengths_host_(b) = active.empty() || active[b] ? 1 : 0;
     const inputs_t in{q, k, v, alpha, beta1, gamma1, beta2, gamma2};
     Kokkos::deep_copy(exec_, lengths_, lengths_host_);
@@ -144,7 +145,7 @@ class TrellisMemory {
     scratch_.reserve(batch(), cfg_.heads, 1, cfg_.slots);
     kernels::trellis_chunk(exec_, kernels::TrellisParams::of(cfg_, 1), state_, scratch_, in, weights_.ln_weight,
                            weights_.ln_bias, y, lengths_, 0, 1);
-    exec_.fence();
+    fence_step();
     for (long b = 0; b < batch(); ++b) tokens_[b] += lengths_host_(b);
   }
 
@@ -184,20 +185,25 @@ class TrellisMemory {
     return batch() * cfg_.heads * static_cast<long>(cfg_.slots) * (cfg_.head_dim + cfg_.value_dim) *
            static_cast<long>(sizeof(float));
   }
-  /// Bytes this object has allocated on the device (state, per-chunk scratch, lengths).
+  /// Bytes this object has allocated on the device (state, per-chunk scratch, lengths, the gate check's result).
   [[nodiscard]] long allocated_bytes() const {
     return static_cast<long>(state_.m1.span() + state_.m2.span() + scratch_.u1.span() + scratch_.u2.span() +
                              scratch_.g1.span() + scratch_.g2.span() + scratch_.p.span()) *
                static_cast<long>(sizeof(float)) +
-           static_cast<long>(lengths_.span() * sizeof(long));
+           static_cast<long>((lengths_.span() + first_bad_gate_.span()) * sizeof(long));
   }
 
  private:
   using inputs_t = kernels::TrellisInputs<tokens_in, gates_in>;
 
+  void fence_step() const {
+    static const std::string label = "kvmem::TrellisMemory::step";  // not Kokkos' default name, a heap string per call
+    exec_.fence(label);
+  }
+
   void check_gates(const inputs_t& in, long T) const {
     const long H = cfg_.heads;
-    const long bad = kernels::trellis_first_bad_gate(exec_, in, lengths_, H, T);
+    const long bad = kernels::trellis_first_bad_gate(exec_, in, lengths_, H, T, first_bad_gate_);
     if (bad < 0) return;
     const long B = batch(), t = bad % T, h = (bad / T) % H, b = (bad / (T * H)) % B, g = bad / (T * H * B);
     static const char* names[] = {"beta1", "gamma1", "beta2", "gamma2"};
@@ -227,30 +233,18 @@ class TrellisMemory {
   void check_inputs(const tokens_in& q, const tokens_in& k, const tokens_in& v, const tokens_in& alpha,
                     const gates_in& beta1, const gates_in& gamma1, const gates_in& beta2, const gates_in& gamma2,
                     const tokens_out& y, long T, const char* where) const {
-    const std::string at = std::string(" (") + where + ")";
-    auto dims = [&](const auto& x, const char* name, long c, const char* what) {
-      const std::string n(name);
-      require(static_cast<long>(x.extent(0)) == batch(), n + ".extent(0)", x.extent(0),
-              "must equal the batch size " + std::to_string(batch()) + at);
-      require(static_cast<long>(x.extent(1)) == cfg_.heads, n + ".extent(1)", x.extent(1),
-              "must equal the head count " + std::to_string(cfg_.heads) + at);
-      require(static_cast<long>(x.extent(2)) == T, n + ".extent(2)", x.extent(2),
-              "must equal the token count " + std::to_string(T) + " of q" + at);
-      if constexpr (std::remove_cvref_t<decltype(x)>::rank() == 4) {
-        require(static_cast<long>(x.extent(3)) == c, n + ".extent(3)", x.extent(3),
-                "must equal " + std::string(what) + " = " + std::to_string(c) + at);
-        require(x.stride(3) == 1 || x.extent(3) <= 1, n + ".stride(3)", x.stride(3), "channels must be contiguous" + at);
-      }
-    };
-    dims(q, "q", cfg_.head_dim, "head_dim D");
-    dims(k, "k", cfg_.head_dim, "head_dim D");
-    dims(v, "v", cfg_.value_dim, "value_dim Dv");
-    dims(alpha, "alpha", cfg_.slots, "the slot count m");
-    dims(beta1, "beta1", 0, "");
-    dims(gamma1, "gamma1", 0, "");
-    dims(beta2, "beta2", 0, "");
-    dims(gamma2, "gamma2", 0, "");
-    dims(y, "y", cfg_.value_dim, "value_dim Dv");
+    // Messages are built only on failure: decode runs this every token and must not allocate.
+    const detail::ExpectedExtent h{cfg_.heads, "the head count H"}, none{0, ""};
+    const detail::ExpectedExtent d{cfg_.head_dim, "head_dim D"}, dv{cfg_.value_dim, "value_dim Dv"};
+    detail::check_token_view(q, "q", where, batch(), h, T, d);
+    detail::check_token_view(k, "k", where, batch(), h, T, d);
+    detail::check_token_view(v, "v", where, batch(), h, T, dv);
+    detail::check_token_view(alpha, "alpha", where, batch(), h, T, {cfg_.slots, "the slot count m"});
+    detail::check_token_view(beta1, "beta1", where, batch(), h, T, none);
+    detail::check_token_view(gamma1, "gamma1", where, batch(), h, T, none);
+    detail::check_token_view(beta2, "beta2", where, batch(), h, T, none);
+    detail::check_token_view(gamma2, "gamma2", where, batch(), h, T, none);
+    detail::check_token_view(y, "y", where, batch(), h, T, dv);
   }
 
   TrellisConfig cfg_;
@@ -260,6 +254,7 @@ class TrellisMemory {
   kernels::TrellisState<memory_space> state_;
   kernels::TrellisScratch<memory_space> scratch_;
   Kokkos::View<long*, memory_space> lengths_;
+  Kokkos::View<long, memory_space> first_bad_gate_;  // check_gates' result (device scalar)
   decltype(Kokkos::create_mirror_view(std::declval<Kokkos::View<long*, memory_space>>())) lengths_host_;
 };
 

@@ -101,7 +101,7 @@ void trellis_gradients(const ExecSpace& exec, const TrellisParams& prm,
   if (n == 0) return;
   const auto m1 = st.m1, m2 = st.m2, u1 = sc.u1, u2 = sc.u2, g1 = sc.g1, g2 = sc.g2;
   Kokkos::parallel_for(
-      "kvmem::trellis_gradients", Kokkos::RangePolicy<ExecSpace, Kokkos::IndexType<long>>(exec, 0, n),
+      "kvmem::tr_grad", Kokkos::RangePolicy<ExecSpace, Kokkos::IndexType<long>>(exec, 0, n),
       KOKKOS_LAMBDA(const long idx) {
         const long pass = idx % 2, r = (idx / 2) % max_tokens, bh = idx / (2 * max_tokens);
         const long h = bh % H, b = bh / H;
@@ -139,7 +139,7 @@ void trellis_readout(const ExecSpace& exec, const TrellisParams& prm,
   const auto m1 = st.m1, m2 = st.m2, u1 = sc.u1, u2 = sc.u2, pbuf = sc.p;
   const bool affine = ln_weight.data() != nullptr;
   Kokkos::parallel_for(
-      "kvmem::trellis_readout", Kokkos::RangePolicy<ExecSpace, Kokkos::IndexType<long>>(exec, 0, n),
+      "kvmem::tr_read", Kokkos::RangePolicy<ExecSpace, Kokkos::IndexType<long>>(exec, 0, n),
       KOKKOS_LAMBDA(const long idx) {
         const long r = idx % max_tokens, bh = idx / max_tokens, h = bh % H, b = bh / H;
         if (r >= chunk_tokens(lengths(b), first, prm.chunk)) return;
@@ -195,7 +195,7 @@ void trellis_state_update(const ExecSpace& exec, const TrellisParams& prm,
   using policy_t = Kokkos::TeamPolicy<ExecSpace>;
   using member_t = typename policy_t::member_type;
   Kokkos::parallel_for(
-      "kvmem::trellis_state_update", policy_t(exec, static_cast<int>(B * H * m), Kokkos::AUTO),
+      "kvmem::tr_state", policy_t(exec, static_cast<int>(B * H * m), Kokkos::AUTO),
       KOKKOS_LAMBDA(const member_t& team) {
         const long row = team.league_rank(), s = row % m, bh = row / m, h = bh % H, b = bh / H;
         const long L = chunk_tokens(lengths(b), first, prm.chunk);
@@ -218,7 +218,9 @@ void trellis_state_update(const ExecSpace& exec, const TrellisParams& prm,
       });
 }
 
-/// One chunk of both passes for a batch: the three kernels above in order on `exec`.
+/// One chunk of both passes for a batch: the three kernels above in order on `exec`. Their Kokkos labels
+/// (kvmem::tr_grad, kvmem::tr_read, kvmem::tr_state) fit the 15 characters a std::string holds without a
+/// heap allocation: Kokkos copies the label at every launch, and a decode step must not allocate.
 template <class ExecSpace, class Tokens, class Gates, class Lengths, class Out, class Weights>
 void trellis_chunk(const ExecSpace& exec, const TrellisParams& prm, const TrellisState<typename ExecSpace::memory_space>& st,
                    const TrellisScratch<typename ExecSpace::memory_space>& sc, const TrellisInputs<Tokens, Gates>& in,
@@ -232,24 +234,31 @@ void trellis_chunk(const ExecSpace& exec, const TrellisParams& prm, const Trelli
 /// The first out-of-range gate in the order beta1, gamma1, beta2, gamma2, then (b, h, t), among tokens
 /// t < lengths(b): a beta outside [0, 1] or a gamma that is negative or not finite (NaN included), as the
 /// flat index ((g * B + b) * H + h) * T + t with g the gate's position in that order; -1 when all are good.
-/// Blocks until the reduction is done (one device-to-host read).
+/// `first_bad` is a device scalar the caller owns (overwritten). Blocks until the result is on the host
+/// (one device-to-host read of 8 bytes). A parallel_for with an atomic minimum (order-independent, so
+/// deterministic) rather than a parallel_reduce into a host scalar: that one builds a fence message on the
+/// heap at every call, and a decode step must not allocate.
 template <class ExecSpace, class Tokens, class Gates, class Lengths>
 long trellis_first_bad_gate(const ExecSpace& exec, const TrellisInputs<Tokens, Gates>& in, const Lengths& lengths,
-                            long H, long T) {
+                            long H, long T, const Kokkos::View<long, typename ExecSpace::memory_space>& first_bad) {
   const long B = static_cast<long>(lengths.extent(0)), n = 4 * B * H * T;
   if (n == 0) return -1;
-  long first_bad = 0;
-  Kokkos::parallel_reduce(
-      "kvmem::trellis_check_gates", Kokkos::RangePolicy<ExecSpace, Kokkos::IndexType<long>>(exec, 0, n),
-      KOKKOS_LAMBDA(const long idx, long& best) {
+  using host_scalar = Kokkos::View<long, Kokkos::HostSpace, Kokkos::MemoryUnmanaged>;
+  long result = n;  // copied from a view, not filled from a value: a fill launches a kernel with a long label
+  Kokkos::deep_copy(exec, first_bad, host_scalar(&result));
+  Kokkos::parallel_for(
+      "kvmem::tr_gates", Kokkos::RangePolicy<ExecSpace, Kokkos::IndexType<long>>(exec, 0, n),
+      KOKKOS_LAMBDA(const long idx) {
         const long t = idx % T, h = (idx / T) % H, b = (idx / (T * H)) % B, g = idx / (T * H * B);
         if (t >= lengths(b)) return;
         const float x = g == 0 ? in.beta1(b, h, t) : g == 1 ? in.gamma1(b, h, t) : g == 2 ? in.beta2(b, h, t) : in.gamma2(b, h, t);
         const bool ok = g % 2 == 0 ? (x >= 0.0f && x <= 1.0f) : (x >= 0.0f && Kokkos::isfinite(x));
-        if (!ok && idx < best) best = idx;
-      },
-      Kokkos::Min<long>(first_bad));
-  return first_bad < n ? first_bad : -1;
+        if (!ok) Kokkos::atomic_min(&first_bad(), idx);
+      });
+  Kokkos::deep_copy(exec, host_scalar(&result), first_bad);
+  static const std::string read = "kvmem::tr_gates read";  // our own label: Kokkos' default is a heap string
+  exec.fence(read);
+  return result < n ? result : -1;
 }
 
 }  // namespace kvmem::kernels

@@ -13,7 +13,9 @@
 ///              keys, ties to the lower row) among the rows before or after the append, per policy,
 ///   6. fold    per row, its routed tokens in token order, then refresh the row's read caches.
 /// The same kernels serve KVM's first-chunk copy (every token appended), so prefill and decode produce
-/// identical bits.
+/// identical bits. Their Kokkos labels are kvmem::stage ... kvmem::fold: at most 15 characters, which a
+/// std::string holds without a heap allocation (Kokkos copies the label at every launch; decode must not
+/// allocate).
 
 #include <Kokkos_Core.hpp>
 
@@ -89,13 +91,13 @@ void update_state(const ExecSpace& exec, const MemoryConfig& cfg, const LayerWei
   };
 
   // 1. stage: memory keys.
-  Kokkos::parallel_for("kvmem::update_stage", range(exec, 0, B * H * C), KOKKOS_LAMBDA(long idx) {
+  Kokkos::parallel_for("kvmem::stage", range(exec, 0, B * H * C), KOKKOS_LAMBDA(long idx) {
     const long j = idx % C, h = (idx / C) % H, b = idx / (C * H);
     if (j >= p(b, block_count)) return;
     Merge::memory_key(cfg, w, &ring.keys(b, h, ring.slot(p(b, block_begin) + j), 0), &keys(b, h, j, 0));
   });
   // 2. score: against the existing rows' read keys, or (seeding) against the block's first token.
-  Kokkos::parallel_for("kvmem::update_score", range(exec, 0, B * H * C), KOKKOS_LAMBDA(long idx) {
+  Kokkos::parallel_for("kvmem::score", range(exec, 0, B * H * C), KOKKOS_LAMBDA(long idx) {
     const long j = idx % C, h = (idx / C) % H, b = idx / (C * H);
     if (j >= p(b, block_count) || !must_rank(b)) return;
     const long m = p(b, rows_before);
@@ -108,7 +110,7 @@ void update_state(const ExecSpace& exec, const MemoryConfig& cfg, const LayerWei
   //    non-finite key) rank after every number, so the ranks stay a permutation of 0..count-1: with plain
   //    `<` every NaN would rank 0, more tokens than planned would found rows, past the rows the host
   //    planned and allocated, or several tokens would write one row.
-  Kokkos::parallel_for("kvmem::update_select", range(exec, 0, B * H * C), KOKKOS_LAMBDA(long idx) {
+  Kokkos::parallel_for("kvmem::select", range(exec, 0, B * H * C), KOKKOS_LAMBDA(long idx) {
     const long j = idx % C, h = (idx / C) % H, b = idx / (C * H);
     const long count = p(b, block_count), n = selected(b);
     if (j >= count) return;
@@ -127,7 +129,7 @@ void update_state(const ExecSpace& exec, const MemoryConfig& cfg, const LayerWei
     ranks(b, h, j) = rank;
   });
   // 4. append: selected tokens become rows base.. in token or score order (spec KVM.md §5.4, OVQ.md §5.1).
-  Kokkos::parallel_for("kvmem::update_append", range(exec, 0, B * H * C), KOKKOS_LAMBDA(long idx) {
+  Kokkos::parallel_for("kvmem::append", range(exec, 0, B * H * C), KOKKOS_LAMBDA(long idx) {
     const long j = idx % C, h = (idx / C) % H, b = idx / (C * H);
     const long n = selected(b), m = p(b, rows_before);
     if (j >= p(b, block_count)) return;
@@ -150,7 +152,7 @@ void update_state(const ExecSpace& exec, const MemoryConfig& cfg, const LayerWei
   // 5. route the other tokens: seeding -> row 0; else argmax over the rows before or after the append,
   //    from the first non-sink row (spec KVM.md §5.5 and §9 #2-#3, OVQ.md §5.1).
   const long sinks = cfg.sinks;
-  Kokkos::parallel_for("kvmem::update_route", range(exec, 0, B * H * C), KOKKOS_LAMBDA(long idx) {
+  Kokkos::parallel_for("kvmem::route", range(exec, 0, B * H * C), KOKKOS_LAMBDA(long idx) {
     const long j = idx % C, h = (idx / C) % H, b = idx / (C * H);
     if (j >= p(b, block_count) || new_rows(b, h, j) >= 0) return;
     const long m = p(b, rows_before);
@@ -197,7 +199,7 @@ void update_state(const ExecSpace& exec, const MemoryConfig& cfg, const LayerWei
     routes(b, h, j) = best_row;
   });
   // 6. fold routed tokens into their rows in token order, then refresh the rows' read caches.
-  Kokkos::parallel_for("kvmem::update_fold", range(exec, 0, B * H * R), KOKKOS_LAMBDA(long idx) {
+  Kokkos::parallel_for("kvmem::fold", range(exec, 0, B * H * R), KOKKOS_LAMBDA(long idx) {
     const long i = idx % R, h = (idx / R) % H, b = idx / (R * H);
     const long count = p(b, block_count);
     bool touched = false;

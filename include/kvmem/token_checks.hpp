@@ -1,0 +1,41 @@
+#pragma once
+/// \file token_checks.hpp
+/// The host-side shape check every memory runs on its token tensors before any kernel: q, k, v, y (and the
+/// gates) are [B, heads, T] or [B, heads, T, channels] with a contiguous channel axis. Shared by Memory,
+/// EvictionMemory and TrellisMemory so that their messages read the same.
+
+#include <string>
+#include <type_traits>
+
+#include "errors.hpp"
+
+namespace kvmem::detail {
+
+/// An expected extent and how a message names it, e.g. {8, "head_dim D"} gives "must equal head_dim D = 8".
+struct ExpectedExtent {
+  long value;
+  const char* what;
+};
+
+/// Throws kvmem::invalid_argument, naming the tensor, the axis and its extent ("k.extent(1) = 3: must equal
+/// the kv-heads Hkv = 2 (prefill)"), unless x is [batch, heads, tokens] (rank 3) or [batch, heads, tokens,
+/// channels] (rank 4) with a contiguous channel axis (stride 1, or at most one channel). `where` names the
+/// call ("prefill", "decode"). The message is built only on failure: decode runs this at every token and
+/// must not allocate.
+template <class View>
+void check_token_view(const View& x, const char* name, const char* where, long batch, ExpectedExtent heads,
+                      long tokens, ExpectedExtent channels) {
+  auto fail = [&](const char* field, auto value, const std::string& reason) {
+    throw invalid_argument(describe(std::string(name) + field, value, reason + " (" + where + ")"));
+  };
+  auto must_equal = [](const ExpectedExtent& e) { return "must equal " + std::string(e.what) + " = " + std::to_string(e.value); };
+  if (static_cast<long>(x.extent(0)) != batch) fail(".extent(0)", x.extent(0), must_equal({batch, "the batch size B"}));
+  if (static_cast<long>(x.extent(1)) != heads.value) fail(".extent(1)", x.extent(1), must_equal(heads));
+  if (static_cast<long>(x.extent(2)) != tokens) fail(".extent(2)", x.extent(2), must_equal({tokens, "the token count T of q"}));
+  if constexpr (std::remove_cvref_t<View>::rank() == 4) {
+    if (static_cast<long>(x.extent(3)) != channels.value) fail(".extent(3)", x.extent(3), must_equal(channels));
+    if (x.stride(3) != 1 && x.extent(3) > 1) fail(".stride(3)", x.stride(3), "channels must be contiguous");
+  }
+}
+
+}  // namespace kvmem::detail
