@@ -33,7 +33,10 @@ void exact_causal_attention(const ExecSpace& exec, const In& q, const In& k, con
   constexpr int QB = readout_query_block;
   const long blocks = (T + QB - 1) / QB, G = Hq / Hkv;
   const float sqrt_d = Kokkos::sqrt(static_cast<float>(D));
-  using policy_t = Kokkos::TeamPolicy<ExecSpace>;
+  // Dynamic schedule: a causal query block's work grows with its position, so equal shares of the league
+  // are unequal work (with a static split over 2 threads of one head, one thread did 3/4 of it). Each team
+  // writes only its own outputs, so the schedule cannot change a bit.
+  using policy_t = Kokkos::TeamPolicy<ExecSpace, Kokkos::Schedule<Kokkos::Dynamic>>;
   using member_t = typename policy_t::member_type;
   using scratch_t = Kokkos::View<float*, typename ExecSpace::scratch_memory_space, Kokkos::MemoryUnmanaged>;
   const long floats = QueryBlock::scratch_floats(D, Dv);

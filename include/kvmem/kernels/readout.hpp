@@ -349,7 +349,10 @@ void readout(const ExecSpace& exec, const MemoryConfig& cfg, const LayerWeightsR
   const long blocks = (max_queries + QB - 1) / QB;
   const int Hq = cfg.query_heads, G = cfg.group(), D = cfg.head_dim, Dv = cfg.value_dim;
   const auto p = plan.device;
-  using policy_t = Kokkos::TeamPolicy<ExecSpace>;
+  // Dynamic schedule: a causal query block's work grows with its position, so equal shares of the league
+  // are unequal work (with a static split over 2 threads of one head, one thread did 3/4 of it). Each team
+  // writes only its own outputs, so the schedule cannot change a bit.
+  using policy_t = Kokkos::TeamPolicy<ExecSpace, Kokkos::Schedule<Kokkos::Dynamic>>;
   using member_t = typename policy_t::member_type;
   using scratch_t = Kokkos::View<float*, typename ExecSpace::scratch_memory_space, Kokkos::MemoryUnmanaged>;
   const long floats = QueryBlock::scratch_floats(D, Dv);
