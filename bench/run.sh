@@ -3,7 +3,7 @@
 #   bench/results/prefill.json, decode.json (Google Benchmark JSON), meta.json (machine, date, commit),
 #   bench/results/summary.md (tables and the targets), docs/performance.png (log-log plots).
 #
-#   bench/run.sh                      # the standard grid (about 12 minutes on 2 cores)
+#   bench/run.sh                      # the standard grid (4 minutes on 2 quiet cores, about 12 under load)
 #   KVMEM_BENCH_GRID=quick bench/run.sh   # a smoke test (one to two minutes)
 #   bench/run.sh --benchmark_filter=kvm-fixed256   # extra arguments go to both programs
 #
