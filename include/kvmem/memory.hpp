@@ -307,13 +307,10 @@ class Memory {
   void check_inputs(const tokens_in& q, const tokens_in& k, const tokens_in& v, const gates_in& gate,
                     const tokens_out& y, long T, const char* where) const {
     // Messages are built only on failure: decode runs this every token (see decode()).
-    const detail::ExpectedExtent hq{cfg_.query_heads, "the query heads Hq"}, hkv{cfg_.kv_heads, "the kv-heads Hkv"};
-    const detail::ExpectedExtent d{cfg_.head_dim, "head_dim D"}, dv{cfg_.value_dim, "value_dim Dv"};
-    detail::check_token_view(q, "q", where, batch(), hq, T, d);
-    detail::check_token_view(k, "k", where, batch(), hkv, T, d);
-    detail::check_token_view(v, "v", where, batch(), hkv, T, dv);
-    detail::check_token_view(y, "y", where, batch(), hq, T, dv);
-    if (gate.data() != nullptr) detail::check_token_view(gate, "gate", where, batch(), hkv, T, {0, ""});
+    detail::check_attention_views(q, k, v, y, where, batch(), cfg_.query_heads, cfg_.kv_heads, T, cfg_.head_dim,
+                                  cfg_.value_dim);
+    if (gate.data() != nullptr)
+      detail::check_token_view(gate, "gate", where, batch(), {cfg_.kv_heads, "the kv-heads Hkv"}, T, {0, ""});
   }
 
   MemoryConfig cfg_;

@@ -38,4 +38,17 @@ void check_token_view(const View& x, const char* name, const char* where, long b
   }
 }
 
+/// The checks above for attention's four tensors: q [batch, Hq, T, D], k [batch, Hkv, T, D],
+/// v [batch, Hkv, T, Dv] and y [batch, Hq, T, Dv] (Memory and EvictionMemory).
+template <class Q, class K, class V, class Y>
+void check_attention_views(const Q& q, const K& k, const V& v, const Y& y, const char* where, long batch,
+                           long query_heads, long kv_heads, long tokens, long head_dim, long value_dim) {
+  const ExpectedExtent hq{query_heads, "the query heads Hq"}, hkv{kv_heads, "the kv-heads Hkv"};
+  const ExpectedExtent d{head_dim, "head_dim D"}, dv{value_dim, "value_dim Dv"};
+  check_token_view(q, "q", where, batch, hq, tokens, d);
+  check_token_view(k, "k", where, batch, hkv, tokens, d);
+  check_token_view(v, "v", where, batch, hkv, tokens, dv);
+  check_token_view(y, "y", where, batch, hq, tokens, dv);
+}
+
 }  // namespace kvmem::detail
