@@ -167,34 +167,21 @@ void update_state(const ExecSpace& exec, const MemoryConfig& cfg, const LayerWei
     long best_row = first;
     float best = neg_inf();
     // Each score is sum_c (g key[c]) khat[c] in channel order; eight rows are scored at a time as
-    // independent chains (the one-row loop waits on every add), then compared in row order.
+    // independent chains (dot_rows), then compared in row order.
     constexpr int NR = 8;
-    long i = first;
-    for (; i + NR <= end; i += NR) {
-      const float* khat[NR];
-      float s[NR];
-      for (int r = 0; r < NR; ++r) {
-        khat[r] = &st.read_keys(b, h, i + r, 0);
-        s[r] = 0.0f;
-      }
-      for (int c = 0; c < D; ++c) {
-        const float gk = g * key[c];
-        for (int r = 0; r < NR; ++r) s[r] = mul_add(gk, khat[r][c], s[r]);
-      }
-      for (int r = 0; r < NR; ++r)
+    const long stride = end - first > 1 ? &st.read_keys(b, h, first + 1, 0) - &st.read_keys(b, h, first, 0) : 0;
+    float s[NR];
+    for (long i = first; i < end; i += NR) {
+      const long n = Kokkos::min(static_cast<long>(NR), end - i);
+      if (n == NR)
+        dot_rows<NR>(key, g, &st.read_keys(b, h, i, 0), stride, D, s);
+      else
+        for (long r = 0; r < n; ++r) dot_rows<1>(key, g, &st.read_keys(b, h, i + r, 0), 0, D, &s[r]);
+      for (long r = 0; r < n; ++r)
         if (s[r] > best || i + r == first) {
           best = s[r];
           best_row = i + r;
         }
-    }
-    for (; i < end; ++i) {
-      const float* khat = &st.read_keys(b, h, i, 0);
-      float s = 0.0f;
-      for (int c = 0; c < D; ++c) s = mul_add(g * key[c], khat[c], s);
-      if (s > best || i == first) {
-        best = s;
-        best_row = i;
-      }
     }
     routes(b, h, j) = best_row;
   });

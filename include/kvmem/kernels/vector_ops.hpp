@@ -28,6 +28,20 @@ KOKKOS_INLINE_FUNCTION float dot(const float* a, const float* b, int n) {
   return s;
 }
 
+/// s[r] = sum_c (g a[c]) * rows[r * stride + c] for r < NR: NR dot products of one vector with NR
+/// consecutive rows, each summed in increasing c, one mul_add a step, exactly as `dot` of (g a) with
+/// that row (g = 1 gives `dot`'s bits: g a[c] is exact). The NR chains are independent, so a thread
+/// keeps NR multiply-adds in flight instead of waiting on every add of one chain (routing and the
+/// novelty score read their rows this way; spec KVM.md §5.3, §5.5).
+template <int NR>
+KOKKOS_INLINE_FUNCTION void dot_rows(const float* a, float g, const float* rows, long stride, int n, float* s) {
+  for (int r = 0; r < NR; ++r) s[r] = 0.0f;
+  for (int c = 0; c < n; ++c) {
+    const float ga = g * a[c];
+    for (int r = 0; r < NR; ++r) s[r] = mul_add(ga, rows[r * stride + c], s[r]);
+  }
+}
+
 /// ||a||_2 over n channels.
 KOKKOS_INLINE_FUNCTION float norm2(const float* a, int n) { return Kokkos::sqrt(dot(a, a, n)); }
 

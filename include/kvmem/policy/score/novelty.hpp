@@ -14,11 +14,19 @@ namespace kvmem::score {
 /// (lowest score) become new rows. With no rows the score is -inf (every token equally novel).
 struct Novelty {
   static constexpr std::string_view name = "novelty";
+  /// `rows_keys` [rows, dim], row-major. Eight rows are scored at a time as independent chains
+  /// (kernels::dot_rows, the same bits as one `dot` per row), then compared in row order.
   KOKKOS_INLINE_FUNCTION static float score(const float* key, const float* rows_keys, long rows, int dim) {
+    constexpr int NR = 8;
     float best = -Kokkos::Experimental::infinity_v<float>;
-    for (long i = 0; i < rows; ++i) {
-      const float s = kernels::dot(key, rows_keys + i * dim, dim);
-      best = s > best ? s : best;
+    float s[NR];
+    for (long i = 0; i < rows; i += NR) {
+      const long n = Kokkos::min(static_cast<long>(NR), rows - i);
+      if (n == NR)
+        kernels::dot_rows<NR>(key, 1.0f, rows_keys + i * dim, dim, dim, s);
+      else
+        for (long r = 0; r < n; ++r) s[r] = kernels::dot(key, rows_keys + (i + r) * dim, dim);
+      for (long r = 0; r < n; ++r) best = s[r] > best ? s[r] : best;
     }
     return best;
   }
