@@ -223,33 +223,25 @@ view4<MemorySpace> to_device(const std::vector<float>& x, long B, long H, long T
 template <class MemorySpace, class F>
 void with_scorer(const EvictCase& c, F&& f) {
   namespace score = kvmem::score;
+  auto run = [&](auto s) {  // the scorers whose only shared setting is the per-head decay
+    s.log_gamma = c.log_gamma;
+    f(s);
+  };
   switch (c.kind) {
-    case Kind::streaming: {
-      score::None s;
-      s.log_gamma = c.log_gamma;
-      f(s);
-      break;
-    }
-    case Kind::knorm: {
-      score::KeyNorm s;
-      s.log_gamma = c.log_gamma;
-      f(s);
-      break;
-    }
+    case Kind::streaming: run(score::None{}); break;
+    case Kind::knorm: run(score::KeyNorm{}); break;
     case Kind::h2o:
     case Kind::h2o_mean: {
       score::AccumulatedAttention s;
       s.normalize = c.kind == Kind::h2o_mean;
-      s.log_gamma = c.log_gamma;
-      f(s);
+      run(s);
       break;
     }
     case Kind::tova:
     case Kind::tova_layer: {
       score::LastQueryAttention s;
       s.layer_mean = c.kind == Kind::tova_layer;
-      s.log_gamma = c.log_gamma;
-      f(s);
+      run(s);
       break;
     }
     case Kind::kvpop: {
@@ -264,8 +256,7 @@ void with_scorer(const EvictCase& c, F&& f) {
       Kokkos::deep_copy(g, Kokkos::View<const double***, Kokkos::LayoutRight, Kokkos::HostSpace, Kokkos::MemoryUnmanaged>(
                                c.given.data(), c.B, c.Hkv, c.T));
       s.scores = g;
-      s.log_gamma = c.log_gamma;
-      f(s);
+      run(s);
       break;
     }
   }
