@@ -51,7 +51,7 @@ inline std::optional<exec_t>& one_thread_exec() {
   return one;
 }
 
-inline exec_t make_exec(int threads) {
+inline exec_t make_exec([[maybe_unused]] int threads) {  // one instance on a GPU: threads do not apply
 #ifdef KOKKOS_ENABLE_OPENMP
   if constexpr (std::is_same_v<exec_t, Kokkos::OpenMP>) {
     if (threads == 1 && all_threads() > 1) {

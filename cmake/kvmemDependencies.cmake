@@ -5,3 +5,15 @@ find_package(Kokkos REQUIRED)
 if(Kokkos_VERSION VERSION_LESS KVMEM_KOKKOS_MIN_VERSION)
   message(FATAL_ERROR "kvmem needs Kokkos >= ${KVMEM_KOKKOS_MIN_VERSION}; found ${Kokkos_VERSION} at ${Kokkos_DIR}")
 endif()
+
+# With Kokkos' Cuda backend, the CUB/Thrust fast paths (include/kvmem/backend/cuda/) use CCCL from the CUDA
+# Toolkit: find_package(CCCL) in the toolkit's CMake folder (lib64/cmake in an installed toolkit,
+# cccl/lib/cmake in NVIDIA's PyPI wheels). KVMEM_HAS_CUDA tells the rest of the build.
+set(KVMEM_HAS_CUDA OFF)
+if("CUDA" IN_LIST Kokkos_DEVICES)
+  set(KVMEM_HAS_CUDA ON)
+  find_package(CUDAToolkit REQUIRED)
+  find_package(CCCL CONFIG REQUIRED
+               HINTS "${CUDAToolkit_LIBRARY_DIR}/cmake" "${CUDAToolkit_LIBRARY_ROOT}/cccl/lib/cmake"
+                     "${CUDAToolkit_LIBRARY_DIR}/../cccl/lib/cmake")
+endif()

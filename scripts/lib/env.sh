@@ -19,6 +19,33 @@ KVMEM_ENV_PACKAGES="g++,cmake,ninja-build,libkokkos-dev,catch2,libbenchmark-dev,
 
 kvmem_log() { printf '[kvmem] %s\n' "$*" >&2; }
 
+# The Debian archive this machine's apt is configured with (the first URI of a main-archive suite in
+# /etc/apt/sources.list or /etc/apt/sources.list.d/*.{list,sources}; security suites are skipped), so
+# the sid root comes from the same mirror as the host's packages. KVMEM_DEBIAN_MIRROR overrides it.
+kvmem_debian_mirror() {
+  if [ -n "${KVMEM_DEBIAN_MIRROR:-}" ]; then printf '%s\n' "$KVMEM_DEBIAN_MIRROR"; return 0; fi
+  local files=() f uri
+  for f in /etc/apt/sources.list /etc/apt/sources.list.d/*.list /etc/apt/sources.list.d/*.sources; do
+    [ -f "$f" ] && files+=("$f")
+  done
+  # One-line format: "deb [options] URI suite components"; deb822: "URIs:" with "Suites:" in the stanza.
+  uri=$(awk '
+    /^[[:space:]]*#/ { next }
+    /^deb[[:space:]]/ { i = 2; if ($2 ~ /^\[/) { while (i <= NF && $i !~ /\]$/) i++; i++ }
+                        if ($(i + 1) !~ /security/) { print $i; exit } next }
+    /^Types:/ { uris = ""; suites = ""; deb = ($0 ~ /[[:space:]]deb([[:space:]]|$)/) }
+    /^URIs:/ { uris = $2 }
+    /^Suites:/ { suites = $0 }
+    /^[[:space:]]*$/ { if (deb && uris != "" && suites !~ /security/) { print uris; exit } uris = ""; deb = 0 }
+    END { if (deb && uris != "" && suites !~ /security/) print uris }
+  ' "${files[@]}" /dev/null | head -n 1)
+  if [ -z "$uri" ]; then
+    kvmem_log "no Debian archive found in this machine's apt sources; set KVMEM_DEBIAN_MIRROR to one"
+    return 1
+  fi
+  printf '%s\n' "${uri%/}"
+}
+
 # Make sure the sid root exists and is complete; build it with debootstrap otherwise.
 kvmem_env_ensure() {
   [ "$KVMEM_ENV" = host ] && return 0
@@ -46,8 +73,11 @@ kvmem_env_ensure() {
   kvmem_log "creating the Debian sid build environment in $KVMEM_ENV_ROOT (about a minute)"
   rm -rf "$KVMEM_ENV_ROOT.tmp"
   mkdir -p "$(dirname "$KVMEM_ENV_ROOT")"
+  local mirror
+  mirror=$(kvmem_debian_mirror) || return 1
+  kvmem_log "Debian mirror: $mirror (from this machine's apt sources; KVMEM_DEBIAN_MIRROR overrides)"
   if ! debootstrap --variant=minbase --include="$KVMEM_ENV_PACKAGES" sid "$KVMEM_ENV_ROOT.tmp" \
-        http://deb.debian.org/debian >"$KVMEM_ENV_ROOT.log" 2>&1; then
+        "$mirror" >"$KVMEM_ENV_ROOT.log" 2>&1; then
     kvmem_log "debootstrap failed; see $KVMEM_ENV_ROOT.log"; tail -n 20 "$KVMEM_ENV_ROOT.log" >&2; return 1
   fi
   # Packaging bug in sid's libkokkos-dev 5.2.2-2: its exported CMake targets (KokkosTargets-*.cmake)
@@ -74,16 +104,24 @@ kvmem_in_env() {
   kvmem_in_env_raw "$@"
 }
 
-# Enter the sid root as it is, without checking its package list.
+# Enter the sid root as it is, without checking its package list. Besides the repository and /tmp, the
+# existing directories named in KVMEM_ENV_BINDS (colon-separated host paths, e.g. a Kokkos install) are
+# visible inside at the same paths.
 kvmem_in_env_raw() {
   local root=$KVMEM_ENV_ROOT
   unshare --mount --propagation private -- /bin/bash -c '
     set -e
-    root=$1 repo=$2 cwd=$3; shift 3
+    root=$1 repo=$2 cwd=$3 binds=$4; shift 4
     mkdir -p "$root/tmp" "$root/proc" "$root/dev"
     mount --bind /tmp "$root/tmp"          # first: the repository may itself live under /tmp
     [ -d "$root$repo" ] || mkdir -p "$root$repo"
     mount --bind "$repo" "$root$repo"
+    IFS=: read -r -a extra <<<"$binds"
+    for dir in "${extra[@]}"; do
+      [ -n "$dir" ] && [ -d "$dir" ] || continue
+      mkdir -p "$root$dir"
+      mount --bind "$dir" "$root$dir"
+    done
     mount --rbind /dev "$root/dev"
     mount -t proc proc "$root/proc"
     cp /etc/resolv.conf "$root/etc/resolv.conf" 2>/dev/null || true
@@ -91,7 +129,7 @@ kvmem_in_env_raw() {
       TERM="${TERM:-dumb}" OMP_PROC_BIND="${OMP_PROC_BIND:-false}" ${OMP_NUM_THREADS:+OMP_NUM_THREADS=$OMP_NUM_THREADS} \
       ${KOKKOS_NUM_THREADS:+KOKKOS_NUM_THREADS=$KOKKOS_NUM_THREADS} ${CI:+CI=$CI} \
       /bin/bash -c "cd \"\$0\" 2>/dev/null || cd \"$repo\"; exec \"\$@\"" "$cwd" "$@"
-  ' kvmem-env "$root" "$KVMEM_REPO" "$PWD" "$@"
+  ' kvmem-env "$root" "$KVMEM_REPO" "$PWD" "${KVMEM_ENV_BINDS:-}" "$@"
 }
 
 # Configure (once) and build the project in KVMEM_BUILD_DIR.

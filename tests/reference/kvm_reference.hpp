@@ -295,12 +295,11 @@ inline KvmResult prefill_impl(const KvmSequence& s, const KvmParams& p, std::vec
     State st;
     const long n0 = std::min(T, C);
     for (long t = 0; t < n0; ++t) st.append(hd.kbar(t), hd.v(t), s.Dv);
-    long cov = n0;
+    [[maybe_unused]] long cov = n0;  // checked by the asserts only
     for (long s0 = L0; s0 < T; s0 += C) {
       const long e = std::min(T, s0 + C);
       const long b = bswa_begin(e, C, L);
       assert(b == cov);
-      (void)cov;
       const StateHat sh = read_state(st, s, p);
       for (long h = j * G; h < (j + 1) * G; ++h)
         for (long u = s0; u < e; ++u) readout(hd, h, u, &sh, b, y(h, u));   // attend first
@@ -314,7 +313,7 @@ inline KvmResult prefill_impl(const KvmSequence& s, const KvmParams& p, std::vec
       }
     }
     assert(cov == std::max(std::min(T, C), bswa_begin(T, C, L)));
-    (void)cov;
+
     store_state(res, s, j, st);
   }
   return res;

@@ -44,6 +44,7 @@ struct GivenScores : kvmem::score::EvictionDefaults {
   }
 };
 static_assert(kvmem::score::EvictionScorer<GivenScores<host_mem>>);
+static_assert(GivenScores<host_mem>::name == "given");  // used, so nvcc does not warn of an unused member
 
 enum class Kind { streaming, knorm, h2o, h2o_mean, tova, tova_layer, kvpop, given };
 constexpr Kind all_kinds[] = {Kind::streaming, Kind::knorm,      Kind::h2o,   Kind::h2o_mean,
@@ -213,7 +214,7 @@ using view4 = Kokkos::View<float****, Kokkos::LayoutRight, MemorySpace>;
 
 template <class MemorySpace>
 view4<MemorySpace> to_device(const std::vector<float>& x, long B, long H, long T, long C, const char* name) {
-  view4<MemorySpace> out(name, B, H, T, C);
+  view4<MemorySpace> out(std::string(name), B, H, T, C);  // Kokkos 4.7 takes no const char* label
   Kokkos::deep_copy(out, Kokkos::View<const float****, Kokkos::LayoutRight, Kokkos::HostSpace, Kokkos::MemoryUnmanaged>(
                              x.data(), B, H, T, C));
   return out;

@@ -70,8 +70,11 @@ KOKKOS_INLINE_FUNCTION void unit_vector(const float* x, float* out, int n) {
 inline TrellisInputs make_trellis_inputs(const Inputs& in, long m) {
   const long B = in.B, H = in.Hq, T = in.T, group = in.Hq / in.Hkv;
   const int D = static_cast<int>(in.D), Dv = static_cast<int>(in.Dv);
-  TrellisInputs t{{"trellis_q", B, H, T, D}, {"trellis_k", B, H, T, D}, {"trellis_v", B, H, T, Dv},
-                  {"trellis_alpha", B, H, T, m}, {"trellis_forget", B, H, T}, {"trellis_step", B, H, T}};
+  using tokens = decltype(TrellisInputs::q);
+  using gates = decltype(TrellisInputs::forget);
+  TrellisInputs t{tokens("trellis_q", B, H, T, D),     tokens("trellis_k", B, H, T, D),
+                  tokens("trellis_v", B, H, T, Dv),    tokens("trellis_alpha", B, H, T, m),
+                  gates("trellis_forget", B, H, T),    gates("trellis_step", B, H, T)};
   Kokkos::deep_copy(t.forget, trellis_untrained_gate);
   Kokkos::deep_copy(t.step, trellis_untrained_gate);
   const auto R = trellis_alpha_projection(m, D);

@@ -21,13 +21,15 @@ inline std::string shape_string(const std::vector<std::int64_t>& shape) {
 
 /// The tensor `name` of `file`, required to be a float tensor (F32 or F64) of rank `rank`.
 /// Throws kvmem::invalid_argument naming the tensor for a missing tensor, another dtype or another rank.
-inline const io::Tensor& float_tensor(const io::SafetensorsFile& file, const std::string& name, std::size_t rank,
-                                      const std::string& layout) {
+/// `name` and `layout` are C strings: a std::string temporary argument would make every `const auto& t =
+/// float_tensor(...)` look like a dangling reference to g++ (-Wdangling-reference).
+inline const io::Tensor& float_tensor(const io::SafetensorsFile& file, const char* name, std::size_t rank,
+                                      const char* layout) {
   const auto& t = file.at(name);
-  require(t.dtype == "F32" || t.dtype == "F64", "tensor '" + name + "' dtype", t.dtype,
+  require(t.dtype == "F32" || t.dtype == "F64", "tensor '" + std::string(name) + "' dtype", t.dtype,
           "unsupported; float tensors must be F32 or F64");
-  require(t.shape.size() == rank, "tensor '" + name + "' shape", shape_string(t.shape),
-          "must have rank " + std::to_string(rank) + " " + layout);
+  require(t.shape.size() == rank, "tensor '" + std::string(name) + "' shape", shape_string(t.shape),
+          "must have rank " + std::to_string(rank) + " " + std::string(layout));
   return t;
 }
 

@@ -39,9 +39,15 @@
 #include <kvmem/kvmem.hpp>
 
 // ---- host heap allocation counter (every operator new of the process, Kokkos' library included) ----
+// nvcc takes the global operator new and delete for __host__ __device__ functions; the replacements are
+// host code, so the device compilation pass (__CUDA_ARCH__ defined) keeps the device runtime's own.
 namespace {
 std::atomic<long> g_heap_allocations{0};
 }
+#if !defined(__CUDA_ARCH__)
+// g++ sees operator new's malloc only where it inlines it and then takes free() for a mismatch.
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmismatched-new-delete"
 void* operator new(std::size_t n) {
   g_heap_allocations.fetch_add(1, std::memory_order_relaxed);
   if (void* p = std::malloc(n ? n : 1)) return p;
@@ -63,6 +69,8 @@ void operator delete(void* p, std::align_val_t) noexcept { std::free(p); }
 void operator delete[](void* p, std::align_val_t) noexcept { std::free(p); }
 void operator delete(void* p, std::size_t, std::align_val_t) noexcept { std::free(p); }
 void operator delete[](void* p, std::size_t, std::align_val_t) noexcept { std::free(p); }
+#pragma GCC diagnostic pop
+#endif  // !__CUDA_ARCH__
 
 namespace {
 
@@ -178,7 +186,10 @@ long nonfinite_y(const View& y, const Mirror& hy) {
 template <class Rng>
 void unit_gaussian(Rng& rng, std::normal_distribution<float>& normal, float* x, int dim) {
   float n = 0.0f;
-  for (int c = 0; c < dim; ++c) n += (x[c] = normal(rng)) * x[c];
+  for (int c = 0; c < dim; ++c) {  // the draw first: `(x[c] = draw) * x[c]` reads x[c] unsequenced
+    x[c] = normal(rng);
+    n += x[c] * x[c];
+  }
   const float inv = 1.0f / (std::sqrt(n) + 1e-6f);
   for (int c = 0; c < dim; ++c) x[c] *= inv;
 }
