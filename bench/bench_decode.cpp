@@ -2,7 +2,7 @@
 // with H2O row eviction, OVQ, Trellis, fixed-budget eviction with each scorer; bench/memories.hpp) at a
 // position P, against an exact-attention decode step over a full KV cache of P tokens, in one process.
 //
-//   kvmem_bench_decode [--grid=standard|quick] [--steps=512] [Google Benchmark flags]
+//   kvmem_bench_decode [--grid=standard|quick|gpu] [--steps=512] [Google Benchmark flags]
 //
 // A memory's state at position P is built by prefilling P tokens (not timed); then 3 windows of `steps`
 // decode steps (a multiple of the chunk, so each window holds the same number of block folds, one every
@@ -176,6 +176,11 @@ void register_grid(const std::string& grid) {
       add_position({0, 64, 1, 1, 2, all}, pos, kExact | kKvmFixed | kKvmPowerLaw | others | kEvictAll);
     add_position({0, 64, 4, 2, 2, all}, 4096, kExact | kKvmFixed | others | kEvictAll);  // GQA and a batch
     add_position({0, 64, 1, 1, 2, 1}, 4096, kExact | kKvmFixed);
+    return;
+  }
+  if (grid == "gpu") {  // scripts/gpu-check: the engines' shape (Hq = 32, Hkv = 8, D = 128, B = 8) on one GPU
+    for (long pos : {4096L, 16384L, 65536L, 131072L, 262144L})
+      add_position({0, 128, 4, 8, 8, all}, pos, kExact | kKvmFixed | (pos <= 16384 ? kEvictH2o : 0u));
     return;
   }
   // standard (bench/README.md).

@@ -2,7 +2,7 @@
 // row eviction, OVQ, Trellis, fixed-budget eviction with each scorer; bench/memories.hpp) against exact
 // causal attention and the naive float64 reference of the tests, in one process.
 //
-//   kvmem_bench_prefill [--grid=standard|quick|full] [Google Benchmark flags, e.g.
+//   kvmem_bench_prefill [--grid=standard|quick|full|gpu] [Google Benchmark flags, e.g.
 //                       --benchmark_out=prefill.json --benchmark_min_time=0.2s --benchmark_filter=...]
 //
 // Benchmarks are named prefill/<memory>/T:<tokens>/D:<head_dim>/G:<GQA group>/B:<batch>/Hkv:<kv-heads>/
@@ -170,6 +170,11 @@ void register_grid(const std::string& grid) {
     for (long T : {1024L, 4096L}) add_shape({T, 64, 1, 1, 1, all}, kvm | others | kEvictAll | (T == 1024 ? kReference : 0u));
     add_shape({1024, 64, 4, 2, 2, all}, kvm | others | kEvictAll);  // GQA and a batch
     add_shape({4096, 64, 1, 1, 1, 1}, kExact | kKvmFixed);
+    return;
+  }
+  if (grid == "gpu") {  // scripts/gpu-check: the engines' shape (Hq = 32, Hkv = 8, D = 128, B = 8) on one GPU
+    for (long T : {4096L, 16384L, 65536L, 131072L})
+      add_shape({T, 128, 4, 8, 8, all}, kKvmFixed | (T <= 16384 ? kExact | kKvmPowerLaw | kEvictH2o : 0u));
     return;
   }
   if (grid == "full") {  // the whole grid; exact attention at 64K takes hours on 2 cores

@@ -1,0 +1,97 @@
+#!/usr/bin/env python3
+"""The markdown table of a GPU run (scripts/gpu-check): kvmem's prefill and decode times next to PyTorch's
+scaled_dot_product_attention over the full KV cache on the same shapes, with the issue's targets.
+
+    python3 bench/gpu_table.py RESULTS_DIR > RESULTS_DIR/summary.md
+
+RESULTS_DIR holds prefill.json and decode.json (Google Benchmark JSON of kvmem_bench_prefill/_decode
+--grid=gpu), sdpa.json (bench/torch_sdpa.py) and meta.json (scripts/gpu-check); a missing file leaves its
+columns empty.
+"""
+import json
+import os
+import re
+import sys
+
+FIELD = re.compile(r"([A-Za-z]+):(\d+)")
+
+
+def load_kvmem(path):
+    """{(op, memory, T or pos): row} from a Google Benchmark JSON file; row has 'sec' and the counters."""
+    if not os.path.exists(path):
+        return {}
+    with open(path) as f:
+        data = json.load(f)
+    rows = {}
+    for b in data.get("benchmarks", []):
+        if b.get("run_type") == "aggregate" or "error_occurred" in b:
+            continue
+        op, memory = b["name"].split("/")[:2]
+        fields = {k: int(v) for k, v in FIELD.findall(b["name"])}
+        at = fields.get("T", fields.get("pos"))
+        sec = b["seconds"] if "seconds" in b else b["step_us"] * 1e-6 if "step_us" in b else None
+        rows[(op, memory, at)] = dict(b, sec=sec)
+    return rows
+
+
+def load_sdpa(path):
+    """{(op, dtype, T or pos): seconds} and the copy bandwidth from bench/torch_sdpa.py's JSON."""
+    if not os.path.exists(path):
+        return {}, None, {}
+    with open(path) as f:
+        data = json.load(f)
+    table = {(r["op"], r["dtype"], r.get("T", r.get("pos"))): r for r in data["results"]}
+    return table, data.get("copy_bytes_per_s"), data.get("context", {})
+
+
+def ms(sec):
+    return "-" if sec is None else f"{sec * 1e3:.3f}"
+
+
+def ratio(a, b):
+    return "-" if a is None or b is None or b == 0 else f"{a / b:.1f}x"
+
+
+def main():
+    if len(sys.argv) != 2:
+        sys.exit(__doc__)
+    d = sys.argv[1]
+    pre = load_kvmem(os.path.join(d, "prefill.json"))
+    dec = load_kvmem(os.path.join(d, "decode.json"))
+    sdpa, copy_bw, ctx = load_sdpa(os.path.join(d, "sdpa.json"))
+    meta = {}
+    if os.path.exists(os.path.join(d, "meta.json")):
+        with open(os.path.join(d, "meta.json")) as f:
+            meta = json.load(f)
+    out = ["# kvmem on a GPU", ""]
+    out.append(f"Commit {meta.get('commit', '?')}, {meta.get('device', ctx.get('device_name', '?'))}, "
+               f"{meta.get('started', '?')}; PyTorch {ctx.get('torch', '?')}. B = 8, Hq = 32, Hkv = 8, D = 128; "
+               "kvmem in float32, SDPA in float32 and bfloat16 (flash) over the full KV cache.")
+    if copy_bw:
+        out.append(f"Copy bandwidth (PyTorch, read + write): {copy_bw / 1e9:.0f} GB/s.")
+    out += ["", "## Prefill (ms)", "",
+            "| T | SDPA f32 | SDPA bf16 | exact (kvmem) | kvm-fixed256 | kvm-power-law | evict-h2o256 | "
+            "kvm-fixed256 vs SDPA bf16 |", "|---|---|---|---|---|---|---|---|"]
+    for T in sorted({k[2] for k in pre if k[0] == "prefill"} | {k[2] for k in sdpa if k[0] == "prefill"}):
+        f32 = sdpa.get(("prefill", "float32", T), {}).get("seconds")
+        bf16 = sdpa.get(("prefill", "bfloat16", T), {}).get("seconds")
+        cells = [pre.get(("prefill", m, T), {}).get("sec") for m in ("exact", "kvm-fixed256", "kvm-power-law", "evict-h2o256")]
+        out.append(f"| {T} | {ms(f32)} | {ms(bf16)} | " + " | ".join(ms(c) for c in cells) + f" | {ratio(bf16, cells[1])} |")
+    out += ["", "## Decode step (ms)", "",
+            "| position | SDPA f32 | SDPA bf16 | exact (kvmem) | kvm-fixed256 | evict-h2o256 | kvm-fixed256 vs SDPA bf16 | "
+            "exact readout / copy bandwidth |", "|---|---|---|---|---|---|---|---|"]
+    for pos in sorted({k[2] for k in dec if k[0] == "decode"} | {k[2] for k in sdpa if k[0] == "decode"}):
+        f32 = sdpa.get(("decode", "float32", pos), {}).get("seconds")
+        bf16 = sdpa.get(("decode", "bfloat16", pos), {}).get("seconds")
+        cells = [dec.get(("decode", m, pos), {}).get("sec") for m in ("exact", "kvm-fixed256", "evict-h2o256")]
+        bw = dec.get(("decode", "exact", pos), {}).get("frac_copy_bw")
+        out.append(f"| {pos} | {ms(f32)} | {ms(bf16)} | " + " | ".join(ms(c) for c in cells) +
+                   f" | {ratio(bf16, cells[1])} | {'-' if bw is None else f'{bw * 100:.0f} %'} |")
+    out += ["", "Targets (issue 14): decode readout >= 60 % of the copy bandwidth at B = 8; kvm-fixed256 prefill at "
+            "T = 64K >= 5x faster than flash SDPA over the full cache; kvm-fixed256 decode at position 128K >= 15x "
+            "faster than SDPA decode.", ""]
+    print("\n".join(out))
+
+
+if __name__ == "__main__":
+    main()
