@@ -3,20 +3,81 @@
 /// SnapKV's one-shot selection at the end of prefill (Li et al. 2024; spec EVICTION.md §6 "SnapKV").
 
 #include <Kokkos_Core.hpp>
+#include <Kokkos_NestedSort.hpp>
+#include <type_traits>
+
+#include "../backend/cuda/snapkv_rank.hpp"
 
 namespace kvmem::kernels {
 
 /// Work space of snapkv_keep for B sequences of at most T tokens: lse [B, Hq, W] and scores [B, Hkv, T],
-/// float64.
+/// float64; the ranking `order` [B, Hkv, T] (token indices) and `keep` flags [B, Hkv, T]; on Cuda, the
+/// buffers of the CUB ranking (backend/cuda/snapkv_rank.hpp). Everything is sized here: a selection
+/// allocates nothing.
 template <class MemorySpace>
 struct SnapKvScratch {
   Kokkos::View<double***, Kokkos::LayoutRight, MemorySpace> lse, raw, pooled;
+  Kokkos::View<long***, Kokkos::LayoutRight, MemorySpace> order;
+  Kokkos::View<unsigned char***, Kokkos::LayoutRight, MemorySpace> keep;
+  backend::cuda::SnapKvSortScratch<MemorySpace> sort;
   void allocate(long B, long Hq, long Hkv, long T, long window) {
     lse = decltype(lse)("kvmem::snapkv_lse", B, Hq, window);
     raw = decltype(raw)("kvmem::snapkv_raw", B, Hkv, T);
     pooled = decltype(pooled)("kvmem::snapkv_pooled", B, Hkv, T);
+    order = decltype(order)("kvmem::snapkv_order", B, Hkv, T);
+    keep = decltype(keep)("kvmem::snapkv_keep", B, Hkv, T);
+    sort.allocate(B * Hkv, T);
   }
 };
+
+/// SnapKV's ranking of prefix tokens: a higher pooled score first, on equal scores the newer token; a NaN
+/// score ranks as -inf. A strict total order on token indices, so every correct sort gives one result.
+template <class Pooled>
+struct HigherScoreFirst {
+  Pooled pooled;  ///< [T] scores of one (sequence, kv-head)
+  KOKKOS_INLINE_FUNCTION static double key(double x) { return x != x ? -Kokkos::Experimental::infinity_v<double> : x; }
+  KOKKOS_INLINE_FUNCTION bool operator()(long a, long b) const {
+    const double sa = key(pooled(a)), sb = key(pooled(b));
+    return sa > sb || (sa == sb && a > b);
+  }
+};
+
+/// order(b, h, i), i < L_b - W: the prefix tokens of every (sequence, kv-head) in HigherScoreFirst order,
+/// for the heads that drop tokens (L_b > W + top_k); others are untouched. The portable path: one team per
+/// (sequence, kv-head) sorts its prefix with Kokkos' team bitonic sort.
+template <class ExecSpace, class Pooled, class Lengths, class Order>
+void snapkv_rank_portable(const ExecSpace& exec, const Pooled& pooled, const Lengths& lengths, long window,
+                          long top_k, const Order& order) {
+  const long H = static_cast<long>(pooled.extent(1)), B = static_cast<long>(pooled.extent(0));
+  using policy = Kokkos::TeamPolicy<ExecSpace>;
+  Kokkos::parallel_for(
+      "kvmem::snapkv_rank", policy(exec, static_cast<int>(B * H), Kokkos::AUTO),
+      KOKKOS_LAMBDA(const typename policy::member_type& team) {
+        const long h = team.league_rank() % H, b = team.league_rank() / H, L = lengths(b);
+        if (L <= window + top_k) return;
+        const long prefix = L - window;
+        const auto ord = Kokkos::subview(order, b, h, Kokkos::pair<long, long>(0, prefix));
+        Kokkos::parallel_for(Kokkos::TeamThreadRange(team, prefix), [&](long t) { ord(t) = t; });
+        team.team_barrier();
+        const auto scores = Kokkos::subview(pooled, b, h, Kokkos::ALL);
+        Kokkos::Experimental::sort_team(team, ord, HigherScoreFirst<decltype(scores)>{scores});
+      });
+}
+
+/// The ranking of snapkv_rank_portable, by CUB's segmented radix sort on Kokkos::Cuda (the same order).
+template <class ExecSpace, class Pooled, class Lengths, class Order>
+void snapkv_rank(const ExecSpace& exec, const Pooled& pooled, const Lengths& lengths, long window, long top_k,
+                 const Order& order, const SnapKvScratch<typename ExecSpace::memory_space>& s) {
+#ifdef KOKKOS_ENABLE_CUDA
+  if constexpr (std::is_same_v<ExecSpace, Kokkos::Cuda> &&
+                std::is_same_v<typename ExecSpace::memory_space, Kokkos::CudaSpace>) {
+    backend::cuda::snapkv_rank(exec, pooled, lengths, window, top_k, order, s.sort);
+    return;
+  }
+#endif
+  (void)s;
+  snapkv_rank_portable(exec, pooled, lengths, window, top_k, order);
+}
 
 /// Which tokens SnapKV keeps after a prompt of L = lengths[b] tokens, per (sequence, kv-head): with the
 /// observation window of the last W = `window` queries and capacity C_max = window + `top_k`,
@@ -25,7 +86,9 @@ struct SnapKvScratch {
 /// pads (always / 5), g the G query heads of the kv-head; the top `top_k` prefix tokens by score (ties: the
 /// newer token) and the window [L-W, L) are kept; every token when L <= C_max. Inputs q [B, Hq, T, D],
 /// k [B, Hkv, T, D], lengths [B] (device, each <= T); outputs positions [B, Hkv, K] (increasing, -1 past
-/// rows; K >= min(T, C_max)) and rows [B, Hkv]. float64 arithmetic, one fixed order: deterministic.
+/// rows; K >= min(T, C_max)) and rows [B, Hkv]. float64 arithmetic, one fixed order: deterministic. The
+/// ranking sorts each (sequence, kv-head)'s prefix (snapkv_rank: a team bitonic sort, or CUB's segmented
+/// radix sort on Cuda) and a team scan compacts the kept tokens: no thread walks a head serially.
 template <class ExecSpace, class TokensIn, class Lengths, class Positions, class Rows>
 void snapkv_keep(const ExecSpace& exec, const TokensIn& q, const TokensIn& k, const Lengths& lengths, int window,
                  int top_k, const SnapKvScratch<typename ExecSpace::memory_space>& s, const Positions& positions,
@@ -70,29 +133,34 @@ void snapkv_keep(const ExecSpace& exec, const TokensIn& q, const TokensIn& k, co
       if (t + d >= 0 && t + d < prefix) sum += s.raw(b, h, t + d);
     s.pooled(b, h, t) = sum / 5.0;
   });
-  // keep the top_k prefix tokens (higher score first, then the newer token) and the window, in order
-  Kokkos::parallel_for("kvmem::snapkv_select", range(exec, 0, B * Hkv), KOKKOS_LAMBDA(long idx) {
-    const long h = idx % Hkv, b = idx / Hkv, L = lengths(b), prefix = L - W;
-    long n = 0;
-    for (long t = 0; t < L; ++t) {
-      bool keep = L <= W + top_k || t >= prefix;
-      if (!keep) {
-        long better = 0;
-        const double st = s.pooled(b, h, t);
-        for (long u = 0; u < prefix && better < top_k; ++u) {
-          const double su = s.pooled(b, h, u);
-          better += su > st || (su == st && u > t);
-        }
-        keep = better < top_k;
-      }
-      if (keep) {
-        if (n < K) positions(b, h, n) = t;
-        ++n;
-      }
-    }
-    rows(b, h) = n;
-    for (long i = n; i < K; ++i) positions(b, h, i) = -1;
-  });
+  // keep the top_k prefix tokens (higher score first, then the newer token) and the window, in order:
+  // rank the prefix, flag the first top_k of the ranking and the window, compact the flags in token order.
+  snapkv_rank(exec, s.pooled, lengths, W, top_k, s.order, s);
+  const auto order = s.order;
+  const auto keep = s.keep;
+  using policy = Kokkos::TeamPolicy<ExecSpace>;
+  Kokkos::parallel_for(
+      "kvmem::snapkv_keep", policy(exec, static_cast<int>(B * Hkv), Kokkos::AUTO),
+      KOKKOS_LAMBDA(const typename policy::member_type& team) {
+        const long h = team.league_rank() % Hkv, b = team.league_rank() / Hkv, L = lengths(b), prefix = L - W;
+        const bool all = L <= W + top_k;
+        Kokkos::parallel_for(Kokkos::TeamThreadRange(team, L),
+                             [&](long t) { keep(b, h, t) = all || t >= prefix ? 1 : 0; });
+        team.team_barrier();
+        if (!all) Kokkos::parallel_for(Kokkos::TeamThreadRange(team, top_k), [&](long i) { keep(b, h, order(b, h, i)) = 1; });
+        team.team_barrier();
+        long n = 0;
+        Kokkos::parallel_scan(
+            Kokkos::TeamThreadRange(team, L),
+            [&](long t, long& before, bool final) {
+              if (!keep(b, h, t)) return;
+              if (final && before < K) positions(b, h, before) = t;
+              ++before;
+            },
+            n);
+        Kokkos::single(Kokkos::PerTeam(team), [&] { rows(b, h) = n; });
+        Kokkos::parallel_for(Kokkos::TeamThreadRange(team, n < K ? n : K, K), [&](long i) { positions(b, h, i) = -1; });
+      });
 }
 
 }  // namespace kvmem::kernels
