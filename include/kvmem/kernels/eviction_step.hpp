@@ -38,28 +38,45 @@ KOKKOS_INLINE_FUNCTION double effective_score(const Scorer& scorer, const Evicti
   return base + static_cast<double>((q - t) / p.decay_interval) * log_gamma;
 }
 
-/// Steps 1-2 of step q on (b, h): token q (key [D], value [Dv]) enters a free slot at the end of the position
-/// order (one exists: at most B rows are cached before a step, B + 1 slots), the scorer absorbs it, and a
-/// delayed scorer scores u = q - w + 1, the oldest token of the window (the live - w-th entry; spec §2).
-template <class Scorer, class Cache>
-KOKKOS_INLINE_FUNCTION void eviction_append(const EvictionParams& p, const Cache& c, const Scorer& scorer, long b, int h,
-                                            long q, const float* key, const float* value) {
-  const long live = c.live(b, h);
-  long slot = 0;
-  while (c.positions(b, h, slot) >= 0) ++slot;
-  for (int i = 0; i < p.head_dim; ++i) c.keys(b, h, slot, i) = key[i];
-  for (int i = 0; i < p.value_dim; ++i) c.values(b, h, slot, i) = value[i];
-  c.positions(b, h, slot) = q;
-  c.order(b, h, live) = static_cast<int>(slot);
-  c.live(b, h) = live + 1;
-  c.stats(b, h, slot) = scorer.absorb(b, h, q, &c.keys(b, h, slot, 0), &c.values(b, h, slot, 0));
-  if constexpr (Scorer::delayed) {
-    const long u = q - p.window + 1;
-    if (u >= p.sinks && u >= 0) {
-      const int su = c.order(b, h, live + 1 - p.window);
-      c.stats(b, h, su) = scorer.delayed_score(b, h, u, &c.keys(b, h, su, 0), &c.values(b, h, su, 0));
+// Every function below runs on one team per (sequence, kv-head), or per sequence for a layer-wide scorer:
+// the work over rows and channels is spread over the team's threads, the sums that order matters for
+// (softmax normalizers) are taken by one thread in row order, and each output channel sums its rows in
+// row order on one thread. So every team size -- one thread on a CPU core, a warp's worth on a GPU --
+// gives the bits of the serial definition.
+
+/// Steps 1-2 of step q on (b, h): token q (key [D], value [Dv]) enters the first free slot at the end of the
+/// position order (one exists: at most B rows are cached before a step, B + 1 slots), the scorer absorbs it,
+/// and a delayed scorer scores u = q - w + 1, the oldest token of the window (the live - w-th entry; spec §2).
+template <class Team, class Scorer, class Cache>
+KOKKOS_INLINE_FUNCTION void eviction_append(const Team& team, const EvictionParams& p, const Cache& c,
+                                            const Scorer& scorer, long b, int h, long q, const float* key,
+                                            const float* value) {
+  const long slots = static_cast<long>(c.positions.extent(2));
+  long slot = slots;
+  Kokkos::parallel_reduce(
+      Kokkos::TeamThreadRange(team, slots),
+      [&](long s, long& first) {
+        if (c.positions(b, h, s) < 0 && s < first) first = s;
+      },
+      Kokkos::Min<long>(slot));
+  Kokkos::parallel_for(Kokkos::TeamThreadRange(team, p.head_dim), [&](int i) { c.keys(b, h, slot, i) = key[i]; });
+  Kokkos::parallel_for(Kokkos::TeamThreadRange(team, p.value_dim), [&](int i) { c.values(b, h, slot, i) = value[i]; });
+  team.team_barrier();
+  Kokkos::single(Kokkos::PerTeam(team), [&] {
+    const long live = c.live(b, h);
+    c.positions(b, h, slot) = q;
+    c.order(b, h, live) = static_cast<int>(slot);
+    c.live(b, h) = live + 1;
+    c.stats(b, h, slot) = scorer.absorb(b, h, q, &c.keys(b, h, slot, 0), &c.values(b, h, slot, 0));
+    if constexpr (Scorer::delayed) {
+      const long u = q - p.window + 1;
+      if (u >= p.sinks && u >= 0) {
+        const int su = c.order(b, h, live + 1 - p.window);
+        c.stats(b, h, su) = scorer.delayed_score(b, h, u, &c.keys(b, h, su, 0), &c.values(b, h, su, 0));
+      }
     }
-  }
+  });
+  team.team_barrier();
 }
 
 /// The retained set R = {s <= t <= q - w} of step q as entries [begin, end) of the position order: after
@@ -75,137 +92,199 @@ struct RetainedRange {
 
 /// The entry of [r.begin, r.end) to evict at step q: the lowest sum over kv-heads [h0, h1) of effective
 /// scores (one head, or every head of the layer for a layer-wide scorer; they hold the same positions);
-/// on a tie the older token (the first entry) loses (spec §4: newer wins).
-template <class Scorer, class Cache>
-KOKKOS_INLINE_FUNCTION long eviction_worst(const EvictionParams& p, const Cache& c, const Scorer& scorer, long b, int h0,
-                                           int h1, long q, const RetainedRange& r) {
-  long worst = r.begin;
-  double worst_score = 0.0;
-  for (long i = r.begin; i < r.end; ++i) {
+/// on a tie the older token (the first entry) loses (spec §4: newer wins). As the serial scan that keeps the
+/// first strictly lower score: a NaN score at r.begin keeps r.begin, NaN elsewhere never wins. Two exact
+/// team reductions (the lowest score, then its first entry): the same entry for every team size.
+template <class Team, class Scorer, class Cache>
+KOKKOS_INLINE_FUNCTION long eviction_worst(const Team& team, const EvictionParams& p, const Cache& c,
+                                           const Scorer& scorer, long b, int h0, int h1, long q,
+                                           const RetainedRange& r) {
+  auto score = [&](long i) {
     double e = 0.0;
     for (int h = h0; h < h1; ++h) {
       const int si = c.order(b, h, i);
       e += effective_score(scorer, p, c.stats(b, h, si), c.positions(b, h, si), q, h);
     }
-    if (i == r.begin || e < worst_score) worst = i, worst_score = e;
-  }
+    return e;
+  };
+  const double first = score(r.begin);
+  if (first != first) return r.begin;
+  double lowest = first;
+  Kokkos::parallel_reduce(
+      Kokkos::TeamThreadRange(team, r.begin + 1, r.end),
+      [&](long i, double& m) {
+        const double e = score(i);
+        if (e < m) m = e;
+      },
+      Kokkos::Min<double>(lowest));
+  lowest = lowest < first ? lowest : first;
+  long worst = r.end;
+  Kokkos::parallel_reduce(
+      Kokkos::TeamThreadRange(team, r.begin, r.end),
+      [&](long i, long& w) {
+        if (i < w && score(i) == lowest) w = i;
+      },
+      Kokkos::Min<long>(worst));
   return worst;
 }
 
-/// Frees the slot of order entry `index` of (b, h) and closes the gap in the position order.
-template <class Cache>
-KOKKOS_INLINE_FUNCTION void eviction_remove(const Cache& c, long b, int h, long index) {
-  const long live = c.live(b, h);
-  c.positions(b, h, c.order(b, h, index)) = -1;
-  for (long i = index; i + 1 < live; ++i) c.order(b, h, i) = c.order(b, h, i + 1);
-  c.live(b, h) = live - 1;
+/// Frees the slot of order entry `index` of (b, h) and closes the gap in the position order (one thread:
+/// integer moves of at most B entries).
+template <class Team, class Cache>
+KOKKOS_INLINE_FUNCTION void eviction_remove(const Team& team, const Cache& c, long b, int h, long index) {
+  Kokkos::single(Kokkos::PerTeam(team), [&] {
+    const long live = c.live(b, h);
+    c.positions(b, h, c.order(b, h, index)) = -1;
+    for (long i = index; i + 1 < live; ++i) c.order(b, h, i) = c.order(b, h, i + 1);
+    c.live(b, h) = live - 1;
+  });
 }
 
 /// Steps 4-5 on (b, h): out(g) [Dv] = softmax over the cached rows, in position order, of query(g) [D] .
 /// k / sqrt(D), times the values, for the group's query heads g < G (one softmax; float32, mul_add and
 /// softmax_exp as the other readouts); then, for scorers that need them, the float64 probabilities summed
-/// over the group go to Scorer::attended.
-template <class Scorer, class Cache, class QueryOf, class OutOf>
-KOKKOS_INLINE_FUNCTION void eviction_attend(const EvictionParams& p, const Cache& c, const Scorer& scorer, long b, int h,
-                                            const QueryOf& query_of, const OutOf& out_of) {
+/// over the group go to Scorer::attended. Logits and exponentials are computed per row across the team,
+/// the normalizer by one thread in row order, each output channel by one thread in row order (a thread owns
+/// a contiguous range of channels).
+template <class Team, class Scorer, class Cache, class QueryOf, class OutOf>
+KOKKOS_INLINE_FUNCTION void eviction_attend(const Team& team, const EvictionParams& p, const Cache& c,
+                                            const Scorer& scorer, long b, int h, const QueryOf& query_of,
+                                            const OutOf& out_of) {
   const int D = p.head_dim, Dv = p.value_dim;
   const long live = c.live(b, h);
   for (int g = 0; g < p.group; ++g) {
     const float* qv = query_of(g);
     float* y = out_of(g);
     float max_logit = neg_inf();
-    for (long i = 0; i < live; ++i) {
-      const float l = dot(qv, &c.keys(b, h, c.order(b, h, i), 0), D) * p.scale;
-      c.logits(b, h, i) = l;
-      max_logit = l > max_logit ? l : max_logit;
-    }
-    for (int ch = 0; ch < Dv; ++ch) y[ch] = 0.0f;
+    Kokkos::parallel_reduce(
+        Kokkos::TeamThreadRange(team, live),
+        [&](long i, float& m) {
+          const float l = dot(qv, &c.keys(b, h, c.order(b, h, i), 0), D) * p.scale;
+          c.logits(b, h, i) = l;
+          m = l > m ? l : m;
+        },
+        Kokkos::Max<float>(max_logit));
+    Kokkos::parallel_for(Kokkos::TeamThreadRange(team, live),
+                         [&](long i) { c.logits(b, h, i) = softmax_exp(c.logits(b, h, i) - max_logit); });
+    team.team_barrier();
     float normalizer = 0.0f;
-    for (long i = 0; i < live; ++i) {
-      const float e = softmax_exp(c.logits(b, h, i) - max_logit);
-      normalizer += e;
-      const float* v = &c.values(b, h, c.order(b, h, i), 0);
-      for (int ch = 0; ch < Dv; ++ch) y[ch] = mul_add(e, v[ch], y[ch]);
-    }
+    Kokkos::single(
+        Kokkos::PerTeam(team),
+        [&](float& sum) {
+          sum = 0.0f;
+          for (long i = 0; i < live; ++i) sum += c.logits(b, h, i);
+        },
+        normalizer);
     const float inv = 1.0f / normalizer;
-    for (int ch = 0; ch < Dv; ++ch) y[ch] *= inv;
+    // Each thread owns a contiguous range of output channels and sums the rows in row order into it: the
+    // inner loop over channels vectorizes (one thread per team on a CPU core takes every channel), and a
+    // GPU team spreads the channels over its threads.
+    const int per_thread = (Dv + team.team_size() - 1) / team.team_size();
+    Kokkos::parallel_for(Kokkos::TeamThreadRange(team, team.team_size()), [&](int t) {
+      const int ch0 = t * per_thread, ch1 = ch0 + per_thread < Dv ? ch0 + per_thread : Dv;
+      for (int ch = ch0; ch < ch1; ++ch) y[ch] = 0.0f;
+      for (long i = 0; i < live; ++i) {
+        const float e = c.logits(b, h, i);
+        const float* v = &c.values(b, h, c.order(b, h, i), 0);
+        for (int ch = ch0; ch < ch1; ++ch) y[ch] = mul_add(e, v[ch], y[ch]);
+      }
+      for (int ch = ch0; ch < ch1; ++ch) y[ch] *= inv;
+    });
     // The probabilities the scorer reads, in float64 (spec §6 "needs P"): only for scorers that ask.
     if constexpr (Scorer::needs_probabilities) {
       const double scale_d = 1.0 / Kokkos::sqrt(static_cast<double>(D));
       double max_d = -Kokkos::Experimental::infinity_v<double>;
-      for (long i = 0; i < live; ++i) {
-        const float* kk = &c.keys(b, h, c.order(b, h, i), 0);
-        double s = 0.0;
-        for (int ch = 0; ch < D; ++ch) s += static_cast<double>(qv[ch]) * kk[ch];
-        s *= scale_d;
-        c.logits64(b, h, i) = s;
-        max_d = s > max_d ? s : max_d;
-      }
+      Kokkos::parallel_reduce(
+          Kokkos::TeamThreadRange(team, live),
+          [&](long i, double& m) {
+            const float* kk = &c.keys(b, h, c.order(b, h, i), 0);
+            double s = 0.0;
+            for (int ch = 0; ch < D; ++ch) s += static_cast<double>(qv[ch]) * kk[ch];
+            s *= scale_d;
+            c.logits64(b, h, i) = s;
+            m = s > m ? s : m;
+          },
+          Kokkos::Max<double>(max_d));
+      Kokkos::parallel_for(Kokkos::TeamThreadRange(team, live),
+                           [&](long i) { c.logits64(b, h, i) = Kokkos::exp(c.logits64(b, h, i) - max_d); });
+      team.team_barrier();
       double sum = 0.0;
-      for (long i = 0; i < live; ++i) {
-        const double e = Kokkos::exp(c.logits64(b, h, i) - max_d);
-        c.logits64(b, h, i) = e;
-        sum += e;
-      }
-      for (long i = 0; i < live; ++i)
+      Kokkos::single(
+          Kokkos::PerTeam(team),
+          [&](double& total) {
+            total = 0.0;
+            for (long i = 0; i < live; ++i) total += c.logits64(b, h, i);
+          },
+          sum);
+      Kokkos::parallel_for(Kokkos::TeamThreadRange(team, live), [&](long i) {
         c.probabilities(b, h, i) = (g == 0 ? 0.0 : c.probabilities(b, h, i)) + c.logits64(b, h, i) / sum;
+      });
     }
+    team.team_barrier();  // the next query head reuses the logits
   }
   // 5. attention statistics (H2O, TOVA) from this step's probabilities, summed over the group.
   if constexpr (Scorer::needs_probabilities) {
-    for (long i = 0; i < live; ++i) {
+    Kokkos::parallel_for(Kokkos::TeamThreadRange(team, live), [&](long i) {
       const int si = c.order(b, h, i);
       c.stats(b, h, si) = scorer.attended(c.stats(b, h, si), c.probabilities(b, h, i), p.group);
-    }
+    });
+    team.team_barrier();
   }
 }
 
 /// Step q of (b, h) (spec EVICTION.md §1 steps 1-5): append, evict the worst retained rows while |R| > k,
-/// attend, update attention statistics. Runs on one thread; every sum in a fixed order.
-template <class Scorer, class Cache, class QueryOf, class OutOf>
-KOKKOS_INLINE_FUNCTION void eviction_step(const EvictionParams& p, const Cache& c, const Scorer& scorer, long b, int h,
-                                          long q, const float* key, const float* value, const QueryOf& query_of,
-                                          const OutOf& out_of) {
-  eviction_append(p, c, scorer, b, h, q, key, value);
-  for (RetainedRange r(p, c.live(b, h), q); r.end - r.begin > p.top_k; r = RetainedRange(p, c.live(b, h), q))
-    eviction_remove(c, b, h, eviction_worst(p, c, scorer, b, h, h + 1, q, r));
-  eviction_attend(p, c, scorer, b, h, query_of, out_of);
+/// attend, update attention statistics. One team; every sum in a fixed order.
+template <class Team, class Scorer, class Cache, class QueryOf, class OutOf>
+KOKKOS_INLINE_FUNCTION void eviction_step(const Team& team, const EvictionParams& p, const Cache& c,
+                                          const Scorer& scorer, long b, int h, long q, const float* key,
+                                          const float* value, const QueryOf& query_of, const OutOf& out_of) {
+  eviction_append(team, p, c, scorer, b, h, q, key, value);
+  for (RetainedRange r(p, c.live(b, h), q); r.end - r.begin > p.top_k; r = RetainedRange(p, c.live(b, h), q)) {
+    eviction_remove(team, c, b, h, eviction_worst(team, p, c, scorer, b, h, h + 1, q, r));
+    team.team_barrier();
+  }
+  eviction_attend(team, p, c, scorer, b, h, query_of, out_of);
 }
 
 /// Step q of every kv-head of sequence b for a layer-wide scorer (Scorer::layer_wide(): every kv-head
 /// evicts the same token, the one with the lowest effective score summed over the kv-heads, as the
 /// original TOVA's mean over all heads of the layer; spec EVICTION.md §6).
-template <class Scorer, class Cache, class QueryOf, class OutOf, class KeyOf, class ValueOf>
-KOKKOS_INLINE_FUNCTION void eviction_step_layer(const EvictionParams& p, const Cache& c, const Scorer& scorer, long b,
-                                                int heads, long q, const KeyOf& key_of, const ValueOf& value_of,
-                                                const QueryOf& query_of, const OutOf& out_of) {
-  for (int h = 0; h < heads; ++h) eviction_append(p, c, scorer, b, h, q, key_of(h), value_of(h));
+template <class Team, class Scorer, class Cache, class QueryOf, class OutOf, class KeyOf, class ValueOf>
+KOKKOS_INLINE_FUNCTION void eviction_step_layer(const Team& team, const EvictionParams& p, const Cache& c,
+                                                const Scorer& scorer, long b, int heads, long q, const KeyOf& key_of,
+                                                const ValueOf& value_of, const QueryOf& query_of,
+                                                const OutOf& out_of) {
+  for (int h = 0; h < heads; ++h) eviction_append(team, p, c, scorer, b, h, q, key_of(h), value_of(h));
   for (RetainedRange r(p, c.live(b, 0), q); r.end - r.begin > p.top_k; r = RetainedRange(p, c.live(b, 0), q)) {
-    const long worst = eviction_worst(p, c, scorer, b, 0, heads, q, r);
-    for (int h = 0; h < heads; ++h) eviction_remove(c, b, h, worst);
+    const long worst = eviction_worst(team, p, c, scorer, b, 0, heads, q, r);
+    for (int h = 0; h < heads; ++h) eviction_remove(team, c, b, h, worst);
+    team.team_barrier();
   }
   for (int h = 0; h < heads; ++h)
-    eviction_attend(p, c, scorer, b, h, [&](int g) { return query_of(h, g); }, [&](int g) { return out_of(h, g); });
+    eviction_attend(team, p, c, scorer, b, h, [&](int g) { return query_of(h, g); }, [&](int g) { return out_of(h, g); });
 }
 
 /// Runs tokens [0, lengths[b]) of every sequence b through eviction_step, in order, at positions
 /// first[b] + i: q [B, Hq, T, D], k [B, Hkv, T, D], v [B, Hkv, T, Dv] in, y [B, Hq, T, Dv] out (rows past
-/// lengths[b] untouched). One thread per (sequence, kv-head): the steps of a head are sequential by
-/// definition (spec EVICTION.md §1), the heads and sequences independent; one thread per sequence for a
-/// layer-wide scorer (eviction_step_layer).
+/// lengths[b] untouched). One team per (sequence, kv-head): the steps of a head are sequential by
+/// definition (spec EVICTION.md §1), the heads and sequences independent, the rows and channels of a step
+/// spread over the team; one team per sequence for a layer-wide scorer (eviction_step_layer).
 template <class Scorer, class ExecSpace, class Cache, class TokensIn, class TokensOut, class Lengths>
 void eviction_tokens(const ExecSpace& exec, const EvictionParams& p, const Cache& cache, const Scorer& scorer,
                      const TokensIn& q, const TokensIn& k, const TokensIn& v, const TokensOut& y, const Lengths& first,
                      const Lengths& lengths) {
   const long B = static_cast<long>(k.extent(0)), H = static_cast<long>(k.extent(1));
   const bool layer = scorer.layer_wide();
+  using policy = Kokkos::TeamPolicy<ExecSpace>;
   Kokkos::parallel_for(
-      "kvmem::evict", Kokkos::RangePolicy<ExecSpace>(exec, 0, layer ? B : B * H), KOKKOS_LAMBDA(long idx) {
+      "kvmem::evict", policy(exec, static_cast<int>(layer ? B : B * H), Kokkos::AUTO),
+      KOKKOS_LAMBDA(const typename policy::member_type& team) {
+        const long idx = team.league_rank();
         if (layer) {
           const long b = idx;
           for (long i = 0; i < lengths(b); ++i)
             eviction_step_layer(
-                p, cache, scorer, b, static_cast<int>(H), first(b) + i, [&](int h) { return &k(b, h, i, 0); },
+                team, p, cache, scorer, b, static_cast<int>(H), first(b) + i, [&](int h) { return &k(b, h, i, 0); },
                 [&](int h) { return &v(b, h, i, 0); }, [&](int h, int g) { return &q(b, h * p.group + g, i, 0); },
                 [&](int h, int g) { return &y(b, h * p.group + g, i, 0); });
           return;
@@ -215,7 +294,7 @@ void eviction_tokens(const ExecSpace& exec, const EvictionParams& p, const Cache
         for (long i = 0; i < lengths(b); ++i) {
           auto query_of = [&](int g) { return &q(b, h * p.group + g, i, 0); };
           auto out_of = [&](int g) { return &y(b, h * p.group + g, i, 0); };
-          eviction_step(p, cache, scorer, b, h, first(b) + i, &k(b, h, i, 0), &v(b, h, i, 0), query_of, out_of);
+          eviction_step(team, p, cache, scorer, b, h, first(b) + i, &k(b, h, i, 0), &v(b, h, i, 0), query_of, out_of);
         }
       });
 }
