@@ -140,6 +140,21 @@ KOKKOS_INLINE_FUNCTION void eviction_remove(const Team& team, const Cache& c, lo
   });
 }
 
+/// x(0) + x(1) + ... + x(n - 1) added in that order by one thread of the team, the sum given to every thread
+/// (a softmax normalizer: its bits must not depend on the team size).
+template <class Value, class Team, class Term>
+KOKKOS_INLINE_FUNCTION Value ordered_sum(const Team& team, long n, const Term& x) {
+  Value total = 0;
+  Kokkos::single(
+      Kokkos::PerTeam(team),
+      [&](Value& sum) {
+        sum = 0;
+        for (long i = 0; i < n; ++i) sum += x(i);
+      },
+      total);
+  return total;
+}
+
 /// Steps 4-5 on (b, h): out(g) [Dv] = softmax over the cached rows, in position order, of query(g) [D] .
 /// k / sqrt(D), times the values, for the group's query heads g < G (one softmax; float32, mul_add and
 /// softmax_exp as the other readouts); then, for scorers that need them, the float64 probabilities summed
@@ -167,15 +182,7 @@ KOKKOS_INLINE_FUNCTION void eviction_attend(const Team& team, const EvictionPara
     Kokkos::parallel_for(Kokkos::TeamThreadRange(team, live),
                          [&](long i) { c.logits(b, h, i) = softmax_exp(c.logits(b, h, i) - max_logit); });
     team.team_barrier();
-    float normalizer = 0.0f;
-    Kokkos::single(
-        Kokkos::PerTeam(team),
-        [&](float& sum) {
-          sum = 0.0f;
-          for (long i = 0; i < live; ++i) sum += c.logits(b, h, i);
-        },
-        normalizer);
-    const float inv = 1.0f / normalizer;
+    const float inv = 1.0f / ordered_sum<float>(team, live, [&](long i) { return c.logits(b, h, i); });
     // Each thread owns a contiguous range of output channels and sums the rows in row order into it: the
     // inner loop over channels vectorizes (one thread per team on a CPU core takes every channel), and a
     // GPU team spreads the channels over its threads.
@@ -208,14 +215,7 @@ KOKKOS_INLINE_FUNCTION void eviction_attend(const Team& team, const EvictionPara
       Kokkos::parallel_for(Kokkos::TeamThreadRange(team, live),
                            [&](long i) { c.logits64(b, h, i) = Kokkos::exp(c.logits64(b, h, i) - max_d); });
       team.team_barrier();
-      double sum = 0.0;
-      Kokkos::single(
-          Kokkos::PerTeam(team),
-          [&](double& total) {
-            total = 0.0;
-            for (long i = 0; i < live; ++i) total += c.logits64(b, h, i);
-          },
-          sum);
+      const double sum = ordered_sum<double>(team, live, [&](long i) { return c.logits64(b, h, i); });
       Kokkos::parallel_for(Kokkos::TeamThreadRange(team, live), [&](long i) {
         c.probabilities(b, h, i) = (g == 0 ? 0.0 : c.probabilities(b, h, i)) + c.logits64(b, h, i) / sum;
       });
