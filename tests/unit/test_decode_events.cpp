@@ -97,13 +97,13 @@ std::string describe(const Events& e) {
   return s;
 }
 
-view4 random4(const char* name, long B, long H, long T, long C, std::uint64_t seed, float lo = -1.0f, float hi = 1.0f) {
+view4 random4(const std::string& name, long B, long H, long T, long C, std::uint64_t seed, float lo = -1.0f, float hi = 1.0f) {
   view4 v(name, B, H, T, C);
   Kokkos::Random_XorShift64_Pool<exec> pool(seed);
   Kokkos::fill_random(v, pool, lo, hi);
   return v;
 }
-view3 random3(const char* name, long B, long H, long T, std::uint64_t seed, float lo, float hi) {
+view3 random3(const std::string& name, long B, long H, long T, std::uint64_t seed, float lo, float hi) {
   view3 v(name, B, H, T);
   Kokkos::Random_XorShift64_Pool<exec> pool(seed);
   Kokkos::fill_random(v, pool, lo, hi);
@@ -265,19 +265,19 @@ void require_eviction_events(const Stream& s, const Scorer& scorer) {
 /// Random mLSTM weights of the documented shapes (spec EVICTION.md §3); their values do not change the work.
 kvmem::score::MLstmWeights<mem> random_mlstm_weights() {
   const long X = 2 * kD, h = kD / 2;
-  auto make3 = [&](const char* name, std::uint64_t seed) {
+  auto make3 = [&](const std::string& name, std::uint64_t seed) {  // Kokkos 4.7 takes no const char* label
     Kokkos::View<float***, Kokkos::LayoutRight, mem> v(name, kHkv, X, h);
     Kokkos::Random_XorShift64_Pool<exec> pool(seed);
     Kokkos::fill_random(v, pool, -0.1f, 0.1f);
     return v;
   };
-  auto make2 = [&](const char* name, long cols, std::uint64_t seed) {
+  auto make2 = [&](const std::string& name, long cols, std::uint64_t seed) {
     Kokkos::View<float**, Kokkos::LayoutRight, mem> v(name, kHkv, cols);
     Kokkos::Random_XorShift64_Pool<exec> pool(seed);
     Kokkos::fill_random(v, pool, -0.1f, 0.1f);
     return v;
   };
-  auto zeros = [&](const char* name) { return Kokkos::View<float*, mem>(name, kHkv); };
+  auto zeros = [&](const std::string& name) { return Kokkos::View<float*, mem>(name, kHkv); };
   kvmem::score::MLstmWeights<mem> w;
   w.w_q = make3("w_q", 11);
   w.w_k = make3("w_k", 12);
