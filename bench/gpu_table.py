@@ -52,6 +52,27 @@ def ratio(a, b):
     return "-" if a is None or b is None or b == 0 else f"{a / b:.1f}x"
 
 
+def table(title, axis, op, kvmem, sdpa, memories, extra=None):
+    """Markdown lines of one table: a row per T or position with SDPA f32/bf16, each kvmem memory's time,
+    kvm-fixed256's speedup over SDPA bf16 and, if `extra` = (header, fraction_of(at)) is given, that
+    fraction as a percentage."""
+    headers = [axis, "SDPA f32", "SDPA bf16"] + [m + (" (kvmem)" if m == "exact" else "") for m in memories]
+    headers.append("kvm-fixed256 vs SDPA bf16")
+    if extra:
+        headers.append(extra[0])
+    lines = ["", title, "", "| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+    for at in sorted({k[2] for k in kvmem if k[0] == op} | {k[2] for k in sdpa if k[0] == op}):
+        f32 = sdpa.get((op, "float32", at), {}).get("seconds")
+        bf16 = sdpa.get((op, "bfloat16", at), {}).get("seconds")
+        cells = [kvmem.get((op, m, at), {}).get("sec") for m in memories]
+        row = [str(at), ms(f32), ms(bf16)] + [ms(c) for c in cells] + [ratio(bf16, cells[memories.index("kvm-fixed256")])]
+        if extra:
+            frac = extra[1](at)
+            row.append("-" if frac is None else f"{frac * 100:.0f} %")
+        lines.append("| " + " | ".join(row) + " |")
+    return lines
+
+
 def main():
     if len(sys.argv) != 2:
         sys.exit(__doc__)
@@ -69,24 +90,9 @@ def main():
                "kvmem in float32, SDPA in float32 and bfloat16 (flash) over the full KV cache.")
     if copy_bw:
         out.append(f"Copy bandwidth (PyTorch, read + write): {copy_bw / 1e9:.0f} GB/s.")
-    out += ["", "## Prefill (ms)", "",
-            "| T | SDPA f32 | SDPA bf16 | exact (kvmem) | kvm-fixed256 | kvm-power-law | evict-h2o256 | "
-            "kvm-fixed256 vs SDPA bf16 |", "|---|---|---|---|---|---|---|---|"]
-    for T in sorted({k[2] for k in pre if k[0] == "prefill"} | {k[2] for k in sdpa if k[0] == "prefill"}):
-        f32 = sdpa.get(("prefill", "float32", T), {}).get("seconds")
-        bf16 = sdpa.get(("prefill", "bfloat16", T), {}).get("seconds")
-        cells = [pre.get(("prefill", m, T), {}).get("sec") for m in ("exact", "kvm-fixed256", "kvm-power-law", "evict-h2o256")]
-        out.append(f"| {T} | {ms(f32)} | {ms(bf16)} | " + " | ".join(ms(c) for c in cells) + f" | {ratio(bf16, cells[1])} |")
-    out += ["", "## Decode step (ms)", "",
-            "| position | SDPA f32 | SDPA bf16 | exact (kvmem) | kvm-fixed256 | evict-h2o256 | kvm-fixed256 vs SDPA bf16 | "
-            "exact readout / copy bandwidth |", "|---|---|---|---|---|---|---|---|"]
-    for pos in sorted({k[2] for k in dec if k[0] == "decode"} | {k[2] for k in sdpa if k[0] == "decode"}):
-        f32 = sdpa.get(("decode", "float32", pos), {}).get("seconds")
-        bf16 = sdpa.get(("decode", "bfloat16", pos), {}).get("seconds")
-        cells = [dec.get(("decode", m, pos), {}).get("sec") for m in ("exact", "kvm-fixed256", "evict-h2o256")]
-        bw = dec.get(("decode", "exact", pos), {}).get("frac_copy_bw")
-        out.append(f"| {pos} | {ms(f32)} | {ms(bf16)} | " + " | ".join(ms(c) for c in cells) +
-                   f" | {ratio(bf16, cells[1])} | {'-' if bw is None else f'{bw * 100:.0f} %'} |")
+    out += table("## Prefill (ms)", "T", "prefill", pre, sdpa, ("exact", "kvm-fixed256", "kvm-power-law", "evict-h2o256"))
+    out += table("## Decode step (ms)", "position", "decode", dec, sdpa, ("exact", "kvm-fixed256", "evict-h2o256"),
+                 ("exact readout / copy bandwidth", lambda at: dec.get(("decode", "exact", at), {}).get("frac_copy_bw")))
     out += ["", "Targets (issue 14): decode readout >= 60 % of the copy bandwidth at B = 8; kvm-fixed256 prefill at "
             "T = 64K >= 5x faster than flash SDPA over the full cache; kvm-fixed256 decode at position 128K >= 15x "
             "faster than SDPA decode.", ""]
