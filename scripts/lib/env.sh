@@ -15,7 +15,7 @@ KVMEM_ENV_ROOT=${KVMEM_ENV_ROOT:-/var/cache/kvmem/sid-root}
 KVMEM_BUILD_DIR=${KVMEM_BUILD_DIR:-$KVMEM_REPO/build}
 # Debian sid packages of the environment. Changing this list makes the next command install what is
 # new into the existing root (apt-get), or rebuild the root if that fails.
-KVMEM_ENV_PACKAGES="g++,cmake,ninja-build,libkokkos-dev,catch2,libbenchmark-dev,nlohmann-json3-dev,libcli11-dev,libopenblas-dev,python3,python3-numpy,python3-matplotlib,clang,libclang-rt-dev"
+KVMEM_ENV_PACKAGES="g++,cmake,ninja-build,libkokkos-dev,catch2,libbenchmark-dev,nlohmann-json3-dev,libcli11-dev,libopenblas-dev,python3,python3-numpy,python3-matplotlib,clang,libclang-rt-dev,python3-torch,python3-transformers,python3-safetensors,python3-accelerate,python3-tokenizers,python3-pytest,python3-dev,python3-pip,python3-venv,nanobind-dev,python3-nanobind,python3-scikit-build-core"
 
 kvmem_log() { printf '[kvmem] %s\n' "$*" >&2; }
 

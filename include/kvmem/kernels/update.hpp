@@ -112,7 +112,7 @@ void update_state(const ExecSpace& exec, const MemoryConfig& cfg, const LayerWei
   //    planned and allocated, or several tokens would write one row.
   Kokkos::parallel_for("kvmem::select", range(exec, 0, B * H * C), KOKKOS_LAMBDA(long idx) {
     const long j = idx % C, h = (idx / C) % H, b = idx / (C * H);
-    const long count = p(b, block_count), n = selected(b);
+    const long count = p(b, block_count);
     if (j >= count) return;
     long rank = j;  // every token selected in token order when no ranking is needed
     if (must_rank(b)) {

@@ -1,0 +1,316 @@
+"""The memories as Python classes: KvmMemory, OvqMemory, EvictionMemory and TrellisMemory.
+
+Each object owns one compiled C++ memory (see docs/python.md for the compositions compiled in) for one
+attention layer and a batch of sequences. ``prefill`` and ``decode`` take torch tensors in the layouts
+engines hold, wrap them without a copy, and write the attention output into ``y`` (allocated when not
+given):
+
+- ``[B, H, T, D]`` (Hugging Face's layout; any strides with contiguous channels), or
+- ``[T, H, D]`` (one sequence's tokens, vLLM-style; the memory's batch must be 1).
+
+All tensors are float32 on the memory's device (``kvmem.device()``). Bad arguments raise TypeError
+(type, dtype) or ValueError (device, shape, value) naming the argument, its value and what was expected,
+before any kernel runs; nothing is copied or cast silently. Parameter names and messages are the C++
+API's (include/kvmem/*.hpp).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+
+import torch
+
+from . import _kvmem, budget as budgets, ops
+from ._device import device
+
+
+def _tensor(name: str, t, rank: tuple[int, ...] = (3, 4)) -> torch.Tensor:
+    """Checks type, dtype, device and rank of one argument."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} = {type(t).__name__}: must be a torch.Tensor")
+    if t.dtype != torch.float32:
+        raise TypeError(f"{name}.dtype = {t.dtype}: must be torch.float32 (kvmem does not cast)")
+    if t.device != device():
+        raise ValueError(f"{name}.device = {t.device}: must be the memory's device {device()} (kvmem does not copy)")
+    if t.dim() not in rank:
+        raise ValueError(f"{name}.dim() = {t.dim()}: must be one of {rank}")
+    return t
+
+
+class Memory:
+    """What every memory offers: prefill, decode, reset, sizes and state export.
+
+    Subclasses set the shape fields and call ``_adopt(handle)`` with a handle from the C++ module."""
+
+    #: Names of the extra tensors prefill/decode take after q, k, v (their shapes are in the subclass).
+    extras: tuple[str, ...] = ()
+    #: How many of ``extras`` may be left out (as trailing None).
+    optional_extras: int = 0
+
+    def __init__(self, *, batch: int, query_heads: int, kv_heads: int, head_dim: int, value_dim: int):
+        self.batch, self.query_heads, self.kv_heads = batch, query_heads, kv_heads
+        self.head_dim, self.value_dim = head_dim, value_dim
+        self._handle = 0
+
+    def _adopt(self, handle: int) -> None:
+        self._handle = handle
+
+    @property
+    def handle(self) -> int:
+        """The handle the torch ops kvmem::prefill / kvmem::decode take for this memory."""
+        return self._handle
+
+    # --- tensors -------------------------------------------------------------------------------------
+    def _token(self, name: str, t, heads: int, channels: int, tokens: int | None) -> torch.Tensor:
+        t = _tensor(name, t)
+        if t.dim() == 3:  # [T, H, C]: one sequence, seen as [1, H, T, C] (a view)
+            if self.batch != 1:
+                raise ValueError(f"{name}.shape = {tuple(t.shape)}: the [tokens, heads, channels] layout holds one "
+                                 f"sequence, but the memory's batch is {self.batch}; pass [B, H, T, D]")
+            t = t.unsqueeze(0).transpose(1, 2)
+        B, H, T, C = t.shape
+        if B != self.batch:
+            raise ValueError(f"{name}.shape[0] = {B}: must equal the memory's batch size {self.batch}")
+        if H != heads:
+            raise ValueError(f"{name} heads = {H}: must equal {heads}")
+        if C != channels:
+            raise ValueError(f"{name} channels = {C}: must equal {channels}")
+        if tokens is not None and T != tokens:
+            raise ValueError(f"{name} tokens = {T}: must equal the token count of q ({tokens})")
+        if C > 1 and t.stride(3) != 1:
+            raise ValueError(f"{name}.stride(-1) = {t.stride(3)}: channels must be contiguous (kvmem does not copy)")
+        return t
+
+    def _gate(self, name: str, t, heads: int, tokens: int) -> torch.Tensor:
+        t = _tensor(name, t, (2, 3))
+        if t.dim() == 2:  # [T, H]
+            if self.batch != 1:
+                raise ValueError(f"{name}.shape = {tuple(t.shape)}: [tokens, heads] holds one sequence, but the batch is {self.batch}")
+            t = t.unsqueeze(0).transpose(1, 2)
+        if tuple(t.shape) != (self.batch, heads, tokens):
+            raise ValueError(f"{name}.shape = {tuple(t.shape)}: must be [B, H, T] = {(self.batch, heads, tokens)}")
+        return t
+
+    def _extras(self, given: Sequence, tokens: int) -> list[torch.Tensor]:
+        """Checks the family's extra tensors (subclasses override _extra)."""
+        given = list(given)
+        while given and given[-1] is None and len(self.extras) - len(given) < self.optional_extras:
+            given.pop()
+        need = len(self.extras) - self.optional_extras
+        if len(given) < need or len(given) > len(self.extras):
+            raise TypeError(f"extra tensors = {len(given)}: {type(self).__name__} takes {', '.join(self.extras)} after q, k, v")
+        return [self._extra(self.extras[i], x, tokens) for i, x in enumerate(given)]
+
+    def _extra(self, name: str, t, tokens: int) -> torch.Tensor:
+        return self._gate(name, t, self.kv_heads, tokens)
+
+    def _call(self, op, q, k, v, extras, y, control):
+        q4 = self._token("q", q, self.query_heads, self.head_dim, None)
+        T = q4.shape[2]
+        k4 = self._token("k", k, self.kv_heads, self.head_dim, T)
+        v4 = self._token("v", v, self.kv_heads, self.value_dim, T)
+        xs = self._extras(extras, T)
+        if y is None:  # inactive sequences of a decode keep their rows: zeros in a new y
+            fill = torch.zeros if op is ops.decode and not all(control) else torch.empty
+            y = fill(q.shape[:-1] + (self.value_dim,), dtype=torch.float32, device=q.device)
+        y4 = self._token("y", y, self.query_heads, self.value_dim, T)
+        for name, t in (("q", q4), ("k", k4), ("v", v4)):
+            if _overlaps(y4, t):
+                raise ValueError(f"y: must not alias the input {name}")
+        op(self._handle, q4, k4, v4, xs, y4, control)
+        return y
+
+    # --- the memory's contract ---------------------------------------------------------------------------
+    def prefill(self, q, k, v, *extras, y: torch.Tensor | None = None, lengths: Sequence[int] | None = None) -> torch.Tensor:
+        """Runs a prompt: q [B, Hq, T, D], k [B, Hkv, T, D], v [B, Hkv, T, Dv] (or [T, H, C] for B = 1), the
+        family's extras, and writes y [B, Hq, T, Dv] (returned; allocated in q's layout when not given).
+        Sequence b uses its first lengths[b] tokens (ragged batch; all T when None); y rows past a length are
+        zeros. Raises ValueError for a length outside [0, T] or, for KVM/OVQ, a memory that already holds
+        tokens (call reset())."""
+        lengths = [] if lengths is None else [int(n) for n in lengths]
+        if lengths and len(lengths) != self.batch:
+            raise ValueError(f"len(lengths) = {len(lengths)}: must equal the batch size {self.batch}")
+        return self._call(ops.prefill, q, k, v, extras, y, lengths)
+
+    def decode(self, q, k, v, *extras, y: torch.Tensor | None = None, active: Sequence[bool] | None = None) -> torch.Tensor:
+        """Appends one token per sequence (T = 1) and writes its output row into y [B, Hq, 1, Dv]; with
+        ``active`` (one bool per sequence) only those sequences advance and the others' rows of y are left
+        as they were. Continues whatever prefill or earlier decodes left."""
+        active = [] if active is None else [bool(a) for a in active]
+        if active and len(active) != self.batch:
+            raise ValueError(f"len(active) = {len(active)}: must equal the batch size {self.batch}")
+        return self._call(ops.decode, q, k, v, extras, y, active)
+
+    def reset(self) -> None:
+        """Forgets every sequence; keeps the allocations."""
+        _kvmem.reset(self._handle)
+
+    def allocated_bytes(self) -> int:
+        """Bytes this memory has allocated on its device (state, caches, scratch)."""
+        return _kvmem.allocated_bytes(self._handle)
+
+    def held_bytes(self) -> int:
+        """Bytes of keys/values (state rows, window, slots) the batch holds for the tokens seen, float32."""
+        return _kvmem.held_bytes(self._handle)
+
+    def tokens(self, sequence: int = 0) -> int:
+        """Tokens sequence ``sequence`` has seen since construction or reset()."""
+        if not 0 <= sequence < self.batch:
+            raise ValueError(f"sequence = {sequence}: must be in [0, {self.batch})")
+        return _kvmem.tokens(self._handle, sequence)
+
+    def state(self) -> dict[str, torch.Tensor | list[int]]:
+        """The memory's state as CPU tensors (copies): KVM/OVQ keys [B, Hkv, capacity, D], values, radius or
+        counts [B, Hkv, capacity] and rows (live rows per sequence); eviction keys/values per slot, slot
+        positions, kept_positions [B, Hkv, K] and kept_rows [B, Hkv]; Trellis m1 [B, H, m, D], m2 [B, H, m, Dv]."""
+        out = {}
+        for name, value in _kvmem.state(self._handle).items():
+            out[name] = torch.from_numpy(value) if hasattr(value, "shape") else list(value)
+        return out
+
+    def close(self) -> None:
+        """Frees the C++ memory now (also done when the object is collected)."""
+        if self._handle:
+            _kvmem.release(self._handle)
+            self._handle = 0
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:  # interpreter shutdown: kvmem already finalized every memory
+            pass
+
+
+def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """True when the byte ranges of a and b intersect (an aliased output would be read while written)."""
+    if a.numel() == 0 or b.numel() == 0:
+        return False
+    span = lambda t: (t.data_ptr(), t.data_ptr() + 4 * (1 + sum((s - 1) * st for s, st in zip(t.shape, t.stride()))))
+    (a0, a1), (b0, b1) = span(a), span(b)
+    return a0 < b1 and b0 < a1
+
+
+def _weight(name: str, t, n: int, default: float) -> torch.Tensor:
+    if t is None:
+        return torch.full((n,), default, dtype=torch.float32, device=device())
+    t = _tensor(name, t, (1,))
+    if t.shape[0] != n:
+        raise ValueError(f"{name}.shape = {tuple(t.shape)}: must be [{n}]")
+    return t
+
+
+def _config(native_type, **fields):
+    cfg = native_type()
+    for key, value in fields.items():
+        setattr(cfg, key, value)
+    return cfg
+
+
+class KvmMemory(Memory):
+    """KVM (kvm-paper Sec. 4; spec KVM.md): state rows merged by gated winner-take-all, a block sliding
+    window of ``window_chunks * chunk`` tokens, rows appended by novelty under a budget schedule.
+
+    Shapes: q [B, Hq, T, D], k [B, Hkv, T, D], v [B, Hkv, T, Dv], optional gate [B, Hkv, T] (merge-gate
+    pre-activation z; None means z = 0). Learned weights (copied at construction): ln_weight, ln_bias [D]
+    (state-key LayerNorm; default 1 and 0), tau_state, tau_window [Hq] (inverse temperatures; default 1:
+    logits q . k / sqrt(D)). ``evict_rows_above`` > 0 also evicts state rows by H2O above that many (fixed
+    and power-law budgets). Units: chunk, window in tokens; sinks, max_rows in rows."""
+
+    extras = ("gate",)
+    optional_extras = 1
+
+    def __init__(self, head_dim: int, query_heads: int, kv_heads: int, *, value_dim: int | None = None, batch: int = 1,
+                 chunk: int = 256, window_chunks: int = 2, rope_dims: int = 0, sinks: int = 1, max_rows: int = 256,
+                 budget: budgets.Schedule = budgets.Fixed(256), ln_weight=None, ln_bias=None, tau_state=None,
+                 tau_window=None, evict_rows_above: int = 0, ln_eps: float = 1e-5, norm_eps: float = 1e-12):
+        value_dim = head_dim if value_dim is None else value_dim
+        super().__init__(batch=batch, query_heads=query_heads, kv_heads=kv_heads, head_dim=head_dim, value_dim=value_dim)
+        cfg = _config(_kvmem.MemoryConfig, head_dim=head_dim, value_dim=value_dim, query_heads=query_heads,
+                      kv_heads=kv_heads, chunk=chunk, window_chunks=window_chunks, rope_dims=rope_dims, sinks=sinks,
+                      max_rows=max_rows, ln_eps=ln_eps, norm_eps=norm_eps)
+        self._adopt(_kvmem.make_kvm(cfg, budgets.to_args(budget, _kvmem), _weight("ln_weight", ln_weight, head_dim, 1.0),
+                                    _weight("ln_bias", ln_bias, head_dim, 0.0), _weight("tau_state", tau_state, query_heads, 1.0),
+                                    _weight("tau_window", tau_window, query_heads, 1.0), batch, evict_rows_above))
+
+
+class OvqMemory(Memory):
+    """OVQ (ovq-paper Sec. 3.2; spec OVQ.md): centroids with counts updated by online k-means, read with a
+    log-count bias, a window of one chunk, the plateau budget t * N / (t + N) by default, no sinks.
+
+    Shapes as KvmMemory (gate optional and unused by OVQ's merge unless given). ``beta`` [Hq] is the
+    logit scale (default 1). Units: chunk in tokens; max_centroids in rows."""
+
+    extras = ("gate",)
+    optional_extras = 1
+
+    def __init__(self, head_dim: int, query_heads: int, kv_heads: int | None = None, *, value_dim: int | None = None,
+                 batch: int = 1, chunk: int = 64, max_centroids: int = 1024, budget: budgets.Schedule | None = None,
+                 beta=None, normalize_centroids: bool = False):
+        value_dim = head_dim if value_dim is None else value_dim
+        kv_heads = query_heads if kv_heads is None else kv_heads
+        super().__init__(batch=batch, query_heads=query_heads, kv_heads=kv_heads, head_dim=head_dim, value_dim=value_dim)
+        cfg = _config(_kvmem.MemoryConfig, head_dim=head_dim, value_dim=value_dim, query_heads=query_heads,
+                      kv_heads=kv_heads, chunk=chunk, window_chunks=1, rope_dims=0, sinks=0, max_rows=max_centroids,
+                      normalize_rows=normalize_centroids)
+        schedule = budgets.Plateau(float(max_centroids)) if budget is None else budget
+        self._adopt(_kvmem.make_ovq(cfg, budgets.to_args(schedule, _kvmem), _weight("beta", beta, query_heads, 1.0), batch))
+
+
+class EvictionMemory(Memory):
+    """A fixed-budget KV cache (kvpop-paper Sec. 2; spec EVICTION.md): per (sequence, kv-head) the first
+    ``sinks`` tokens, the last ``window`` tokens and the ``top_k`` others with the highest score, one
+    softmax over them (logits q . k / sqrt(D)). Budget: sinks + window + top_k rows.
+
+    ``scorer``: "streaming" (StreamingLLM: no retained set beyond recency), "knorm" (key norm), "h2o"
+    (accumulated attention; ``h2o_normalize`` for the mean), "tova" (last query's attention;
+    ``tova_layer_mean``), "kvpop" (learned mLSTM: ``weights`` maps w_q, w_k, w_v, w_i, b_i, w_f, b_f, w_s, b_s,
+    theta to tensors, copied at construction; ``normalizer`` "xlstm" or "plain"). No extra tensors."""
+
+    def __init__(self, head_dim: int, query_heads: int, kv_heads: int, *, value_dim: int | None = None, batch: int = 1,
+                 scorer: str = "h2o", sinks: int = 4, window: int = 64, top_k: int = 448, decay_interval: int = 1,
+                 h2o_normalize: bool = False, tova_layer_mean: bool = False,
+                 weights: Mapping[str, torch.Tensor] | None = None, normalizer: str = "xlstm"):
+        value_dim = head_dim if value_dim is None else value_dim
+        super().__init__(batch=batch, query_heads=query_heads, kv_heads=kv_heads, head_dim=head_dim, value_dim=value_dim)
+        cfg = _config(_kvmem.EvictionConfig, head_dim=head_dim, value_dim=value_dim, query_heads=query_heads,
+                      kv_heads=kv_heads, sinks=sinks, window=window, top_k=top_k, decay_interval=decay_interval)
+        w = {}
+        for name, t in (weights or {}).items():
+            w[name] = _tensor(f"weights['{name}']", t, (1, 2, 3))
+        self.scorer = scorer
+        self._adopt(_kvmem.make_eviction(cfg, batch, scorer, h2o_normalize, tova_layer_mean, w, normalizer))
+
+
+class TrellisMemory(Memory):
+    """Trellis (trellis-paper Sec. 3, eqs. 4-14; spec TRELLIS.md): per (sequence, head) two fast-weight
+    matrices M1 [m, D], M2 [m, Dv] trained at test time by gradient descent.
+
+    Extras after q, k, v [B, H, T, D/Dv]: alpha [B, H, T, m] (latent targets) and the gates beta1, gamma1,
+    beta2, gamma2 [B, H, T] (forget gates in [0, 1], step sizes >= 0). ``phi``: identity, silu, softmax,
+    tanh or sigmoid; ``f``: ln-silu, l2-silu, softmax or identity; ln_weight, ln_bias [m] (optional affine).
+    Units: slots m rows per head, chunk tokens."""
+
+    extras = ("alpha", "beta1", "gamma1", "beta2", "gamma2")
+
+    def __init__(self, slots: int, head_dim: int, heads: int, *, value_dim: int | None = None, batch: int = 1,
+                 chunk: int = 16, phi: str = "silu", f: str = "ln-silu", readout2_phi: bool = True, grad_scale: float = 2.0,
+                 check_gates: bool = True, ln_weight=None, ln_bias=None):
+        value_dim = head_dim if value_dim is None else value_dim
+        super().__init__(batch=batch, query_heads=heads, kv_heads=heads, head_dim=head_dim, value_dim=value_dim)
+        self.slots = slots
+        cfg = _config(_kvmem.TrellisConfig, slots=slots, head_dim=head_dim, value_dim=value_dim, heads=heads, chunk=chunk,
+                      readout2_phi=readout2_phi, grad_scale=grad_scale, check_gates=check_gates)
+        lw = None if ln_weight is None else _tensor("ln_weight", ln_weight, (1,))
+        lb = None if ln_bias is None else _tensor("ln_bias", ln_bias, (1,))
+        self._adopt(_kvmem.make_trellis(cfg, phi, f, lw, lb, batch))
+
+    def _extra(self, name: str, t, tokens: int) -> torch.Tensor:
+        if name == "alpha":
+            return self._token("alpha", t, self.kv_heads, self.slots, tokens)
+        return self._gate(name, t, self.kv_heads, tokens)
+
+
+def softmax_scale_ok(head_dim: int, scaling: float) -> bool:
+    """True when ``scaling`` is the 1 / sqrt(head_dim) every kvmem readout uses (up to float rounding)."""
+    return math.isclose(scaling, 1.0 / math.sqrt(head_dim), rel_tol=1e-6)

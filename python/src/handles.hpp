@@ -1,0 +1,90 @@
+#pragma once
+/// \file handles.hpp
+/// The one interface through which Python drives every compiled memory (AnyMemory), and the table of live
+/// memories by integer handle. Handles are what the torch.library ops take: an int is a value torch.compile
+/// can trace, and the table lets Kokkos be finalized after every memory is gone, whatever Python still holds.
+
+#include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
+
+#include <map>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "tensors.hpp"
+
+namespace kvmem::python {
+
+/// The token tensors of one prefill or decode call, as views of the caller's tensors:
+/// q [B, Hq, T, D], k [B, Hkv, T, D], v [B, Hkv, T, Dv], y [B, Hq, T, Dv] (written), and the family's
+/// extra tensors in the order its Python class documents (KVM/OVQ: [gate [B, Hkv, T]] or none; Trellis:
+/// alpha [B, H, T, m], beta1, gamma1, beta2, gamma2 [B, H, T]).
+struct Call {
+  tokens_in q, k, v;
+  tokens_out y;
+  std::vector<nb::ndarray<>> extras;
+};
+
+/// What every compiled memory offers Python (the C++ facades' common contract).
+class AnyMemory {
+ public:
+  virtual ~AnyMemory() = default;
+  /// Runs a prompt (Memory::prefill, EvictionMemory::prefill, TrellisMemory::prefill); lengths [B] or empty.
+  virtual void prefill(const Call& call, std::span<const long> lengths) = 0;
+  /// Runs one token per active sequence; active [B] (0/1) or empty for all.
+  virtual void decode(const Call& call, std::span<const unsigned char> active) = 0;
+  virtual void reset() = 0;
+  /// Bytes allocated on the device (the facade's allocated_bytes()).
+  [[nodiscard]] virtual long allocated_bytes() const = 0;
+  /// Bytes of keys/values/state held for the tokens seen (the facade's held_bytes()).
+  [[nodiscard]] virtual long held_bytes() const = 0;
+  /// Tokens sequence b has seen.
+  [[nodiscard]] virtual long tokens(long b) const = 0;
+  /// The memory's state as named host arrays (copies), e.g. state rows and their counts.
+  [[nodiscard]] virtual nb::dict state() const = 0;
+};
+
+/// The live memories by handle (handles are never reused within a process).
+class Handles {
+ public:
+  long add(std::unique_ptr<AnyMemory> memory) {
+    const long handle = next_++;
+    table_.emplace(handle, std::move(memory));
+    return handle;
+  }
+  /// Throws kvmem::invalid_argument for a handle that is not live (released, or never made).
+  AnyMemory& at(long handle) const {
+    const auto it = table_.find(handle);
+    if (it == table_.end())
+      throw invalid_argument(detail::describe("handle", handle, "is not a live kvmem memory (released, or after kvmem shut down)"));
+    return *it->second;
+  }
+  void release(long handle) { table_.erase(handle); }
+  void clear() { table_.clear(); }
+  [[nodiscard]] long live() const { return static_cast<long>(table_.size()); }
+
+ private:
+  std::map<long, std::unique_ptr<AnyMemory>> table_;
+  long next_ = 1;
+};
+
+/// The process's table (module.cpp).
+Handles& handles();
+
+/// Copies a device view (rank 1 to 4, LayoutRight) into a new NumPy array (host, C order) owned by Python.
+template <class View, class T = typename View::non_const_value_type>
+nb::ndarray<nb::numpy, T> to_numpy(const View& view) {
+  std::vector<std::size_t> shape(View::rank());
+  std::size_t count = 1;
+  for (std::size_t i = 0; i < View::rank(); ++i) count *= (shape[i] = view.extent(i));
+  auto* data = new T[count];
+  nb::capsule owner(data, [](void* p) noexcept { delete[] static_cast<T*>(p); });
+  const Kokkos::View<typename View::non_const_data_type, Kokkos::LayoutRight, Kokkos::HostSpace, Kokkos::MemoryUnmanaged>
+      host(data, view.layout());
+  Kokkos::deep_copy(host, view);
+  return nb::ndarray<nb::numpy, T>(data, shape.size(), shape.data(), owner);
+}
+
+}  // namespace kvmem::python

@@ -1,0 +1,146 @@
+/// \file module.cpp
+/// The extension module `kvmem._kvmem`: Kokkos' lifetime in the process, the table of memories by handle,
+/// and the calls every memory shares (prefill, decode, reset, sizes, state). The families' constructors are
+/// in merge_memories.cpp, eviction_memories.cpp and trellis_memory.cpp. Python code calls this through the
+/// `kvmem` package, which checks arguments first and registers the torch.library ops.
+
+#include <Kokkos_Core.hpp>
+#include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
+#include <nanobind/stl/optional.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <kvmem/config.hpp>
+
+#include "families.hpp"
+#include "handles.hpp"
+#include "tensors.hpp"
+
+namespace kvmem::python {
+
+Handles& handles() {
+  static Handles table;
+  return table;
+}
+
+namespace {
+
+/// Kokkos Tools counts (allocations and deep copies in any space) while counting is on: what the Python
+/// tests use to show that a call copies nothing and allocates nothing.
+struct EventCounts {
+  bool on = false;
+  long allocations = 0, deep_copies = 0;
+};
+EventCounts g_counts;
+
+void on_allocate(Kokkos_Profiling_SpaceHandle, const char*, const void*, std::uint64_t) { ++g_counts.allocations; }
+void on_deep_copy(Kokkos_Profiling_SpaceHandle, const char*, const void*, Kokkos_Profiling_SpaceHandle, const char*, const void*,
+                  std::uint64_t) {
+  ++g_counts.deep_copies;
+}
+
+/// Starts Kokkos with `num_threads` host threads (<= 0: Kokkos' default) unless it already runs.
+void initialize(int num_threads) {
+  if (Kokkos::is_initialized()) return;
+  auto settings = Kokkos::InitializationSettings().set_disable_warnings(true);
+  if (num_threads > 0) settings.set_num_threads(num_threads);
+  Kokkos::initialize(settings);
+}
+
+/// Destroys every memory, then finalizes Kokkos (at interpreter exit; later calls raise "not a live memory").
+void finalize() {
+  handles().clear();
+  if (Kokkos::is_initialized() && !Kokkos::is_finalized()) Kokkos::finalize();
+}
+
+/// The views of one call; extras are kept as tensors for the family to read.
+Call make_call(const nb::ndarray<>& q, const nb::ndarray<>& k, const nb::ndarray<>& v, std::vector<nb::ndarray<>> extras,
+               const nb::ndarray<>& y) {
+  return {token_view<tokens_in>(q, "q"), token_view<tokens_in>(k, "k"), token_view<tokens_in>(v, "v"),
+          token_view<tokens_out>(y, "y"), std::move(extras)};
+}
+
+void prefill(long handle, const nb::ndarray<>& q, const nb::ndarray<>& k, const nb::ndarray<>& v,
+             std::vector<nb::ndarray<>> extras, const nb::ndarray<>& y, const std::vector<long>& lengths) {
+  auto& memory = handles().at(handle);
+  const Call call = make_call(q, k, v, std::move(extras), y);
+  nb::gil_scoped_release release;
+  memory.prefill(call, lengths);
+}
+
+void decode(long handle, const nb::ndarray<>& q, const nb::ndarray<>& k, const nb::ndarray<>& v,
+            std::vector<nb::ndarray<>> extras, const nb::ndarray<>& y, const std::vector<std::uint8_t>& active) {
+  auto& memory = handles().at(handle);
+  const Call call = make_call(q, k, v, std::move(extras), y);
+  nb::gil_scoped_release release;
+  memory.decode(call, std::span<const unsigned char>(active.data(), active.size()));
+}
+
+}  // namespace
+}  // namespace kvmem::python
+
+NB_MODULE(_kvmem, m) {
+  namespace py = kvmem::python;
+  namespace nb = nanobind;
+  m.doc() = "kvmem's compiled memories (use the kvmem package, not this module)";
+  m.def("initialize", &py::initialize, nb::arg("num_threads"));
+  m.def("finalize", &py::finalize);
+  m.def("is_initialized", [] { return Kokkos::is_initialized(); });
+  m.def("backend", [] { return std::string(py::exec::name()) + " (" + std::to_string(py::exec().concurrency()) + " threads)"; });
+  m.def("dlpack_device", [] { return py::dlpack_device(); });
+
+  nb::class_<kvmem::MemoryConfig>(m, "MemoryConfig")
+      .def(nb::init<>())
+      .def_rw("head_dim", &kvmem::MemoryConfig::head_dim)
+      .def_rw("value_dim", &kvmem::MemoryConfig::value_dim)
+      .def_rw("query_heads", &kvmem::MemoryConfig::query_heads)
+      .def_rw("kv_heads", &kvmem::MemoryConfig::kv_heads)
+      .def_rw("chunk", &kvmem::MemoryConfig::chunk)
+      .def_rw("window_chunks", &kvmem::MemoryConfig::window_chunks)
+      .def_rw("rope_dims", &kvmem::MemoryConfig::rope_dims)
+      .def_rw("sinks", &kvmem::MemoryConfig::sinks)
+      .def_rw("max_rows", &kvmem::MemoryConfig::max_rows)
+      .def_rw("ln_eps", &kvmem::MemoryConfig::ln_eps)
+      .def_rw("norm_eps", &kvmem::MemoryConfig::norm_eps)
+      .def_rw("normalize_rows", &kvmem::MemoryConfig::normalize_rows);
+
+  py::bind_merge_memories(m);
+  py::bind_eviction_memories(m);
+  py::bind_trellis_memory(m);
+
+  m.def("prefill", &py::prefill, nb::arg("handle"), nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("extras"), nb::arg("y"),
+        nb::arg("lengths"));
+  m.def("decode", &py::decode, nb::arg("handle"), nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("extras"), nb::arg("y"),
+        nb::arg("active"));
+  m.def("reset", [](long h) { py::handles().at(h).reset(); }, nb::arg("handle"));
+  m.def("release", [](long h) { py::handles().release(h); }, nb::arg("handle"));
+  m.def("live_memories", [] { return py::handles().live(); });
+  m.def("allocated_bytes", [](long h) { return py::handles().at(h).allocated_bytes(); }, nb::arg("handle"));
+  m.def("held_bytes", [](long h) { return py::handles().at(h).held_bytes(); }, nb::arg("handle"));
+  m.def("tokens", [](long h, long b) { return py::handles().at(h).tokens(b); }, nb::arg("handle"), nb::arg("sequence"));
+  m.def("state", [](long h) { return py::handles().at(h).state(); }, nb::arg("handle"));
+  m.def("data_pointer", [](const nb::ndarray<>& t) { return reinterpret_cast<std::uintptr_t>(t.data()); }, nb::arg("tensor"),
+        "The data pointer a tensor has once it crosses into C++ (the tests compare it with tensor.data_ptr()).");
+  m.def("count_events", [](bool on) {
+    if (on && !py::g_counts.on) {
+      Kokkos::Tools::Experimental::set_allocate_data_callback(py::on_allocate);
+      Kokkos::Tools::Experimental::set_begin_deep_copy_callback(py::on_deep_copy);
+    } else if (!on && py::g_counts.on) {
+      Kokkos::Tools::Experimental::set_allocate_data_callback(nullptr);
+      Kokkos::Tools::Experimental::set_begin_deep_copy_callback(nullptr);
+    }
+    py::g_counts = {on, 0, 0};
+  }, nb::arg("on"), "Counts Kokkos allocations and deep copies from now on (on) or stops counting.");
+  m.def("event_counts", [] {
+    nb::dict d;
+    d["allocations"] = py::g_counts.allocations;
+    d["deep_copies"] = py::g_counts.deep_copies;
+    return d;
+  });
+}

@@ -1,0 +1,94 @@
+/// \file trellis_memory.cpp
+/// Python binding of TrellisMemory (trellis-paper Sec. 3, eqs. 4-14; spec TRELLIS.md): the fixed-slot memory
+/// trained at test time by gradient descent (merge::GradientDescent).
+
+#include <nanobind/nanobind.h>
+#include <nanobind/stl/optional.h>
+#include <nanobind/stl/string.h>
+
+#include <optional>
+#include <string>
+
+#include <kvmem/trellis_memory.hpp>
+
+#include "families.hpp"
+#include "handles.hpp"
+#include "tensors.hpp"
+
+namespace kvmem::python {
+namespace {
+
+/// TrellisMemory<exec> behind the AnyMemory interface; Call::extras holds alpha, beta1, gamma1, beta2, gamma2.
+class Trellis final : public AnyMemory {
+ public:
+  Trellis(const TrellisConfig& cfg, const TrellisWeights<mem_space>& w, int batch) : weights_(w), mem_(cfg, weights_, batch) {}
+
+  void prefill(const Call& c, std::span<const long> lengths) override {
+    const auto x = extras(c);
+    mem_.prefill(c.q, c.k, c.v, x.alpha, x.beta1, x.gamma1, x.beta2, x.gamma2, c.y, lengths);
+  }
+  void decode(const Call& c, std::span<const unsigned char> active) override {
+    const auto x = extras(c);
+    mem_.decode(c.q, c.k, c.v, x.alpha, x.beta1, x.gamma1, x.beta2, x.gamma2, c.y, active);
+  }
+  void reset() override { mem_.reset(); }
+  [[nodiscard]] long allocated_bytes() const override { return mem_.allocated_bytes(); }
+  [[nodiscard]] long held_bytes() const override { return mem_.held_bytes(); }
+  [[nodiscard]] long tokens(long b) const override { return mem_.tokens(b); }
+  [[nodiscard]] nb::dict state() const override {
+    nb::dict d;
+    d["m1"] = to_numpy(mem_.m1());
+    d["m2"] = to_numpy(mem_.m2());
+    return d;
+  }
+
+ private:
+  struct Extras {
+    tokens_in alpha;
+    gates_in beta1, gamma1, beta2, gamma2;
+  };
+  static Extras extras(const Call& c) {
+    require(c.extras.size() == 5, "trellis inputs", c.extras.size(), "must be alpha, beta1, gamma1, beta2, gamma2");
+    return {token_view<tokens_in>(c.extras[0], "alpha"), gate_view(c.extras[1], "beta1"), gate_view(c.extras[2], "gamma1"),
+            gate_view(c.extras[3], "beta2"), gate_view(c.extras[4], "gamma2")};
+  }
+  TrellisWeights<mem_space> weights_;
+  TrellisMemory<exec> mem_;
+};
+
+/// A Trellis memory; `phi` and `f` by name (merge::parse_phi, parse_activation); ln_weight/ln_bias [m] or
+/// None for no LN-SiLU affine. Returns its handle.
+long make_trellis(TrellisConfig cfg, const std::string& phi, const std::string& f, const std::optional<nb::ndarray<>>& ln_weight,
+                  const std::optional<nb::ndarray<>>& ln_bias, int batch) {
+  cfg.phi = merge::parse_phi(phi);
+  cfg.f = merge::parse_activation(f);
+  TrellisWeights<mem_space> w;
+  require(ln_weight.has_value() == ln_bias.has_value(), "ln_weight/ln_bias", ln_weight ? "ln_bias missing" : "ln_weight missing",
+          "give both or neither");
+  if (ln_weight) {
+    w.ln_weight = weight_copy<1>(*ln_weight, "ln_weight");
+    w.ln_bias = weight_copy<1>(*ln_bias, "ln_bias");
+  }
+  return handles().add(std::make_unique<Trellis>(cfg, w, batch));
+}
+
+}  // namespace
+
+void bind_trellis_memory(nb::module_& m) {
+  nb::class_<TrellisConfig>(m, "TrellisConfig")
+      .def(nb::init<>())
+      .def_rw("slots", &TrellisConfig::slots)
+      .def_rw("head_dim", &TrellisConfig::head_dim)
+      .def_rw("value_dim", &TrellisConfig::value_dim)
+      .def_rw("heads", &TrellisConfig::heads)
+      .def_rw("chunk", &TrellisConfig::chunk)
+      .def_rw("readout2_phi", &TrellisConfig::readout2_phi)
+      .def_rw("grad_scale", &TrellisConfig::grad_scale)
+      .def_rw("ln_eps", &TrellisConfig::ln_eps)
+      .def_rw("l2_eps", &TrellisConfig::l2_eps)
+      .def_rw("check_gates", &TrellisConfig::check_gates);
+  m.def("make_trellis", &make_trellis, nb::arg("config"), nb::arg("phi"), nb::arg("f"), nb::arg("ln_weight").none(),
+        nb::arg("ln_bias").none(), nb::arg("batch"), "A Trellis memory (TrellisMemory<exec>; spec TRELLIS.md); returns its handle.");
+}
+
+}  // namespace kvmem::python
