@@ -11,9 +11,11 @@
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include <kvmem/config.hpp>
@@ -31,18 +33,32 @@ Handles& handles() {
 
 namespace {
 
-/// Kokkos Tools counts (allocations and deep copies in any space) while counting is on: what the Python
-/// tests use to show that a call copies nothing and allocates nothing.
+/// Kokkos Tools counts (allocations, and deep copies in any space) while counting is on: what the Python
+/// tests use to show that a call copies nothing and allocates nothing. A deep copy from a scalar (a fill,
+/// whose source Kokkos labels "Scalar" or "(none)") writes its destination and copies nothing: counted as
+/// a fill.
 struct EventCounts {
   bool on = false;
-  long allocations = 0, deep_copies = 0;
+  long allocations = 0, allocated_bytes = 0, fills = 0, deep_copies = 0, largest_deep_copy_bytes = 0;
+  std::string largest_deep_copy;  // "destination <- source" labels of the largest deep copy
 };
 EventCounts g_counts;
 
-void on_allocate(Kokkos_Profiling_SpaceHandle, const char*, const void*, std::uint64_t) { ++g_counts.allocations; }
-void on_deep_copy(Kokkos_Profiling_SpaceHandle, const char*, const void*, Kokkos_Profiling_SpaceHandle, const char*, const void*,
-                  std::uint64_t) {
+void on_allocate(Kokkos_Profiling_SpaceHandle, const char*, const void*, std::uint64_t bytes) {
+  ++g_counts.allocations;
+  g_counts.allocated_bytes += static_cast<long>(bytes);
+}
+void on_deep_copy(Kokkos_Profiling_SpaceHandle, const char* dst, const void*, Kokkos_Profiling_SpaceHandle, const char* src,
+                  const void*, std::uint64_t bytes) {
+  if (std::string_view(src) == "Scalar" || std::string_view(src) == "(none)") {
+    ++g_counts.fills;
+    return;
+  }
   ++g_counts.deep_copies;
+  if (static_cast<long>(bytes) > g_counts.largest_deep_copy_bytes) {
+    g_counts.largest_deep_copy_bytes = static_cast<long>(bytes);
+    g_counts.largest_deep_copy = std::string(dst) + " <- " + src;
+  }
 }
 
 /// Starts Kokkos with `num_threads` host threads (<= 0: Kokkos' default) unless it already runs.
@@ -135,12 +151,16 @@ NB_MODULE(_kvmem, m) {
       Kokkos::Tools::Experimental::set_allocate_data_callback(nullptr);
       Kokkos::Tools::Experimental::set_begin_deep_copy_callback(nullptr);
     }
-    py::g_counts = {on, 0, 0};
+    py::g_counts = {on, 0, 0, 0, 0, 0, {}};
   }, nb::arg("on"), "Counts Kokkos allocations and deep copies from now on (on) or stops counting.");
-  m.def("event_counts", [] {
+  m.def("event_counts", [] {  // allocations, allocated_bytes, fills, deep_copies, largest_deep_copy(_bytes)
     nb::dict d;
     d["allocations"] = py::g_counts.allocations;
+    d["allocated_bytes"] = py::g_counts.allocated_bytes;
+    d["fills"] = py::g_counts.fills;
     d["deep_copies"] = py::g_counts.deep_copies;
+    d["largest_deep_copy_bytes"] = py::g_counts.largest_deep_copy_bytes;
+    d["largest_deep_copy"] = py::g_counts.largest_deep_copy;
     return d;
   });
 }

@@ -13,6 +13,8 @@ KVMEM_REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 KVMEM_ENV=${KVMEM_ENV:-sid}
 KVMEM_ENV_ROOT=${KVMEM_ENV_ROOT:-/var/cache/kvmem/sid-root}
 KVMEM_BUILD_DIR=${KVMEM_BUILD_DIR:-$KVMEM_REPO/build}
+# The Python environment (inside the root) where kvmem_python_install puts the kvmem package.
+KVMEM_VENV=${KVMEM_VENV:-/opt/kvmem-venv}
 # Debian sid packages of the environment. Changing this list makes the next command install what is
 # new into the existing root (apt-get), or rebuild the root if that fails.
 KVMEM_ENV_PACKAGES="g++,cmake,ninja-build,libkokkos-dev,catch2,libbenchmark-dev,nlohmann-json3-dev,libcli11-dev,libopenblas-dev,python3,python3-numpy,python3-matplotlib,clang,libclang-rt-dev,python3-torch,python3-transformers,python3-safetensors,python3-accelerate,python3-tokenizers,python3-pytest,python3-dev,python3-pip,python3-venv,nanobind-dev,python3-nanobind,python3-scikit-build-core"
@@ -135,7 +137,25 @@ kvmem_in_env_raw() {
 # Configure (once) and build the project in KVMEM_BUILD_DIR.
 kvmem_build() {
   if [ ! -f "$KVMEM_BUILD_DIR/build.ninja" ]; then
-    (cd "$KVMEM_REPO" && kvmem_in_env cmake -S . -B "$KVMEM_BUILD_DIR" -G Ninja -DCMAKE_BUILD_TYPE=Release "$@") || return 1
+    (cd "$KVMEM_REPO" && kvmem_in_env cmake -S . -B "$KVMEM_BUILD_DIR" -G Ninja -DCMAKE_BUILD_TYPE=Release \
+      -DKVMEM_PYTHON_VENV="$KVMEM_VENV" "$@") || return 1
   fi
   (cd "$KVMEM_REPO" && kvmem_in_env cmake --build "$KVMEM_BUILD_DIR" --parallel "${KVMEM_JOBS:-2}")
+}
+
+# The Python package kvmem, installed with `pip install .` (scikit-build-core + nanobind, pyproject.toml)
+# into a virtual environment inside the sid root that sees the root's packages (torch, transformers,
+# nanobind, scikit-build-core): nothing is downloaded (--no-build-isolation --no-deps). The build is
+# incremental (build/python/<wheel tag>), so a second install only relinks what changed.
+kvmem_python_install() {
+  kvmem_env_ensure || return 1
+  local py=$KVMEM_VENV/bin/python root=$KVMEM_ENV_ROOT
+  [ "$KVMEM_ENV" = host ] && root=""
+  if [ ! -x "$root$py" ]; then
+    kvmem_log "creating the Python environment $KVMEM_VENV (system site packages)"
+    kvmem_in_env python3 -m venv --system-site-packages "$KVMEM_VENV" || return 1
+  fi
+  kvmem_log "pip install $KVMEM_REPO (the kvmem package, into $KVMEM_VENV)"
+  (cd "$KVMEM_REPO" && kvmem_in_env env CMAKE_BUILD_PARALLEL_LEVEL="${KVMEM_JOBS:-2}" "$py" -m pip install \
+    --quiet --disable-pip-version-check --no-build-isolation --no-deps --no-index .) || return 1
 }

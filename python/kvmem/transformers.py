@@ -1,0 +1,181 @@
+"""kvmem as a Hugging Face transformers attention backend: one kvmem memory per layer, no full KV cache.
+
+Two lines of user code run ``generate`` with a kvmem memory in every attention layer::
+
+    cache = kvmem.transformers.KvmemCache(model, kvmem.transformers.kvm(budget=kvmem.budget.Fixed(256)))
+    out = model.generate(input_ids, past_key_values=cache, max_new_tokens=64)
+
+``KvmemCache(model, factory)`` registers the attention function "kvmem" with transformers'
+``AttentionInterface`` and switches ``model`` to it (``model.set_attn_implementation("kvmem")``). Each
+layer's ``update`` hands the step's new keys and values (after RoPE) straight to the attention function,
+which runs them through that layer's memory: the first call of a layer is a prefill, later calls decode
+one token at a time (a multi-token call on a non-empty memory is decoded token by token, which kvmem
+defines to mean the same as a prefill). Memories are built at the first call of each layer, when the
+batch size, heads and head_dim are known, by ``factory(layer_idx, head_dim=, query_heads=, kv_heads=,
+value_dim=, batch=)``. Nothing keeps the full keys and values: ``cache.allocated_bytes()`` is what the
+memories hold.
+
+Scope: float32 models (kvmem's dtype today); prompts of one length in a batch (the mask function "kvmem"
+builds no mask, since every memory is causal by construction, and refuses a padding mask with a
+ValueError: kvmem's ragged prefill takes right-ragged lengths, transformers pads on the left); greedy or sampling decoding, no
+beam search (``reorder_cache``) or cache cropping. Trellis needs learned per-token gates and targets that
+a pretrained transformer does not have, so the factories here are KVM, OVQ and the eviction memories.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections.abc import Callable
+
+import torch
+from transformers import AttentionInterface
+from transformers.masking_utils import AttentionMaskInterface
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from . import memories
+
+#: Builds a layer's memory: factory(layer_idx, *, head_dim, query_heads, kv_heads, value_dim, batch) -> Memory.
+MemoryFactory = Callable[..., memories.Memory]
+
+_current = threading.local()  # the KvmemCache whose update() ran last on this thread
+
+
+def kvm(**kwargs) -> MemoryFactory:
+    """A factory of KvmMemory with the given keyword arguments (KvmMemory's names: chunk, window_chunks,
+    sinks, max_rows, budget, evict_rows_above, ...), the same for every layer."""
+    return lambda layer_idx, **shape: memories.KvmMemory(**shape, **kwargs)
+
+
+def ovq(**kwargs) -> MemoryFactory:
+    """A factory of OvqMemory (OvqMemory's names: chunk, max_centroids, budget, beta, ...)."""
+    return lambda layer_idx, **shape: memories.OvqMemory(**shape, **kwargs)
+
+
+def eviction(scorer: str = "h2o", **kwargs) -> MemoryFactory:
+    """A factory of EvictionMemory (scorer "streaming", "knorm", "h2o", "tova" or "kvpop"; sinks, window,
+    top_k in tokens, ...)."""
+    return lambda layer_idx, **shape: memories.EvictionMemory(**shape, scorer=scorer, **kwargs)
+
+
+class KvmemLayer(CacheLayerMixin):
+    """One attention layer's cache: a kvmem memory, built at the layer's first call.
+
+    ``update`` stores nothing and returns the step's keys and values [B, Hkv, T, D] unchanged; the
+    attention function "kvmem" gives them to the memory together with the queries."""
+
+    def __init__(self, factory: MemoryFactory, layer_idx: int):
+        super().__init__()
+        self.factory, self.layer_idx = factory, layer_idx
+        self.memory: memories.Memory | None = None
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.device, self.dtype = key_states.device, key_states.dtype
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        return key_states, value_states
+
+    def get_seq_length(self) -> int:
+        return 0 if self.memory is None else self.memory.tokens(0)
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.get_seq_length() + query_length, 0
+
+    def get_max_cache_shape(self) -> int:
+        return -1
+
+    def reset(self) -> None:
+        if self.memory is not None:
+            self.memory.reset()
+
+    def offload(self):
+        raise NotImplementedError("KvmemCache: offloading is not supported (the memory lives on kvmem's device)")
+
+    def prefetch(self):
+        raise NotImplementedError("KvmemCache: offloading is not supported (the memory lives on kvmem's device)")
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        raise NotImplementedError("KvmemCache: beam search (reorder_cache) is not supported; use greedy or sampling")
+
+    def crop(self, max_length: int) -> None:
+        raise NotImplementedError("KvmemCache: a kvmem memory cannot be cropped (merged rows have no position)")
+
+    def attend(self, module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float) -> torch.Tensor:
+        """Runs one call of this layer: query [B, Hq, T, D], key [B, Hkv, T, D], value [B, Hkv, T, Dv];
+        returns the attention output [B, T, Hq, Dv] (what transformers' attention functions return)."""
+        B, Hq, T, D = query.shape
+        Hkv, Dv = key.shape[1], value.shape[3]
+        if self.memory is None:
+            self.memory = self.factory(self.layer_idx, head_dim=D, query_heads=Hq, kv_heads=Hkv, value_dim=Dv, batch=B)
+        if not memories.softmax_scale_ok(D, scaling):  # kvmem reads with 1 / sqrt(D): fold the model's scale into q
+            query = query * (scaling * math.sqrt(D))
+        out = torch.empty(B, T, Hq, Dv, dtype=query.dtype, device=query.device)
+        y = out.transpose(1, 2)  # [B, Hq, T, Dv] view: the memory writes the output in transformers' layout
+        if self.memory.tokens(0) == 0:
+            self.memory.prefill(query, key, value, y=y)
+        else:
+            for t in range(T):
+                s = slice(t, t + 1)
+                self.memory.decode(query[:, :, s], key[:, :, s], value[:, :, s], y=y[:, :, s])
+        return out
+
+
+class KvmemCache(Cache):
+    """A transformers ``Cache`` with one kvmem memory per attention layer and no full KV cache.
+
+    ``KvmemCache(model, factory)`` switches ``model`` to the attention function "kvmem" (registered here)
+    and builds layer i's memory with ``factory(i, head_dim=, query_heads=, kv_heads=, value_dim=, batch=)``
+    at its first call (see kvm(), ovq(), eviction()). Pass it as ``past_key_values`` to ``generate`` or to
+    the model's forward. Raises TypeError when ``model`` has no ``set_attn_implementation``."""
+
+    def __init__(self, model, factory: MemoryFactory):
+        if not hasattr(model, "set_attn_implementation"):
+            raise TypeError(f"model = {type(model).__name__}: must be a transformers PreTrainedModel")
+        register()
+        model.set_attn_implementation("kvmem")
+        layers = model.config.get_text_config().num_hidden_layers
+        super().__init__(layers=[KvmemLayer(factory, i) for i in range(layers)])
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        _current.cache = self
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+    def allocated_bytes(self) -> int:
+        """Bytes the layers' memories have allocated on kvmem's device (state, caches, scratch)."""
+        return sum(layer.memory.allocated_bytes() for layer in self.layers if layer.memory is not None)
+
+    def held_bytes(self) -> int:
+        """Bytes of keys and values the memories hold for the tokens seen (float32)."""
+        return sum(layer.memory.held_bytes() for layer in self.layers if layer.memory is not None)
+
+
+def attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """The attention function "kvmem" (transformers' AttentionInterface signature): query [B, Hq, T, D],
+    key and value [B, Hkv, T, D/Dv] of this call's tokens; returns ([B, T, Hq, Dv], None). Needs a
+    KvmemCache as ``past_key_values``; raises ValueError without one, or for dropout > 0."""
+    cache = getattr(_current, "cache", None)
+    if cache is None:
+        raise ValueError("attn_implementation = 'kvmem': needs past_key_values = kvmem.transformers.KvmemCache(model, factory)")
+    if dropout:
+        raise ValueError(f"dropout = {dropout}: the kvmem attention backend is for inference (dropout 0)")
+    if scaling is None:
+        scaling = 1.0 / math.sqrt(query.shape[-1])
+    return cache.layers[module.layer_idx].attend(module, query, key, value, scaling), None
+
+
+def mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_function=None, attention_mask=None, **kwargs):
+    """The mask function "kvmem" (transformers' AttentionMaskInterface): no mask (each memory is causal).
+    Raises ValueError when the 2-D padding mask ``attention_mask`` [B, kv_length] masks a token."""
+    if attention_mask is not None and not bool(attention_mask.all()):
+        raise ValueError("attention_mask: has padded tokens, which the kvmem backend does not take (left padding); "
+                         "generate one prompt or prompts of equal length")
+    return None
+
+
+def register() -> None:
+    """Registers the attention function and the mask function "kvmem" with transformers (idempotent)."""
+    AttentionInterface.register("kvmem", attention)
+    AttentionMaskInterface.register("kvmem", mask)

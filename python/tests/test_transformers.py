@@ -1,0 +1,96 @@
+"""The transformers backend: generate() of a tiny Llama built here runs with a kvmem memory in every
+layer; an eviction memory whose budget holds every token gives the full cache's tokens; a small memory
+holds fewer bytes than the full cache; padding and a missing cache are clear errors."""
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+import kvmem  # noqa: E402
+import kvmem.transformers as kt  # noqa: E402
+
+PROMPT, NEW = 48, 24
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                                   pad_token_id=0, eos_token_id=1, bos_token_id=2)
+    return transformers.LlamaForCausalLM(cfg).eval()
+
+
+@pytest.fixture(scope="module")
+def prompt():
+    return torch.randint(3, 96, (2, PROMPT), generator=torch.Generator().manual_seed(7))
+
+
+def generate(model, prompt, cache=None):
+    if cache is None:
+        model.set_attn_implementation("sdpa")  # KvmemCache switched it to "kvmem"
+    with torch.no_grad():
+        kwargs = {} if cache is None else {"past_key_values": cache}
+        return model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=NEW, do_sample=False,
+                              min_new_tokens=NEW, **kwargs)
+
+
+def test_eviction_holding_every_token_is_the_full_cache(model, prompt):
+    """Prefill then decode token by token through the kvmem backend gives the logits of one full forward
+    pass with transformers' own attention, when the memory's budget holds every token."""
+    ids = torch.cat([prompt, torch.randint(3, 96, (2, NEW), generator=torch.Generator().manual_seed(8))], dim=1)
+    model.set_attn_implementation("sdpa")
+    with torch.no_grad():
+        full = model(ids).logits
+        cache = kt.KvmemCache(model, kt.eviction("h2o", sinks=4, window=32, top_k=64))
+        steps = [model(ids[:, :PROMPT], past_key_values=cache).logits]
+        steps += [model(ids[:, t:t + 1], past_key_values=cache).logits for t in range(PROMPT, PROMPT + NEW)]
+    torch.testing.assert_close(torch.cat(steps, dim=1), full, rtol=1e-4, atol=1e-5)
+    assert cache.get_seq_length() == PROMPT + NEW
+    assert all(layer.memory is not None for layer in cache.layers)
+
+
+def test_generate_runs_every_layer_through_kvmem(model, prompt):
+    cache = kt.KvmemCache(model, kt.eviction("h2o", sinks=4, window=32, top_k=64))
+    got = generate(model, prompt, cache)
+    assert got.shape == (2, PROMPT + NEW) and torch.equal(got[:, :PROMPT], prompt)
+    assert cache.get_seq_length() == PROMPT + NEW - 1  # the last token is sampled, not attended
+    assert [layer.memory.tokens(1) for layer in cache.layers] == [PROMPT + NEW - 1] * 3
+
+
+@pytest.mark.parametrize("factory", [
+    kt.kvm(chunk=8, window_chunks=1, max_rows=8, budget=kvmem.budget.Fixed(8)),
+    kt.ovq(chunk=8, max_centroids=8),
+    kt.eviction("tova", sinks=2, window=8, top_k=8),
+], ids=["kvm", "ovq", "tova"])
+def test_small_memories_generate(model, prompt, factory):
+    dynamic = transformers.DynamicCache(config=model.config)
+    full = None
+    model.set_attn_implementation("sdpa")
+    with torch.no_grad():
+        full = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=NEW, min_new_tokens=NEW,
+                              do_sample=False, past_key_values=dynamic)
+    full_bytes = sum(layer.keys.nbytes + layer.values.nbytes for layer in dynamic.layers)
+    cache = kt.KvmemCache(model, factory)
+    got = generate(model, prompt, cache)
+    assert got.shape == full.shape and torch.equal(got[:, :PROMPT], prompt)
+    assert 0 < cache.held_bytes() < full_bytes
+    assert cache.get_seq_length() == PROMPT + NEW - 1
+
+
+def test_padding_is_refused(model, prompt):
+    mask = torch.ones_like(prompt)
+    mask[0, :5] = 0
+    cache = kt.KvmemCache(model, kt.eviction())
+    with torch.no_grad(), pytest.raises(ValueError, match="attention_mask: has padded tokens"):
+        model.generate(prompt, attention_mask=mask, past_key_values=cache, max_new_tokens=2)
+
+
+def test_float64_model_is_refused(prompt):
+    cfg = transformers.LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                   num_attention_heads=2, num_key_value_heads=1)
+    m = transformers.LlamaForCausalLM(cfg).double().eval()
+    cache = kt.KvmemCache(m, kt.eviction())
+    with torch.no_grad(), pytest.raises(TypeError, match=r"q\.dtype = torch\.float64"):
+        m(prompt[:1], past_key_values=cache)
