@@ -48,7 +48,9 @@ def kvm(**kwargs) -> MemoryFactory:
 
 
 def ovq(**kwargs) -> MemoryFactory:
-    """A factory of OvqMemory (OvqMemory's names: chunk, max_centroids, budget, beta, ...)."""
+    """A factory of OvqMemory (OvqMemory's names: chunk, max_centroids, budget, beta, ...). OVQ reads unit
+    queries and keys (spec OVQ.md §2: logits beta * sqrt(D) * q^ . k^), so on a model not trained with it
+    the attention changes even where every token has its own centroid."""
     return lambda layer_idx, **shape: memories.OvqMemory(**shape, **kwargs)
 
 

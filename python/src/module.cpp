@@ -12,6 +12,7 @@
 #include <nanobind/stl/vector.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstdint>
 #include <optional>
 #include <string>
@@ -98,6 +99,42 @@ void decode(long handle, const nb::ndarray<>& q, const nb::ndarray<>& k, const n
   memory.decode(call, std::span<const unsigned char>(active.data(), active.size()));
 }
 
+/// The C++ baseline of bench/python_overhead.py: the memory driven from C++ alone, timed in C++.
+/// "prefill": `repeats` prefills of all T tokens, each after an untimed reset; "decode": one reset, then T
+/// decode steps, token t of q, k, v (subviews) each. Returns the seconds of each call (fenced). Families
+/// without extra tensors only (KVM without a gate, OVQ, eviction).
+std::vector<double> time_calls(long handle, const nb::ndarray<>& q, const nb::ndarray<>& k, const nb::ndarray<>& v,
+                               const nb::ndarray<>& y, const std::string& mode, int repeats) {
+  auto& memory = handles().at(handle);
+  const Call call = make_call(q, k, v, {}, y);
+  if (mode != "prefill" && mode != "decode") throw invalid_argument(detail::describe("mode", mode, "must be prefill or decode"));
+  nb::gil_scoped_release release;
+  std::vector<double> seconds;
+  const auto timed = [&](auto&& fn) {
+    const auto start = std::chrono::steady_clock::now();
+    fn();
+    exec().fence();
+    seconds.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+  };
+  if (mode == "prefill") {
+    for (int r = 0; r < repeats; ++r) {
+      memory.reset();
+      exec().fence();
+      timed([&] { memory.prefill(call, {}); });
+    }
+    return seconds;
+  }
+  memory.reset();
+  const auto all = Kokkos::ALL;
+  for (long t = 0; t < static_cast<long>(call.q.extent(2)); ++t) {
+    const auto s = std::make_pair(t, t + 1);
+    const Call step{Kokkos::subview(call.q, all, all, s, all), Kokkos::subview(call.k, all, all, s, all),
+                    Kokkos::subview(call.v, all, all, s, all), Kokkos::subview(call.y, all, all, s, all), {}};
+    timed([&] { memory.decode(step, {}); });
+  }
+  return seconds;
+}
+
 }  // namespace
 }  // namespace kvmem::python
 
@@ -141,6 +178,8 @@ NB_MODULE(_kvmem, m) {
   m.def("held_bytes", [](long h) { return py::handles().at(h).held_bytes(); }, nb::arg("handle"));
   m.def("tokens", [](long h, long b) { return py::handles().at(h).tokens(b); }, nb::arg("handle"), nb::arg("sequence"));
   m.def("state", [](long h) { return py::handles().at(h).state(); }, nb::arg("handle"));
+  m.def("time_calls", &py::time_calls, nb::arg("handle"), nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("y"),
+        nb::arg("mode"), nb::arg("repeats"), "C++-timed prefills or decode steps (the baseline of bench/python_overhead.py).");
   m.def("data_pointer", [](const nb::ndarray<>& t) { return reinterpret_cast<std::uintptr_t>(t.data()); }, nb::arg("tensor"),
         "The data pointer a tensor has once it crosses into C++ (the tests compare it with tensor.data_ptr()).");
   m.def("count_events", [](bool on) {

@@ -36,14 +36,18 @@ def generate(model, prompt, cache=None):
                               min_new_tokens=NEW, **kwargs)
 
 
-def test_eviction_holding_every_token_is_the_full_cache(model, prompt):
+@pytest.mark.parametrize("factory", [
+    kt.eviction("h2o", sinks=4, window=32, top_k=64),
+    kt.eviction("tova", sinks=1, window=8, top_k=80),
+], ids=["h2o", "tova"])
+def test_memory_holding_every_token_is_the_full_cache(model, prompt, factory):
     """Prefill then decode token by token through the kvmem backend gives the logits of one full forward
     pass with transformers' own attention, when the memory's budget holds every token."""
     ids = torch.cat([prompt, torch.randint(3, 96, (2, NEW), generator=torch.Generator().manual_seed(8))], dim=1)
     model.set_attn_implementation("sdpa")
     with torch.no_grad():
         full = model(ids).logits
-        cache = kt.KvmemCache(model, kt.eviction("h2o", sinks=4, window=32, top_k=64))
+        cache = kt.KvmemCache(model, factory)
         steps = [model(ids[:, :PROMPT], past_key_values=cache).logits]
         steps += [model(ids[:, t:t + 1], past_key_values=cache).logits for t in range(PROMPT, PROMPT + NEW)]
     torch.testing.assert_close(torch.cat(steps, dim=1), full, rtol=1e-4, atol=1e-5)
