@@ -29,7 +29,7 @@ import torch
 
 import kvmem
 import kvmem.transformers as kt
-from kvmem import _kvmem
+from kvmem import _kvmem, ops
 
 B, HQ, HKV, D = 1, 8, 2, 64
 
@@ -49,7 +49,7 @@ def op_overhead(T: int, repeats: int, decode_steps: int):
     rows = []
     for name, make in memories().items():
         m = make()
-        cpp = _kvmem.time_calls(m.handle, q, k, v, y, "prefill", repeats)
+        cpp = _kvmem.time_calls(m.handle, ops.describe(q, k, v, y), "prefill", repeats)
         py = []
         for _ in range(repeats):
             m.reset()
@@ -57,13 +57,13 @@ def op_overhead(T: int, repeats: int, decode_steps: int):
             m.prefill(q, k, v, y=y)
             py.append(time.perf_counter() - start)
         qd, kd, vd, yd = q[:, :, :decode_steps], k[:, :, :decode_steps], v[:, :, :decode_steps], y[:, :, :decode_steps]
-        cpp_steps = _kvmem.time_calls(m.handle, qd, kd, vd, yd, "decode", 1)
+        cpp_steps = _kvmem.time_calls(m.handle, ops.describe(qd, kd, vd, yd), "decode", 1)
         m.reset()
         py_steps = []
-        for t in range(decode_steps):
-            s = slice(t, t + 1)
+        steps = [tuple(x[:, :, t:t + 1] for x in (qd, kd, vd, yd)) for t in range(decode_steps)]  # an engine's per-step tensors
+        for q1, k1, v1, y1 in steps:
             start = time.perf_counter()
-            m.decode(qd[:, :, s], kd[:, :, s], vd[:, :, s], y=yd[:, :, s])
+            m.decode(q1, k1, v1, y=y1)
             py_steps.append(time.perf_counter() - start)
         p_cpp, p_py = statistics.median(cpp), statistics.median(py)
         d_cpp, d_py = statistics.median(cpp_steps), statistics.median(py_steps)
@@ -119,7 +119,7 @@ def main():
     a = ap.parse_args()
     T, repeats, steps = (512, 3, 64) if a.quick else (4096, 7, 512)
     ops = op_overhead(T, repeats, steps)
-    gen = generate_loop(*((64, 8, 1) if a.quick else (1024, 64, 3)))
+    gen = generate_loop(*((512, 8, 1) if a.quick else (1024, 64, 3)))
     meta = dict(backend=kvmem.backend(), torch=torch.__version__, torch_threads=torch.get_num_threads(),
                 machine=platform.machine(), cpu_count=os.cpu_count(), date=time.strftime("%Y-%m-%d %H:%M:%S"),
                 load_average=os.getloadavg())

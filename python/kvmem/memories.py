@@ -52,6 +52,7 @@ class Memory:
         self.batch, self.query_heads, self.kv_heads = batch, query_heads, kv_heads
         self.head_dim, self.value_dim = head_dim, value_dim
         self._handle = 0
+        self._device = device()
 
     def _adopt(self, handle: int) -> None:
         self._handle = handle
@@ -62,14 +63,26 @@ class Memory:
         return self._handle
 
     # --- tensors -------------------------------------------------------------------------------------
-    def _token(self, name: str, t, heads: int, channels: int, tokens: int | None) -> torch.Tensor:
-        t = _tensor(name, t)
-        if t.dim() == 3:  # [T, H, C]: one sequence, seen as [1, H, T, C] (a view)
+    def _token(self, name: str, t, heads: int, channels: int, tokens: int | None, out: list[int]) -> int:
+        """Checks token tensor ``t`` ([B, H, T, C], or [T, H, C] for batch 1) and appends its descriptor
+        (data pointer, extents and strides as [B, H, T, C]; ops.describe) to ``out``. Returns T. This runs at
+        every decode step of every layer, so it reads each property once and makes no view."""
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} = {type(t).__name__}: must be a torch.Tensor")
+        if t.dtype is not torch.float32:
+            raise TypeError(f"{name}.dtype = {t.dtype}: must be torch.float32 (kvmem does not cast)")
+        if t.device != self._device:
+            raise ValueError(f"{name}.device = {t.device}: must be the memory's device {self._device} (kvmem does not copy)")
+        shape, stride = t.shape, t.stride()
+        if len(shape) == 3:  # [T, H, C]: one sequence, described as [1, H, T, C]
             if self.batch != 1:
-                raise ValueError(f"{name}.shape = {tuple(t.shape)}: the [tokens, heads, channels] layout holds one "
+                raise ValueError(f"{name}.shape = {tuple(shape)}: the [tokens, heads, channels] layout holds one "
                                  f"sequence, but the memory's batch is {self.batch}; pass [B, H, T, D]")
-            t = t.unsqueeze(0).transpose(1, 2)
-        B, H, T, C = t.shape
+            shape = (1, shape[1], shape[0], shape[2])
+            stride = (shape[2] * stride[0], stride[1], stride[0], stride[2])
+        elif len(shape) != 4:
+            raise ValueError(f"{name}.dim() = {len(shape)}: must be one of (3, 4)")
+        B, H, T, C = shape
         if B != self.batch:
             raise ValueError(f"{name}.shape[0] = {B}: must equal the memory's batch size {self.batch}")
         if H != heads:
@@ -78,9 +91,12 @@ class Memory:
             raise ValueError(f"{name} channels = {C}: must equal {channels}")
         if tokens is not None and T != tokens:
             raise ValueError(f"{name} tokens = {T}: must equal the token count of q ({tokens})")
-        if C > 1 and t.stride(3) != 1:
-            raise ValueError(f"{name}.stride(-1) = {t.stride(3)}: channels must be contiguous (kvmem does not copy)")
-        return t
+        if C > 1 and stride[3] != 1:
+            raise ValueError(f"{name}.stride(-1) = {stride[3]}: channels must be contiguous (kvmem does not copy)")
+        out.append(t.data_ptr())
+        out.extend(shape)
+        out.extend(stride)
+        return T
 
     def _gate(self, name: str, t, heads: int, tokens: int) -> torch.Tensor:
         t = _tensor(name, t, (2, 3))
@@ -106,19 +122,24 @@ class Memory:
         return self._gate(name, t, self.kv_heads, tokens)
 
     def _call(self, op, q, k, v, extras, y, control):
-        q4 = self._token("q", q, self.query_heads, self.head_dim, None)
-        T = q4.shape[2]
-        k4 = self._token("k", k, self.kv_heads, self.head_dim, T)
-        v4 = self._token("v", v, self.kv_heads, self.value_dim, T)
-        xs = self._extras(extras, T)
+        tensors: list[int] = []
+        T = self._token("q", q, self.query_heads, self.head_dim, None, tensors)
+        self._token("k", k, self.kv_heads, self.head_dim, T, tensors)
+        self._token("v", v, self.kv_heads, self.value_dim, T, tensors)
+        xs = self._extras(extras, T) if extras else []
+        if not xs and len(self.extras) > self.optional_extras:
+            self._extras(extras, T)  # raises: this family needs its extra tensors
         if y is None:  # inactive sequences of a decode keep their rows: zeros in a new y
             fill = torch.zeros if op is ops.decode and not all(control) else torch.empty
             y = fill(q.shape[:-1] + (self.value_dim,), dtype=torch.float32, device=q.device)
-        y4 = self._token("y", y, self.query_heads, self.value_dim, T)
-        for name, t in (("q", q4), ("k", k4), ("v", v4)):
-            if _overlaps(y4, t):
-                raise ValueError(f"y: must not alias the input {name}")
-        op(self._handle, q4, k4, v4, xs, y4, control)
+        self._token("y", y, self.query_heads, self.value_dim, T, tensors)  # C++ refuses a y overlapping q, k or v
+        if op is ops.decode and control:
+            control = [1 if a else 0 for a in control]
+        if torch.compiler.is_compiling():  # traced: the custom op (on [B, H, T, C] views), which the graph records
+            as4 = lambda t: t.unsqueeze(0).transpose(1, 2) if t.dim() == 3 else t
+            op(self._handle, as4(q), as4(k), as4(v), xs, as4(y), control)
+        else:  # eager: straight to C++ (a custom op's dispatcher costs more than the checks and the call)
+            (_kvmem.prefill if op is ops.prefill else _kvmem.decode)(self._handle, tensors, xs, control)
         return y
 
     # --- the memory's contract ---------------------------------------------------------------------------
@@ -180,15 +201,6 @@ class Memory:
             self.close()
         except Exception:  # interpreter shutdown: kvmem already finalized every memory
             pass
-
-
-def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """True when the byte ranges of a and b intersect (an aliased output would be read while written)."""
-    if a.numel() == 0 or b.numel() == 0:
-        return False
-    span = lambda t: (t.data_ptr(), t.data_ptr() + 4 * (1 + sum((s - 1) * st for s, st in zip(t.shape, t.stride()))))
-    (a0, a1), (b0, b1) = span(a), span(b)
-    return a0 < b1 and b0 < a1
 
 
 def _weight(name: str, t, n: int, default: float) -> torch.Tensor:
@@ -306,8 +318,9 @@ class TrellisMemory(Memory):
         self._adopt(_kvmem.make_trellis(cfg, phi, f, lw, lb, batch))
 
     def _extra(self, name: str, t, tokens: int) -> torch.Tensor:
-        if name == "alpha":
-            return self._token("alpha", t, self.kv_heads, self.slots, tokens)
+        if name == "alpha":  # checked as a token tensor, passed on as a [B, H, T, m] view
+            self._token("alpha", t, self.kv_heads, self.slots, tokens, [])
+            return t.unsqueeze(0).transpose(1, 2) if t.dim() == 3 else t
         return self._gate(name, t, self.kv_heads, tokens)
 
 

@@ -1,15 +1,18 @@
-"""The torch.library custom ops ``kvmem::prefill`` and ``kvmem::decode``.
+"""The torch.library custom ops ``kvmem::prefill`` and ``kvmem::decode``, and how tensors cross into C++.
 
-Both take a memory handle (an int: what torch.compile can trace), the token tensors and an output tensor
+Both ops take a memory handle (an int: what torch.compile can trace), the token tensors and an output tensor
 ``y`` that they write in place (``mutates_args=("y",)``), and return nothing. Their fake (meta)
 implementations do nothing, since ``y`` already has its final shape: a model that calls them traces under
 torch.compile without graph breaks and ``torch.library.opcheck`` passes. The memory classes of
-kvmem.memories check every argument before they call these ops; the C++ side checks shapes again.
+kvmem.memories check every argument and, outside torch.compile tracing, call the C++ module directly
+(``call``): the dispatcher of a custom op costs tens of microseconds, a decode step's whole budget.
 
 Tensors (views of the caller's tensors, no copy; any strides with a contiguous channel axis):
   q [B, Hq, T, D], k [B, Hkv, T, D], v [B, Hkv, T, Dv], y [B, Hq, T, Dv] (written),
   extras: the family's extra tensors (KVM/OVQ: [] or [gate [B, Hkv, T]]; Trellis: alpha [B, H, T, m],
   beta1, gamma1, beta2, gamma2 [B, H, T]).
+They cross as a descriptor: per tensor its data pointer, extents and strides (``describe``), which C++ wraps
+as unmanaged Kokkos views; DLPack would cost microseconds per tensor at every step.
 """
 
 from __future__ import annotations
@@ -19,6 +22,34 @@ from collections.abc import Sequence
 import torch
 
 from . import _kvmem
+from ._device import device
+
+
+def describe(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, y: torch.Tensor) -> list[int]:
+    """The 36-integer descriptor of q, k, v, y: (data pointer, 4 extents, 4 strides in elements) each.
+    Raises TypeError for a dtype other than float32 and ValueError for another device, a rank other than 4
+    or non-contiguous channels, naming the tensor: the checks that keep a raw pointer safe."""
+    out: list[int] = []
+    dev = device()
+    for name, t in (("q", q), ("k", k), ("v", v), ("y", y)):
+        if t.dtype != torch.float32:
+            raise TypeError(f"{name}.dtype = {t.dtype}: must be torch.float32 (kvmem does not cast)")
+        if t.device != dev:
+            raise ValueError(f"{name}.device = {t.device}: must be the memory's device {dev} (kvmem does not copy)")
+        if t.dim() != 4:
+            raise ValueError(f"{name}.dim() = {t.dim()}: must be 4 ([B, H, T, C])")
+        stride = t.stride()
+        if stride[3] != 1 and t.shape[3] > 1:
+            raise ValueError(f"{name}.stride(-1) = {stride[3]}: channels must be contiguous (kvmem does not copy)")
+        out.append(t.data_ptr())
+        out.extend(t.shape)
+        out.extend(stride)
+    return out
+
+
+def call(run, handle: int, q, k, v, extras: Sequence[torch.Tensor], y, control: Sequence[int]) -> None:
+    """Runs ``_kvmem.prefill`` or ``_kvmem.decode`` (``run``) on the tensors, without the dispatcher."""
+    run(handle, describe(q, k, v, y), [x.detach() for x in extras], control)
 
 
 @torch.library.custom_op("kvmem::prefill", mutates_args=("y",))
@@ -26,7 +57,7 @@ def prefill(handle: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, extr
             y: torch.Tensor, lengths: Sequence[int]) -> None:
     """Runs T tokens of every sequence through memory ``handle`` (sequence b: its first lengths[b] tokens;
     all T when ``lengths`` is empty) and writes y. Raises ValueError for shapes the memory rejects."""
-    _kvmem.prefill(handle, q.detach(), k.detach(), v.detach(), [x.detach() for x in extras], y.detach(), list(lengths))
+    call(_kvmem.prefill, handle, q, k, v, extras, y, list(lengths))
 
 
 @prefill.register_fake
@@ -39,8 +70,7 @@ def decode(handle: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, extra
            y: torch.Tensor, active: Sequence[int]) -> None:
     """Runs one token of every sequence b with active[b] != 0 (all when ``active`` is empty) through memory
     ``handle`` and writes its row of y (rows of inactive sequences are left as they were)."""
-    _kvmem.decode(handle, q.detach(), k.detach(), v.detach(), [x.detach() for x in extras], y.detach(),
-                  [1 if a else 0 for a in active])
+    call(_kvmem.decode, handle, q, k, v, extras, y, [1 if a else 0 for a in active])
 
 
 @decode.register_fake

@@ -12,6 +12,7 @@
 #include <nanobind/stl/vector.h>
 
 #include <algorithm>
+#include <array>
 #include <chrono>
 #include <cstdint>
 #include <optional>
@@ -76,25 +77,43 @@ void finalize() {
   if (Kokkos::is_initialized() && !Kokkos::is_finalized()) Kokkos::finalize();
 }
 
-/// The views of one call; extras are kept as tensors for the family to read.
-Call make_call(const nb::ndarray<>& q, const nb::ndarray<>& k, const nb::ndarray<>& v, std::vector<nb::ndarray<>> extras,
-               const nb::ndarray<>& y) {
-  return {token_view<tokens_in>(q, "q"), token_view<tokens_in>(k, "k"), token_view<tokens_in>(v, "v"),
-          token_view<tokens_out>(y, "y"), std::move(extras)};
+/// The views of one call from its descriptor (tensors.hpp); extras are kept as tensors for the family.
+/// Throws kvmem::invalid_argument when y's bytes overlap those of q, k or v (the output would be written
+/// while it is read).
+Call make_call(const std::vector<std::int64_t>& tensors, std::vector<nb::ndarray<>> extras) {
+  if (tensors.size() != descriptor_size)
+    throw invalid_argument(detail::describe("tensors", tensors.size(), "must be 36 integers: q, k, v, y as (pointer, 4 extents, 4 strides)"));
+  const auto span = [&](std::size_t i) {  // [first byte, one past the last byte) of tensor i
+    const std::int64_t* t = tensors.data() + 9 * i;
+    std::int64_t last = 0;
+    for (int d = 0; d < 4; ++d) {
+      if (t[1 + d] == 0) return std::pair<std::int64_t, std::int64_t>{t[0], t[0]};
+      last += (t[1 + d] - 1) * t[5 + d];
+    }
+    return std::pair<std::int64_t, std::int64_t>{t[0], t[0] + 4 * (last + 1)};
+  };
+  const auto [y0, y1] = span(3);
+  for (std::size_t i = 0; i < 3; ++i) {
+    const auto [a0, a1] = span(i);
+    if (a0 < y1 && y0 < a1 && a0 < a1 && y0 < y1)
+      throw invalid_argument(std::string("y: must not alias the input ") + "qkv"[i] + " (its bytes overlap; pass another y)");
+  }
+  return {described_view<tokens_in>(tensors, 0), described_view<tokens_in>(tensors, 1), described_view<tokens_in>(tensors, 2),
+          described_view<tokens_out>(tensors, 3), std::move(extras)};
 }
 
-void prefill(long handle, const nb::ndarray<>& q, const nb::ndarray<>& k, const nb::ndarray<>& v,
-             std::vector<nb::ndarray<>> extras, const nb::ndarray<>& y, const std::vector<long>& lengths) {
+void prefill(long handle, const std::vector<std::int64_t>& tensors, std::vector<nb::ndarray<>> extras,
+             const std::vector<long>& lengths) {
   auto& memory = handles().at(handle);
-  const Call call = make_call(q, k, v, std::move(extras), y);
+  const Call call = make_call(tensors, std::move(extras));
   nb::gil_scoped_release release;
   memory.prefill(call, lengths);
 }
 
-void decode(long handle, const nb::ndarray<>& q, const nb::ndarray<>& k, const nb::ndarray<>& v,
-            std::vector<nb::ndarray<>> extras, const nb::ndarray<>& y, const std::vector<std::uint8_t>& active) {
+void decode(long handle, const std::vector<std::int64_t>& tensors, std::vector<nb::ndarray<>> extras,
+            const std::vector<std::uint8_t>& active) {
   auto& memory = handles().at(handle);
-  const Call call = make_call(q, k, v, std::move(extras), y);
+  const Call call = make_call(tensors, std::move(extras));
   nb::gil_scoped_release release;
   memory.decode(call, std::span<const unsigned char>(active.data(), active.size()));
 }
@@ -103,10 +122,9 @@ void decode(long handle, const nb::ndarray<>& q, const nb::ndarray<>& k, const n
 /// "prefill": `repeats` prefills of all T tokens, each after an untimed reset; "decode": one reset, then T
 /// decode steps, token t of q, k, v (subviews) each. Returns the seconds of each call (fenced). Families
 /// without extra tensors only (KVM without a gate, OVQ, eviction).
-std::vector<double> time_calls(long handle, const nb::ndarray<>& q, const nb::ndarray<>& k, const nb::ndarray<>& v,
-                               const nb::ndarray<>& y, const std::string& mode, int repeats) {
+std::vector<double> time_calls(long handle, const std::vector<std::int64_t>& tensors, const std::string& mode, int repeats) {
   auto& memory = handles().at(handle);
-  const Call call = make_call(q, k, v, {}, y);
+  const Call call = make_call(tensors, {});
   if (mode != "prefill" && mode != "decode") throw invalid_argument(detail::describe("mode", mode, "must be prefill or decode"));
   nb::gil_scoped_release release;
   std::vector<double> seconds;
@@ -167,10 +185,8 @@ NB_MODULE(_kvmem, m) {
   py::bind_eviction_memories(m);
   py::bind_trellis_memory(m);
 
-  m.def("prefill", &py::prefill, nb::arg("handle"), nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("extras"), nb::arg("y"),
-        nb::arg("lengths"));
-  m.def("decode", &py::decode, nb::arg("handle"), nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("extras"), nb::arg("y"),
-        nb::arg("active"));
+  m.def("prefill", &py::prefill, nb::arg("handle"), nb::arg("tensors"), nb::arg("extras"), nb::arg("lengths"));
+  m.def("decode", &py::decode, nb::arg("handle"), nb::arg("tensors"), nb::arg("extras"), nb::arg("active"));
   m.def("reset", [](long h) { py::handles().at(h).reset(); }, nb::arg("handle"));
   m.def("release", [](long h) { py::handles().release(h); }, nb::arg("handle"));
   m.def("live_memories", [] { return py::handles().live(); });
@@ -178,10 +194,14 @@ NB_MODULE(_kvmem, m) {
   m.def("held_bytes", [](long h) { return py::handles().at(h).held_bytes(); }, nb::arg("handle"));
   m.def("tokens", [](long h, long b) { return py::handles().at(h).tokens(b); }, nb::arg("handle"), nb::arg("sequence"));
   m.def("state", [](long h) { return py::handles().at(h).state(); }, nb::arg("handle"));
-  m.def("time_calls", &py::time_calls, nb::arg("handle"), nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("y"),
-        nb::arg("mode"), nb::arg("repeats"), "C++-timed prefills or decode steps (the baseline of bench/python_overhead.py).");
-  m.def("data_pointer", [](const nb::ndarray<>& t) { return reinterpret_cast<std::uintptr_t>(t.data()); }, nb::arg("tensor"),
-        "The data pointer a tensor has once it crosses into C++ (the tests compare it with tensor.data_ptr()).");
+  m.def("time_calls", &py::time_calls, nb::arg("handle"), nb::arg("tensors"), nb::arg("mode"), nb::arg("repeats"), "C++-timed prefills or decode steps (the baseline of bench/python_overhead.py).");
+  m.def("view_data", [](const std::vector<std::int64_t>& tensors, int i) {
+    const py::Call call = py::make_call(tensors, {});
+    const std::array<const float*, 4> data{call.q.data(), call.k.data(), call.v.data(), call.y.data()};
+    return reinterpret_cast<std::uintptr_t>(data.at(static_cast<std::size_t>(i)));
+  }, nb::arg("tensors"), nb::arg("index"),
+        "The data pointer of the Kokkos view that a call makes of tensor `index` (0 q, 1 k, 2 v, 3 y); the tests "
+        "compare it with tensor.data_ptr().");
   m.def("count_events", [](bool on) {
     if (on && !py::g_counts.on) {
       Kokkos::Tools::Experimental::set_allocate_data_callback(py::on_allocate);

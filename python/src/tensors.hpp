@@ -6,8 +6,10 @@
 #include <Kokkos_Core.hpp>
 #include <nanobind/ndarray.h>
 
+#include <cstdint>
 #include <string>
 #include <type_traits>
+#include <vector>
 
 #include <kvmem/errors.hpp>
 
@@ -56,6 +58,20 @@ View token_view(const nb::ndarray<>& t, const char* name) {
   const Kokkos::LayoutStride layout(t.shape(0), t.stride(0), t.shape(1), t.stride(1), t.shape(2), t.stride(2),
                                     t.shape(3), t.stride(3));
   return View(static_cast<typename View::pointer_type>(t.data()), layout);
+}
+
+/// The four token tensors of a call (q, k, v, y) as the Python side describes them, without DLPack (which
+/// costs microseconds per tensor at every decode step): per tensor its data pointer, 4 extents and 4
+/// strides (in elements), 36 integers in all. The Python side has checked dtype (float32), device and
+/// rank; the memories check the extents against their configuration.
+inline constexpr std::size_t descriptor_size = 4 * 9;
+
+/// The rank-4 view of tensor `i` (0 q, 1 k, 2 v, 3 y) of a descriptor (see descriptor_size).
+template <class View>
+View described_view(const std::vector<std::int64_t>& d, std::size_t i) {
+  const std::int64_t* t = d.data() + 9 * i;
+  const Kokkos::LayoutStride layout(t[1], t[5], t[2], t[6], t[3], t[7], t[4], t[8]);
+  return View(reinterpret_cast<typename View::pointer_type>(static_cast<std::uintptr_t>(t[0])), layout);
 }
 
 /// A rank-3 view [B, heads, T] of `t` (checked by check_tensor), sharing its data and strides.
