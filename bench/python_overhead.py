@@ -1,7 +1,11 @@
 """The Python door's cost: kvmem's torch ops against the same C++ memory driven from C++ alone (one
 process, same tensors), and a transformers generate() loop with kvmem against transformers' own attention.
 
-    python bench/python_overhead.py [--out bench/results/python.json] [--quick]
+    python bench/python_overhead.py [--out bench/results/python.json] [--quick] [--only ops|generate]
+
+The op overhead is best read with one thread (OMP_NUM_THREADS=1 KVMEM_NUM_THREADS=1): with several, the
+time between two Python calls lets OpenMP's threads go to sleep, and waking them at the next call adds
+tens of microseconds that the C++ loop, calling back to back, does not pay.
 
 1. Op overhead. For KVM (fixed budget, 256 state rows) and H2O eviction (sinks 4, window 256, top-k 256):
    a prefill of T tokens and T decode steps (B = 1, Hq = 8, Hkv = 2, D = 64), each timed as
@@ -12,7 +16,8 @@ process, same tensors), and a transformers generate() loop with kvmem against tr
 2. generate(). A Llama of SmolLM2-135M's shapes (30 layers, hidden 576, 9 query heads, 3 kv-heads, head_dim
    64; random weights: speed does not depend on them) generates N tokens after a P-token prompt, greedy,
    with transformers' sdpa attention and DynamicCache, and with KvmemCache (KVM and H2O at 1/4 of the
-   cache). Reported: tokens/s of the generate() call and the cache's peak bytes.
+   cache). Reported: tokens/s of the generate() call (prefill included) and the cache's bytes: held (keys and
+   values kept) and allocated (peak allocation, scratch included).
 Medians of several repeats; JSON with the machine's thread count and torch's version.
 """
 
@@ -105,10 +110,14 @@ def generate_loop(prompt: int, new: int, repeats: int):
                 model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache, max_new_tokens=new,
                                min_new_tokens=new, do_sample=False)
             speeds.append(new / (time.perf_counter() - start))
-            peak = (cache.allocated_bytes() if isinstance(cache, kt.KvmemCache)
-                    else sum(l.keys.nbytes + l.values.nbytes for l in cache.layers))
-        out.append(dict(cache=name, prompt=prompt, new_tokens=new, tokens_per_s=statistics.median(speeds), peak_cache_bytes=peak))
-        print(f"generate {prompt}+{new}: {name:<36} {statistics.median(speeds):7.1f} tok/s  cache {peak / 2**20:7.2f} MiB", flush=True)
+            if isinstance(cache, kt.KvmemCache):
+                held, peak = cache.held_bytes(), cache.allocated_bytes()
+            else:
+                held = peak = sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers)
+        out.append(dict(cache=name, prompt=prompt, new_tokens=new, tokens_per_s=statistics.median(speeds),
+                        held_cache_bytes=held, peak_cache_bytes=peak))
+        print(f"generate {prompt}+{new}: {name:<36} {statistics.median(speeds):7.1f} tok/s  cache held {held / 2**20:7.2f} MiB, "
+              f"allocated {peak / 2**20:7.2f} MiB", flush=True)
     return out
 
 
@@ -116,10 +125,11 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "python.json"))
     ap.add_argument("--quick", action="store_true", help="smaller sizes (a smoke test, seconds)")
+    ap.add_argument("--only", choices=["ops", "generate"], help="run one of the two parts")
     a = ap.parse_args()
     T, repeats, steps = (512, 3, 64) if a.quick else (4096, 7, 512)
-    ops = op_overhead(T, repeats, steps)
-    gen = generate_loop(*((512, 8, 1) if a.quick else (1024, 64, 3)))
+    ops = [] if a.only == "generate" else op_overhead(T, repeats, steps)
+    gen = [] if a.only == "ops" else generate_loop(*((512, 8, 1) if a.quick else (1024, 64, 3)))
     meta = dict(backend=kvmem.backend(), torch=torch.__version__, torch_threads=torch.get_num_threads(),
                 machine=platform.machine(), cpu_count=os.cpu_count(), date=time.strftime("%Y-%m-%d %H:%M:%S"),
                 load_average=os.getloadavg())

