@@ -93,3 +93,24 @@ def test_trellis(kvmem_run, tmp_path, rand, mode):
                                   *[x[:, :, s:s + 1] for x in extras]) for s in range(T)], dim=2)
     np.testing.assert_array_equal(y.numpy(), want["y"])
     np.testing.assert_array_equal(mem.state()["m1"].numpy(), want["m1"])
+
+
+@pytest.mark.parametrize("normalizer", ["xlstm", "plain"])
+def test_eviction_kvpop(kvmem_run, tmp_path, rand, normalizer):
+    """KVPOP's learned mLSTM scorer: weights given as a dict of tensors (copied at construction), the
+    same as kvmem-run --weights on the same values."""
+    B, Hq, Hkv, T, D = 2, 4, 2, 50, 8
+    h, X = D // 2, 2 * D
+    shapes = dict(w_q=(Hkv, X, h), w_k=(Hkv, X, h), w_v=(Hkv, X, h), w_i=(Hkv, X), b_i=(Hkv,), w_f=(Hkv, X), b_f=(Hkv,),
+                  w_s=(Hkv, h), b_s=(Hkv,))
+    weights = {n: 0.3 * rand(*sh) for n, sh in shapes.items()}
+    weights["b_f"] += 2.0
+    weights["theta"] = torch.tensor([-8.0, 4.0])
+    stn.save(str(tmp_path / "w.safetensors"), {n: t.numpy() for n, t in weights.items()})
+    t = dict(q=rand(B, Hq, T, D), k=rand(B, Hkv, T, D), v=rand(B, Hkv, T, D))
+    want = run(kvmem_run, tmp_path, "evict", t, ["--sinks", 2, "--window", 6, "--top-k", 8, "--scorer", "kvpop", "--weights",
+                                                 tmp_path / "w.safetensors", "--decay-interval", 2, "--normalizer", normalizer])
+    m = kvmem.EvictionMemory(D, Hq, Hkv, batch=B, scorer="kvpop", sinks=2, window=6, top_k=8, decay_interval=2,
+                             weights=weights, normalizer=normalizer)
+    np.testing.assert_array_equal(m.prefill(t["q"], t["k"], t["v"]).numpy(), want["y"])
+    np.testing.assert_array_equal(m.state()["kept_rows"].numpy(), want["kept_rows"])
