@@ -1,4 +1,4 @@
-"""Greedy generation of a real causal LM (SmolLM2-135M-Instruct, see smollm2.py) with transformers' full KV
+"""Greedy generation of a real causal LM (SmolLM2-135M-Instruct, loaded by tools/capture/smollm2.py) with transformers' full KV
 cache and with kvmem memories in every layer at 1/4 and 1/8 of it, printed side by side with the peak
 bytes of each cache.
 
@@ -26,7 +26,7 @@ from transformers import DynamicCache
 import kvmem
 import kvmem.transformers as kt
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "tools", "capture"))
 import smollm2  # noqa: E402
 
 CONTEXT = """The harbour town of Velmora sits at the mouth of the river Aske. Its lighthouse keeper in the year

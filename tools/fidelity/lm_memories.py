@@ -1,0 +1,89 @@
+"""The memories of the end-to-end study, sized for a fraction f of a T-token KV cache, as factories for
+kvmem.transformers.KvmemCache (one memory per layer, built at the layer's first call).
+
+Sizing follows kvmem-eval's rules (tools/kvmem_eval/sizing.hpp, window share s = 1/4, one window chunk,
+one sink) so the per-layer and end-to-end tables read the same memories:
+
+  M = f * T tokens per kv-head and layer;  chunk C = max(1, round(s * M));  rows R = max(C, round(M) - C)
+  kvm-fixed   KVM, window C, budget.Fixed(R), row cap R + C
+  kvm-sqrt    KVM, window C, budget.PowerLaw(a * sqrt(ctx)) with a = R / sqrt(T) (R rows at token T)
+  kvm-h2o     KVM, window C, budget.PowerLaw(16 * sqrt(ctx)) and H2O row eviction down to R rows
+  ovq         OVQ, open chunk C, at most R centroids (plateau)
+  streaming, knorm, h2o, tova   eviction: window w = min(M, max(1, round(s * M))), 4 sinks, top-k the rest
+
+KVM and OVQ take a layer's calibrated scalars (tools/fidelity/calibrate.py) when `calibration` is given
+({layer: {"ln_weight", "ln_bias", "tau_state", "beta"}}), the neutral stand-ins otherwise. KVPOP is not
+here (its mLSTM scorer needs trained weights, which no public checkpoint has); Trellis neither (it needs
+per-token targets and gates that a pretrained transformer does not have, see kvmem.transformers).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+import kvmem
+import kvmem.transformers as kt
+
+WINDOW_SHARE = 0.25
+KVM_SINKS = 1
+EVICTION_SINKS = 4
+
+#: memory ids in table order, with their labels
+LABELS = {"kvm-fixed": "KVM fixed", "kvm-sqrt": "KVM a*sqrt(N)", "kvm-h2o": "KVM + H2O rows", "ovq": "OVQ plateau",
+          "streaming": "StreamingLLM", "knorm": "KNorm", "h2o": "H2O", "tova": "TOVA"}
+CALIBRATED = ("kvm-fixed", "kvm-sqrt", "kvm-h2o", "ovq")  # the memories with learned scalars
+
+
+def budget_split(T: int, fraction: float) -> tuple[int, int]:
+    """(C, R): chunk (= window) tokens and state rows of a fraction of a T-token cache. Raises ValueError
+    naming the fraction when it leaves no room for a chunk above the sink."""
+    M = fraction * T
+    C = max(1, round(WINDOW_SHARE * M))
+    R = max(C, round(M) - C)
+    if C <= KVM_SINKS or R <= KVM_SINKS:
+        raise ValueError(f"fraction = {fraction}: {M:.1f} tokens of a {T}-token cache leave chunk {C} and rows {R}, "
+                         f"which must exceed the {KVM_SINKS} sink row")
+    return C, R
+
+
+def _layer_weights(calibration, layer_idx: int, kind: str) -> dict:
+    if calibration is None:
+        return {}
+    c = calibration[layer_idx]
+    if kind == "ovq":
+        return {"beta": torch.tensor(c["beta"], dtype=torch.float32)}
+    return {name: torch.tensor(c[name], dtype=torch.float32) for name in ("ln_weight", "ln_bias", "tau_state")}
+
+
+def factory(memory: str, T: int, fraction: float, calibration=None):
+    """A KvmemCache factory of `memory` (an id of LABELS) at `fraction` of a T-token cache. Raises ValueError
+    for an unknown id or a fraction too small (budget_split)."""
+    if memory not in LABELS:
+        raise ValueError(f"memory = {memory!r}: unknown (known: {', '.join(LABELS)})")
+    C, R = budget_split(T, fraction)
+    if memory in ("streaming", "knorm", "h2o", "tova"):
+        M = round(fraction * T)
+        w = min(M, max(1, round(WINDOW_SHARE * fraction * T)))
+        sinks = max(0, min(EVICTION_SINKS, M - w))
+        return kt.eviction(memory, sinks=sinks, window=w, top_k=max(0, M - w - sinks))
+    if memory == "ovq":
+        return lambda layer_idx, **shape: kvmem.OvqMemory(**shape, chunk=C, max_centroids=R,
+                                                          **_layer_weights(calibration, layer_idx, "ovq"))
+    kvm_args = {"chunk": C, "window_chunks": 1, "sinks": KVM_SINKS}
+    if memory == "kvm-fixed":
+        kvm_args.update(max_rows=R + C, budget=kvmem.budget.Fixed(R))
+    elif memory == "kvm-sqrt":
+        kvm_args.update(max_rows=R + C, budget=kvmem.budget.PowerLaw(growth_factor=R / math.sqrt(T)))
+    else:  # kvm-h2o
+        kvm_args.update(max_rows=T + C, budget=kvmem.budget.PowerLaw(growth_factor=16.0), evict_rows_above=R)
+    return lambda layer_idx, **shape: kvmem.KvmMemory(**shape, **kvm_args,
+                                                      **_layer_weights(calibration, layer_idx, "kvm"))
+
+
+def held_tokens(memory: str, T: int, fraction: float) -> int:
+    """Tokens' worth of keys and values the memory holds per kv-head at the end of T tokens (its budget)."""
+    C, R = budget_split(T, fraction)
+    if memory in ("streaming", "knorm", "h2o", "tova"):
+        return round(fraction * T)
+    return R + C
