@@ -50,6 +50,8 @@ def budget_split(T: int, fraction: float) -> tuple[int, int]:
 def _layer_weights(calibration, layer_idx: int, kind: str) -> dict:
     if calibration is None:
         return {}
+    if layer_idx not in calibration:
+        raise ValueError(f"calibration: has no layer {layer_idx} (calibrate every layer of the model)")
     c = calibration[layer_idx]
     if kind == "ovq":
         return {"beta": torch.tensor(c["beta"], dtype=torch.float32)}

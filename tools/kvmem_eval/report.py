@@ -207,19 +207,25 @@ def main():
     if a.inputs:
         labels = a.input_labels or [os.path.basename(p) for p in a.inputs]
         blocks["inputs-table"] = inputs_table(a.inputs, labels)
+    fill(a.doc, blocks)
+
+
+def fill(path, blocks):
+    """Replaces each block <!-- generated:NAME --> ... <!-- /generated:NAME --> of the document at `path` by
+    blocks[NAME]; a block missing from the document is an error (exit 2)."""
     try:
-        with open(a.doc) as f:
+        with open(path) as f:
             doc = f.read()
     except OSError as e:
-        fail(f"--doc {a.doc}: {e}")
+        fail(f"--doc {path}: {e}")
     for name, body in blocks.items():
         pat = re.compile(rf"(<!-- generated:{re.escape(name)} -->\n).*?(<!-- /generated:{re.escape(name)} -->)", re.S)
         if not pat.search(doc):
-            fail(f"{a.doc}: no block <!-- generated:{name} --> ... <!-- /generated:{name} -->")
+            fail(f"{path}: no block <!-- generated:{name} --> ... <!-- /generated:{name} -->")
         doc = pat.sub(lambda m: m.group(1) + body + "\n" + m.group(2), doc)
-    with open(a.doc, "w") as f:
+    with open(path, "w") as f:
         f.write(doc)
-    print(f"report.py: filled {len(blocks)} blocks of {a.doc}")
+    print(f"report: filled {len(blocks)} blocks of {path}")
 
 
 if __name__ == "__main__":

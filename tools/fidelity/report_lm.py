@@ -1,0 +1,118 @@
+#!/usr/bin/env python3
+"""Fill the causal-LM blocks of docs/fidelity.md (lm-headline, lm-e2e-table, lm-layers-calibrated,
+lm-calibration-table) from the reports of end_to_end.py, calibrate.py fit and kvmem-eval, with
+tools/kvmem_eval/report.py's block filler (a block missing from the document is an error, exit 2).
+
+  report_lm.py --doc docs/fidelity.md --e2e e2e.json --calibration calibration.json \
+               --layers layer0.json ... --calibrated layer0-kvm-calibrated.json layer0-ovq-calibrated.json ...
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from statistics import mean
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "kvmem_eval"))
+from report import fill, load  # noqa: E402
+
+
+def layer_mean(reports: list[dict], memory: str, fraction_label: str) -> float | None:
+    vals = [x["rel_l2"] for r in reports for x in r["results"]
+            if x["memory"] == memory and x["fraction_label"] == fraction_label]
+    return mean(vals) if vals else None
+
+
+def e2e_row(e2e: dict, memory: str, label: str, calibrated: bool) -> dict | None:
+    for r in e2e["results"]:
+        if r["memory"] == memory and r["fraction_label"] == label and r["calibrated"] == calibrated:
+            return r
+    return None
+
+
+def e2e_table(e2e: dict) -> str:
+    full = e2e["full"]
+    n = len(full["needle"])
+    lines = ["| memory | budget | scalars | held per kv-head and layer (tokens) | held MiB (all layers) | perplexity "
+             "| next-token agreement | needle retrieved |", "|---|---|---|---:|---:|---:|---:|---:|",
+             f"| full KV cache | 1 | | {e2e['ppl_tokens']} | {full['kv_bytes'] / 1048576:.1f} | "
+             f"{full['perplexity']:.2f} | 1.000 | {sum(x['retrieved'] for x in full['needle'])}/{n} |"]
+    for r in e2e["results"]:
+        lines.append(f"| {r['label']} | {r['fraction_label']} | {'calibrated' if r['calibrated'] else 'neutral'} | "
+                     f"{r['held_tokens']} | {r['held_bytes'] / 1048576:.1f} | {r['perplexity']:.2f} | "
+                     f"{r['agreement']:.3f} | {sum(x['retrieved'] for x in r['needle'])}/{n} |")
+    return "\n".join(lines)
+
+
+def calibrated_table(layers: list[dict], calibrated: list[dict]) -> str:
+    lines = ["| memory | budget | neutral: rel. L2 (mean over layers) | calibrated | H2O at the same budget |",
+             "|---|---|---:|---:|---:|"]
+    seen = []
+    for r in calibrated:
+        for x in r["results"]:
+            key = (x["memory"], x["label"], x["fraction_label"])
+            if key not in seen:
+                seen.append(key)
+    for mid, label, f in seen:
+        before, after, h2o = layer_mean(layers, mid, f), layer_mean(calibrated, mid, f), layer_mean(layers, "h2o", f)
+        cell = lambda v: "" if v is None else f"{v:.3f}"  # noqa: E731
+        lines.append(f"| {label} | {f} | {cell(before)} | {cell(after)} | {cell(h2o)} |")
+    return "\n".join(lines)
+
+
+def calibration_table(cal: dict) -> str:
+    lines = ["| layer | KVM neutral | KVM, LN_s fitted | KVM, LN_s + tau_s | tau_s (per query head) | OVQ neutral "
+             "| OVQ calibrated | beta (min-max) |", "|---|---:|---:|---:|---|---:|---:|---|"]
+    for layer, c in sorted(cal["layers"].items(), key=lambda kv: int(kv[0])):
+        e = c["errors"]
+        lines.append(f"| {layer} | {mean(e['kvm_before']):.3f} | {mean(e['kvm_ln_only']):.3f} | {mean(e['kvm_after']):.3f} | "
+                     f"{' '.join(f'{t:g}' for t in c['tau_state'])} | {mean(e['ovq_before']):.3f} | "
+                     f"{mean(e['ovq_after']):.3f} | {min(c['beta']):.2f}-{max(c['beta']):.2f} |")
+    tokens = next(iter(cal["layers"].values()))["tokens"]
+    lines.append("")
+    lines.append(f"Relative L2 error of the attention output (mean over the query heads) on the calibration text "
+                 f"({tokens} tokens) at {cal['fraction']:g} of its cache; tau_s grid {list(cal['tau_grid'])}, "
+                 f"beta = closed form x {list(cal['beta_grid'])}.")
+    return "\n".join(lines)
+
+
+def headline(e2e: dict, layers: list[dict], calibrated: list[dict]) -> str:
+    labels = [r["fraction_label"] for r in e2e["results"]]
+    out, f = [], "1/8" if "1/8" in labels else (labels[0] if labels else "1/8")
+    full = e2e["full"]
+    out.append(f"- Full KV cache: perplexity {full['perplexity']:.2f} on {e2e['ppl_tokens']} tokens, needle retrieved "
+               f"at {sum(x['retrieved'] for x in full['needle'])} of {len(full['needle'])} depths.")
+    best = sorted((r for r in e2e["results"] if r["fraction_label"] == f), key=lambda r: r["perplexity"])
+    if best:
+        out.append(f"- At {f} of the cache, end to end, by perplexity: " + "; ".join(
+            f"{r['label']}{' (calibrated)' if r['calibrated'] else ''} {r['perplexity']:.2f} "
+            f"(agreement {r['agreement']:.2f}, needle {sum(x['retrieved'] for x in r['needle'])}/{len(r['needle'])})"
+            for r in best) + ".")
+    kvm_cal, h2o = e2e_row(e2e, "kvm-fixed", f, True), e2e_row(e2e, "h2o", f, False)
+    lk, lh = layer_mean(calibrated, "kvm-fixed", f), layer_mean(layers, "h2o", f)
+    if kvm_cal and h2o and lk is not None and lh is not None:
+        met = kvm_cal["perplexity"] < h2o["perplexity"] and lk < lh
+        out.append(f"- Target (calibrated KVM fixed at {f} below H2O at {f} in per-layer error and perplexity): "
+                   f"{'met' if met else 'not met'}: per-layer error {lk:.3f} against {lh:.3f}, perplexity "
+                   f"{kvm_cal['perplexity']:.2f} against {h2o['perplexity']:.2f}.")
+    return "\n".join(out)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--doc", required=True)
+    ap.add_argument("--e2e", required=True)
+    ap.add_argument("--calibration", required=True)
+    ap.add_argument("--layers", nargs="+", required=True)
+    ap.add_argument("--calibrated", nargs="+", required=True)
+    a = ap.parse_args()
+    e2e, cal = load(a.e2e), load(a.calibration)
+    layers, calibrated = [load(p) for p in a.layers], [load(p) for p in a.calibrated]
+    fill(a.doc, {"lm-headline": headline(e2e, layers, calibrated), "lm-e2e-table": e2e_table(e2e),
+                 "lm-layers-calibrated": calibrated_table(layers, calibrated),
+                 "lm-calibration-table": calibration_table(cal)})
+
+
+if __name__ == "__main__":
+    main()
