@@ -142,7 +142,7 @@ def fit_layer(path: str, fraction: float) -> dict:
     T = int(t["lengths"][0]) if "lengths" in t else t["q"].shape[2]
     if T < MIN_TOKENS:
         raise CalibrationError(f"{path}: calibration text of {T} tokens; calibration needs at least {MIN_TOKENS}")
-    q, k, v = (torch.from_numpy(np.ascontiguousarray(t[n][:1, :, :T])) for n in ("q", "k", "v"))
+    q, k, v = (torch.from_numpy(np.array(t[n][:1, :, :T])) for n in ("q", "k", "v"))
     Hq, D, G = q.shape[1], q.shape[3], q.shape[1] // k.shape[1]
     ref = exact(q, k, v)
     kvm_before = head_errors(run_kvm(q, k, v, fraction), ref)

@@ -1,0 +1,202 @@
+"""Tests of the causal-LM fidelity tools (tools/capture/causal_lm.py, tools/fidelity/): a tiny Llama with
+random weights stands in for SmolLM2 (no download), and every computation is checked against a small,
+obviously correct reference. Runs with pytest in the Python environment where kvmem is installed
+(CTest fidelity.tools; scripts/test).
+"""
+from __future__ import annotations
+
+import math
+import os
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+sys.dont_write_bytecode = True
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(ROOT, "tools", "capture"))
+sys.path.insert(0, os.path.join(ROOT, "tools", "fidelity"))
+import calibrate  # noqa: E402
+import causal_lm  # noqa: E402
+import end_to_end  # noqa: E402
+import lm_memories  # noqa: E402
+from capture import CaptureError, read_safetensors, write_safetensors  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    """A Llama with 2 layers, 4 query heads, 2 kv-heads, head_dim 16, random weights, float32."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+    return LlamaForCausalLM(cfg).eval()
+
+
+class WordTokenizer:
+    """Enough of a tokenizer for causal_lm.main: one id per character."""
+
+    def __call__(self, text, add_special_tokens=False):
+        return {"input_ids": [ord(c) % 97 for c in text]}
+
+
+def test_capture_is_what_the_softmax_reads(tiny):
+    """SDPA over the captured q, k, v (RoPE'd, GQA) reproduces each layer's attention output."""
+    ids = [[5, 17, 3, 44, 9, 12, 70, 1, 2, 33, 8], [4, 4, 90, 61, 7]]
+    got = causal_lm.capture(tiny, ids, [0, 1])
+    for layer in (0, 1):
+        q, k, v = (torch.from_numpy(t) for t in got[layer])
+        assert q.shape == (2, 4, 11, 16) and k.shape == (2, 2, 11, 16) and v.shape == (2, 2, 11, 16)
+        assert torch.all(q[1, :, 5:] == 0)  # past the second text's length
+        seen = []
+        hook = tiny.model.layers[layer].self_attn.o_proj.register_forward_pre_hook(lambda m, a: seen.append(a[0]))
+        try:
+            for b, seq in enumerate(ids):
+                seen.clear()
+                with torch.no_grad():
+                    tiny(torch.tensor([seq]))
+                n = len(seq)
+                ref = seen[0].reshape(1, n, 4, 16).transpose(1, 2)
+                y = torch.nn.functional.scaled_dot_product_attention(q[b:b + 1, :, :n], k[b:b + 1, :, :n],
+                                                                     v[b:b + 1, :, :n], is_causal=True, enable_gqa=True)
+                torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-6)
+        finally:
+            hook.remove()
+    assert tiny.config._attn_implementation != "kvmem_capture"  # restored
+
+
+def test_capture_cli(tiny, tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(causal_lm, "load_model", lambda name: (tiny, WordTokenizer(), "tiny"))
+    text = tmp_path / "t.txt"
+    text.write_text("attention memory keys and values")
+    assert causal_lm.main(["--text", str(text), "--output-dir", str(tmp_path), "--max-tokens", "20"]) == 0
+    t, meta = read_safetensors(str(tmp_path / "layer1.safetensors"))
+    assert t["q"].shape == (1, 4, 20, 16) and list(t["lengths"]) == [20] and meta["layer"] == "1"
+    assert np.all(t["ln_weight"] == 1) and np.all(t["gate"] == 0)
+    cases = [(["--text", str(tmp_path / "none.txt")], "none.txt"),
+             (["--text", str(text), "--layers", "2"], "layer 2 is outside [0, 2)"),
+             (["--text", str(text), "--max-tokens", "513"], "beyond the model's context of 512 tokens")]
+    for args, message in cases:
+        assert causal_lm.main(args + ["--output-dir", str(tmp_path)]) == 2
+        assert message in capsys.readouterr().err
+    assert causal_lm.main(["--text", str(text), "--output-dir", str(tmp_path / "no")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+
+
+def test_model_not_found(capsys, tmp_path):
+    text = tmp_path / "t.txt"
+    text.write_text("x")
+    assert causal_lm.main(["--model", str(tmp_path / "nomodel"), "--text", str(text), "--output-dir", str(tmp_path)]) == 2
+    assert "nomodel" in capsys.readouterr().err
+
+
+def test_ln_affine_is_weighted_least_squares():
+    rng = np.random.default_rng(1)
+    k = rng.normal(size=(3, 50, 8)) * rng.uniform(0.5, 3, size=8) + rng.normal(size=8)
+    weight = rng.uniform(0, 1, size=(3, 50))
+    w, b = calibrate.ln_affine(k.astype(np.float32), weight)
+    x = k.reshape(-1, 8)
+    xhat = (x - x.mean(1, keepdims=True)) / np.sqrt(x.var(1, keepdims=True) + 1e-5)
+    sw = np.sqrt(weight.reshape(-1))
+    for c in range(8):
+        A = np.stack([xhat[:, c], np.ones(len(x))], 1) * sw[:, None]
+        (wc, bc), *_ = np.linalg.lstsq(A, x[:, c] * sw, rcond=None)
+        assert w[c] == pytest.approx(wc, rel=1e-4, abs=1e-5) and b[c] == pytest.approx(bc, rel=1e-4, abs=1e-5)
+
+
+def test_attention_received_matches_dense_softmax():
+    torch.manual_seed(2)
+    q, k = torch.randn(1, 4, 37, 8), torch.randn(1, 2, 37, 8)
+    got = calibrate.attention_received(q, k, block=10)
+    s = q[0] @ k[0].repeat_interleave(2, 0).transpose(1, 2) / math.sqrt(8)
+    s = s.masked_fill(torch.triu(torch.ones(37, 37, dtype=torch.bool), 1), float("-inf"))
+    ref = s.softmax(-1).sum(1).reshape(2, 2, 37).sum(1).double().numpy()
+    np.testing.assert_allclose(got, ref, rtol=1e-5)
+    np.testing.assert_allclose(got.sum(1), 2 * 37, rtol=1e-9)  # every query's weights sum to 1
+
+
+def test_pick_takes_the_first_lowest():
+    value, err = calibrate.pick({0.5: np.array([1.0, 2.0, 3.0]), 1.0: np.array([0.5, 2.0, 4.0]), 2.0: np.array([0.5, 1.0, 5.0])})
+    assert list(value) == [1.0, 2.0, 0.5] and list(err) == [0.5, 1.0, 3.0]
+
+
+def synthetic_layer(path, T, layer=0, seed=3):
+    """A capture-shaped file: a sink key the queries favour, then random q, k, v (Hq 4, Hkv 2, D 16)."""
+    rng = np.random.default_rng(seed)
+    q = rng.normal(size=(1, 4, T, 16)).astype(np.float32)
+    k = (rng.normal(size=(1, 2, T, 16)) * 2 + 1).astype(np.float32)
+    k[:, :, 0] = 0.3 * q[:, ::2, 1:].mean(2)
+    v = rng.normal(size=(1, 2, T, 16)).astype(np.float32)
+    write_safetensors(path, causal_lm.layer_tensors(q, k, v, [T]), {"layer": str(layer)})
+
+
+def test_calibration_fit_and_apply(tmp_path):
+    d = tmp_path / "cal"
+    d.mkdir()
+    synthetic_layer(str(d / "layer0.safetensors"), 600)
+    out = tmp_path / "cal.json"
+    assert calibrate.main(["fit", "--layers-dir", str(d), "--output", str(out)]) == 0
+    c = calibrate.load_calibration(str(out))[0]
+    e = c["errors"]
+    assert np.mean(e["kvm_after"]) <= np.mean(e["kvm_before"]) + 1e-12  # never worse on the calibration text
+    assert len(c["tau_state"]) == 4 and all(t in calibrate.TAU_GRID for t in c["tau_state"])
+    assert len(c["ln_weight"]) == 16 and c["ln_affine"] in ("fitted", "neutral")
+    assert all(b > 0 for b in c["beta"])
+    assert calibrate.main(["apply", "--calibration", str(out), "--input", str(d / "layer0.safetensors"),
+                           "--kvm", str(tmp_path / "k.safetensors"), "--ovq", str(tmp_path / "o.safetensors")]) == 0
+    kt_, _ = read_safetensors(str(tmp_path / "k.safetensors"))
+    ot, _ = read_safetensors(str(tmp_path / "o.safetensors"))
+    np.testing.assert_array_equal(kt_["tau_state"], np.float32(c["tau_state"]))
+    np.testing.assert_array_equal(kt_["tau_bswa"], 1)
+    np.testing.assert_array_equal(ot["tau_bswa"], np.float32(c["beta"]))
+
+
+def test_calibration_errors(tmp_path, capsys):
+    d = tmp_path / "short"
+    d.mkdir()
+    synthetic_layer(str(d / "layer0.safetensors"), 100)
+    assert calibrate.main(["fit", "--layers-dir", str(d), "--output", str(tmp_path / "x.json")]) == 2
+    err = capsys.readouterr().err
+    assert "100 tokens" in err and f"at least {calibrate.MIN_TOKENS}" in err
+    assert calibrate.main(["fit", "--layers-dir", str(tmp_path / "none"), "--output", str(tmp_path / "x.json")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    assert calibrate.main(["fit", "--layers-dir", str(d), "--output", "x", "--fraction", "0"]) == 2
+    assert "--fraction" in capsys.readouterr().err
+
+
+def test_sizing():
+    for f in (1 / 4, 1 / 8, 1 / 16):
+        for m in lm_memories.LABELS:
+            assert abs(lm_memories.held_tokens(m, 4096, f) - f * 4096) <= 1
+    with pytest.raises(ValueError, match="fraction = 0.001"):
+        lm_memories.budget_split(1000, 0.001)
+    with pytest.raises(ValueError, match="unknown"):
+        lm_memories.factory("snapkv", 1000, 0.25)
+    with pytest.raises(ValueError, match="has no layer 1"):
+        lm_memories.factory("kvm-fixed", 1000, 0.25, {0: {}})(1, head_dim=16, query_heads=4, kv_heads=2, value_dim=16, batch=1)
+
+
+@pytest.mark.parametrize("memory", ["h2o", "tova"])
+def test_end_to_end_with_every_token_held_is_the_full_model(tiny, memory):
+    """An eviction memory whose budget is the whole sequence holds every token: the logits through
+    kvmem.transformers equal the model's own (the wiring of end_to_end.kvmem_run)."""
+    ids = torch.tensor([[3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3, 2, 3, 8, 4]])
+    logits, sizes = end_to_end.kvmem_run(tiny, ids, memory, 1.0, None)
+    tiny.set_attn_implementation("sdpa")
+    torch.testing.assert_close(logits, end_to_end.forward(tiny, ids), rtol=1e-4, atol=1e-5)
+    assert sizes["held_tokens"] == 20
+
+
+def test_scores():
+    torch.manual_seed(4)
+    logits, ids = torch.randn(6, 11), torch.tensor([[1, 2, 3, 4, 5, 6]])
+    s = end_to_end.score_text(logits, ids, logits[:-1].argmax(-1))
+    ref = -logits[:-1].double().log_softmax(-1)[torch.arange(5), ids[0, 1:]].mean().item()
+    assert s["perplexity"] == pytest.approx(math.exp(ref)) and s["agreement"] == 1.0
+    trial = {"depth": 0.5, "positions": [3, 4], "answer": [int(logits[3].argmax()), 0 if logits[4].argmax() else 1]}
+    n = end_to_end.score_needle(logits, trial)
+    assert n["retrieved"] is False and n["logprob"] < 0
+    trial["answer"][1] = int(logits[4].argmax())
+    assert end_to_end.score_needle(logits, trial)["retrieved"] is True
