@@ -146,7 +146,11 @@ def fit_layer(path: str, fraction: float) -> dict:
     Hq, D, G = q.shape[1], q.shape[3], q.shape[1] // k.shape[1]
     ref = exact(q, k, v)
     kvm_before = head_errors(run_kvm(q, k, v, fraction), ref)
-    w, b = ln_affine(t["k"][0, :, :T], attention_received(q, k))
+    received = attention_received(q, k)  # [Hkv, T]
+    w, b = ln_affine(t["k"][0, :, :T], received)
+    key_norms = k[0].norm(dim=-1).double()  # [Hkv, T]
+    sink = {"attention_share": float(received[:, 0].sum() / (Hq * T)),
+            "key_norm_ratio": float((key_norms[:, 0] / key_norms.mean(1)).mean())}
     ln_only = head_errors(run_kvm(q, k, v, fraction, w, b, np.ones(Hq, np.float32)), ref)
     searches = {}  # the tau search with the fitted LN_s affine and with the neutral one; the better is kept
     for name, (lw, lb) in (("fitted", (w, b)), ("neutral", (np.ones(D, np.float32), np.zeros(D, np.float32)))):
@@ -160,7 +164,7 @@ def fit_layer(path: str, fraction: float) -> dict:
     beta0 = (qn * kn / D).astype(np.float32)
     ovq_before = head_errors(run_ovq(q, k, v, fraction), ref)
     factor, ovq_after = pick({x: head_errors(run_ovq(q, k, v, fraction, beta0 * x), ref) for x in BETA_GRID})
-    return {"tokens": T, "ln_affine": ln_kind, "ln_weight": w.tolist(), "ln_bias": b.tolist(), "tau_state": tau.tolist(),
+    return {"tokens": T, "sink": sink, "ln_affine": ln_kind, "ln_weight": w.tolist(), "ln_bias": b.tolist(), "tau_state": tau.tolist(),
             "beta": (beta0 * factor).tolist(), "beta_closed_form": beta0.tolist(),
             "errors": {"kvm_before": kvm_before.tolist(), "kvm_ln_only": ln_only.tolist(),
                        "kvm_after": kvm_after.tolist(), "ovq_before": ovq_before.tolist(),

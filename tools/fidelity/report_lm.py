@@ -1,10 +1,11 @@
 #!/usr/bin/env python3
 """Fill the causal-LM blocks of docs/fidelity.md (lm-headline, lm-e2e-table, lm-layers-calibrated,
-lm-calibration-table) from the reports of end_to_end.py, calibrate.py fit and kvmem-eval, with
+lm-calibration-table, and lm-kvm-whole with --whole) from the reports of end_to_end.py, calibrate.py fit and kvmem-eval, with
 tools/kvmem_eval/report.py's block filler (a block missing from the document is an error, exit 2).
 
   report_lm.py --doc docs/fidelity.md --e2e e2e.json --calibration calibration.json \
-               --layers layer0.json ... --calibrated layer0-kvm-calibrated.json layer0-ovq-calibrated.json ...
+               --layers layer0.json ... --calibrated layer0-kvm-calibrated.json layer0-ovq-calibrated.json ... \
+               [--whole layer0-kvm-whole.json layer0-kvm-whole-calibrated.json ...]
 """
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from statistics import mean
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "kvmem_eval"))
-from report import fill, load  # noqa: E402
+from report import fill, load, pct  # noqa: E402
 
 
 def layer_mean(reports: list[dict], memory: str, fraction_label: str) -> float | None:
@@ -62,18 +63,42 @@ def calibrated_table(layers: list[dict], calibrated: list[dict]) -> str:
 
 
 def calibration_table(cal: dict) -> str:
-    lines = ["| layer | KVM neutral | KVM, LN_s fitted | KVM, LN_s + tau_s | tau_s (per query head) | OVQ neutral "
-             "| OVQ calibrated | beta (min-max) |", "|---|---:|---:|---:|---|---:|---:|---|"]
+    lines = ["| layer | attention on token 0 | its key norm / mean | KVM neutral | KVM, LN_s fitted | KVM calibrated "
+             "| LN_s kept | tau_s (per query head) | OVQ neutral | OVQ calibrated | beta (min-max) |",
+             "|---|---:|---:|---:|---:|---:|---|---|---:|---:|---|"]
     for layer, c in sorted(cal["layers"].items(), key=lambda kv: int(kv[0])):
         e = c["errors"]
-        lines.append(f"| {layer} | {mean(e['kvm_before']):.3f} | {mean(e['kvm_ln_only']):.3f} | {mean(e['kvm_after']):.3f} | "
-                     f"{' '.join(f'{t:g}' for t in c['tau_state'])} | {mean(e['ovq_before']):.3f} | "
+        lines.append(f"| {layer} | {pct(c['sink']['attention_share'])} | {c['sink']['key_norm_ratio']:.2f} | "
+                     f"{mean(e['kvm_before']):.3f} | {mean(e['kvm_ln_only']):.3f} | {mean(e['kvm_after']):.3f} | "
+                     f"{c['ln_affine']} | {' '.join(f'{t:g}' for t in c['tau_state'])} | {mean(e['ovq_before']):.3f} | "
                      f"{mean(e['ovq_after']):.3f} | {min(c['beta']):.2f}-{max(c['beta']):.2f} |")
     tokens = next(iter(cal["layers"].values()))["tokens"]
     lines.append("")
-    lines.append(f"Relative L2 error of the attention output (mean over the query heads) on the calibration text "
+    lines.append(f"Attention on token 0: the share of all attention weight (every query and query head) that the first "
+                 f"token receives in exact attention; its key norm / mean: over the kv-heads. Errors: relative L2 error "
+                 f"of the attention output (mean over the query heads) on the calibration text "
                  f"({tokens} tokens) at {cal['fraction']:g} of its cache; tau_s grid {list(cal['tau_grid'])}, "
                  f"beta = closed form x {list(cal['beta_grid'])}.")
+    return "\n".join(lines)
+
+
+def whole_table(whole: list[dict], layers: list[dict], calibrated: list[dict]) -> str:
+    """Per layer: KVM with every token its own row (fraction 1, nothing merges), neutral and calibrated,
+    beside KVM fixed at 1/8 (neutral, calibrated) and H2O at 1/8."""
+    def err(reps, label, memory, fraction_label, cal):
+        for r in reps:
+            if r["label"] == label + (", calibrated" if cal else ""):
+                for x in r["results"]:
+                    if x["memory"] == memory and x["fraction_label"] == fraction_label:
+                        return f"{x['rel_l2']:.3f}"
+        return ""
+    lines = ["| layer | KVM, every token a row: neutral | calibrated | KVM fixed 1/8: neutral | calibrated | H2O 1/8 |",
+             "|---|---:|---:|---:|---:|---:|"]
+    for rep in layers:
+        label = rep["label"]
+        lines.append(f"| {label} | {err(whole, label, 'kvm-fixed', '1', False)} | {err(whole, label, 'kvm-fixed', '1', True)} | "
+                     f"{err(layers, label, 'kvm-fixed', '1/8', False)} | {err(calibrated, label, 'kvm-fixed', '1/8', True)} | "
+                     f"{err(layers, label, 'h2o', '1/8', False)} |")
     return "\n".join(lines)
 
 
@@ -106,12 +131,16 @@ def main() -> None:
     ap.add_argument("--calibration", required=True)
     ap.add_argument("--layers", nargs="+", required=True)
     ap.add_argument("--calibrated", nargs="+", required=True)
+    ap.add_argument("--whole", nargs="*", default=[], help="kvmem-eval reports of KVM fixed at fraction 1")
     a = ap.parse_args()
     e2e, cal = load(a.e2e), load(a.calibration)
     layers, calibrated = [load(p) for p in a.layers], [load(p) for p in a.calibrated]
-    fill(a.doc, {"lm-headline": headline(e2e, layers, calibrated), "lm-e2e-table": e2e_table(e2e),
-                 "lm-layers-calibrated": calibrated_table(layers, calibrated),
-                 "lm-calibration-table": calibration_table(cal)})
+    blocks = {"lm-headline": headline(e2e, layers, calibrated), "lm-e2e-table": e2e_table(e2e),
+              "lm-layers-calibrated": calibrated_table(layers, calibrated),
+              "lm-calibration-table": calibration_table(cal)}
+    if a.whole:
+        blocks["lm-kvm-whole"] = whole_table([load(p) for p in a.whole], layers, calibrated)
+    fill(a.doc, blocks)
 
 
 if __name__ == "__main__":
