@@ -4,7 +4,8 @@ one line per memory (dashed: KVM and OVQ with calibrated scalars):
 
 1. relative L2 error of the attention output, averaged over the captured layers (kvmem-eval reports);
 2. perplexity end to end (tools/fidelity/end_to_end.py), the full cache as a horizontal line;
-3. needle retrieval (share of depths retrieved), the full cache as a horizontal line.
+3. the needle's log-probability (mean over the depths; a continuous view of retrieval, which is
+   all-or-nothing per depth), the full cache as a horizontal line.
 
   plot_lm.py --e2e e2e.json --layers l0.json ... --calibrated l0-kvm-calibrated.json ... --output fig.png
 
@@ -33,6 +34,11 @@ def load(path: str) -> dict:
             return json.load(f)
     except (OSError, ValueError) as e:
         sys.exit(f"plot_lm.py: error: {path}: {e}")
+
+
+def needle_logprob(run: dict) -> float:
+    """Mean over the depths of the log-probability of the password's tokens."""
+    return sum(n["logprob"] for n in run["needle"]) / len(run["needle"])
 
 
 def layer_means(reports: list[dict]) -> dict[tuple[str, str], tuple[float, float]]:
@@ -64,19 +70,18 @@ def main() -> None:
     axes[0].set_ylabel("relative L2 error of attention output (mean over layers; clipped at 2)")
     axes[0].set_title(f"per layer ({len(a.layers)} layers)")
     for key, ax, full, title in (("perplexity", axes[1], e2e["full"]["perplexity"], "perplexity (log scale)"),
-                                 ("retrieval", axes[2],
-                                  sum(n["retrieved"] for n in e2e["full"]["needle"]) / len(e2e["full"]["needle"]),
-                                  "needle retrieval (share of depths)")):
+                                 ("needle_logprob", axes[2], needle_logprob(e2e["full"]),
+                                  "needle: log-probability of the password")):
         for mid in SHOWN:
             for cal in (False, True):
-                pts = sorted((r["fraction"], r[key]) for r in e2e["results"] if r["memory"] == mid and r["calibrated"] == cal)
+                pts = sorted((r["fraction"], needle_logprob(r) if key == "needle_logprob" else r[key])
+                             for r in e2e["results"] if r["memory"] == mid and r["calibrated"] == cal)
                 if pts:
                     ax.plot([p[0] for p in pts], [p[1] for p in pts], "--" if cal else "-", marker="o",
                             color=COLORS[mid], label=f"{mid}{' calibrated' if cal else ''}")
         ax.axhline(full, color="black", lw=1, ls=":", label="full KV cache")
         ax.set_title(f"end to end: {title}")
     axes[1].set_yscale("log")
-    axes[2].set_ylim(-0.05, 1.05)
     for ax in axes:
         ax.set_xscale("log", base=2)
         ax.set_xlabel("memory held / full KV cache")

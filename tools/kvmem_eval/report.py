@@ -133,7 +133,7 @@ def read_qk(path):
 
 def inputs_table(paths, labels):
     import numpy as np
-    lines = ["| input | heads | mean ‖q‖ | mean ‖k‖ | ‖LN(k)‖ | mean cos(k, LN(k)) |",
+    lines = ["| input | kv-heads | mean ‖q‖ | mean ‖k‖ | ‖LN(k)‖ | mean cos(k, LN(k)) |",
              "|---|---:|---:|---:|---:|---:|"]
     for path, label in zip(paths, labels):
         t, _ = read_qk(path)
@@ -177,7 +177,8 @@ def setup_block(emb, layers, command):
     sh, s = emb["shape"], emb["sizing"]
     lsh = layers[0]["shape"] if layers else sh
     return (f"Regenerate with `{command}`. Embedded layer: T = {sh['T']} tokens, {sh['Hq']} heads, "
-            f"D = {sh['D']}. Captured layers: T = {lsh['T']} tokens, {lsh['Hq']} heads each. Sizing: window "
+            f"D = {sh['D']}. Captured layers: {lsh['B']} sequence(s) of T = {lsh['T']} tokens, {lsh['Hq']} query heads and "
+            f"{lsh['Hkv']} kv-heads each. Sizing: window "
             f"share s = {s['window_share']:g}, {s['window_chunks']} window chunk(s), {s['sinks']} sink row(s), "
             f"rope_dims = {s['rope_dims']}; {len(emb['buckets'])} position buckets.")
 
