@@ -21,7 +21,7 @@ import calibrate  # noqa: E402
 import causal_lm  # noqa: E402
 import end_to_end  # noqa: E402
 import lm_memories  # noqa: E402
-from capture import CaptureError, read_safetensors, write_safetensors  # noqa: E402
+from capture import neutral_kvm_inputs, read_safetensors, write_safetensors  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -129,7 +129,7 @@ def synthetic_layer(path, T, layer=0, seed=3):
     k = (rng.normal(size=(1, 2, T, 16)) * 2 + 1).astype(np.float32)
     k[:, :, 0] = 0.3 * q[:, ::2, 1:].mean(2)
     v = rng.normal(size=(1, 2, T, 16)).astype(np.float32)
-    write_safetensors(path, causal_lm.layer_tensors(q, k, v, [T]), {"layer": str(layer)})
+    write_safetensors(path, neutral_kvm_inputs(q, k, v, [T]), {"layer": str(layer)})
 
 
 def test_calibration_fit_and_apply(tmp_path):

@@ -303,15 +303,23 @@ NEUTRAL_NOTE = ("gate = 0, ln_weight = 1, ln_bias = 0, tau_state = 1 and tau_bsw
                 "placeholder values, not learned parameters: the source model was not trained with a memory")
 
 
+def neutral_kvm_inputs(q, k, v, lengths=None):
+    """A `kvmem-run kvm` input from q [B, Hq, T, D], k [B, Hkv, T, D], v [B, Hkv, T, Dv] (float32) and optional
+    lengths [B] (tokens), with the neutral stand-ins of NEUTRAL_NOTE for KVM's learned parameters:
+    gate [B, Hkv, T] zeros, ln_weight [D] ones, ln_bias [D] zeros, tau_state and tau_bswa [Hq] ones."""
+    B, Hq, T, D = q.shape
+    out = {"q": q, "k": k, "v": v,
+           "gate": np.zeros((B, k.shape[1], T), np.float32),
+           "ln_weight": np.ones(D, np.float32), "ln_bias": np.zeros(D, np.float32),
+           "tau_state": np.ones(Hq, np.float32), "tau_bswa": np.ones(Hq, np.float32)}
+    if lengths is not None:
+        out["lengths"] = np.asarray(lengths, np.int64)
+    return out
+
+
 def kvm_tensors(cap):
-    """The `kvmem-run kvm` input tensors from capture_layer's result."""
-    H, T, D = cap["q"].shape
-    return {
-        "q": cap["q"][None], "k": cap["k"][None], "v": cap["v"][None],
-        "gate": np.zeros((1, H, T), np.float32),
-        "ln_weight": np.ones(D, np.float32), "ln_bias": np.zeros(D, np.float32),
-        "tau_state": np.ones(H, np.float32), "tau_bswa": np.ones(H, np.float32),
-    }
+    """The `kvmem-run kvm` input tensors from capture_layer's result (one sequence)."""
+    return neutral_kvm_inputs(cap["q"][None], cap["k"][None], cap["v"][None])
 
 
 def capture_metadata(cfg, model, tok, model_dir, model_name, texts, layer, heads, window, max_tokens, cap):

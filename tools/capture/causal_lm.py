@@ -32,7 +32,7 @@ import sys
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from capture import CaptureError, write_safetensors  # noqa: E402
+from capture import NEUTRAL_NOTE, CaptureError, neutral_kvm_inputs, write_safetensors  # noqa: E402
 
 
 def load_model(name: str):
@@ -118,15 +118,6 @@ def capture(model, sequences, layers):
     return out
 
 
-def layer_tensors(q, k, v, lengths):
-    """The `kvmem-run kvm` input of one layer, with neutral stand-ins for KVM's learned parameters."""
-    B, Hq, T, D = q.shape
-    return {"q": q, "k": k, "v": v, "lengths": np.asarray(lengths, np.int64),
-            "gate": np.zeros((B, k.shape[1], T), np.float32),
-            "ln_weight": np.ones(D, np.float32), "ln_bias": np.zeros(D, np.float32),
-            "tau_state": np.ones(Hq, np.float32), "tau_bswa": np.ones(Hq, np.float32)}
-
-
 def parse_layers(text: str | None, n: int) -> list[int]:
     """'0,5,29' -> [0, 5, 29]; None or 'all' -> every layer. Raises CaptureError for a layer outside [0, n)."""
     if text in (None, "all"):
@@ -178,12 +169,11 @@ def main(argv=None) -> int:
             "capture_point": ("the q, k, v given to the attention softmax: projections with RoPE applied to q and k "
                               "(transformers' own model code, attention function kvmem_capture wrapping SDPA), "
                               "causal, one sequence per text starting at position 0"),
-            "neutral_parameters": ("gate = 0, ln_weight = 1, ln_bias = 0, tau_state = 1 and tau_bswa = 1 are neutral "
-                                   "stand-ins: the model was not trained with a memory"),
+            "neutral_parameters": NEUTRAL_NOTE,
             "tool": "tools/capture/causal_lm.py",
         }
         out = os.path.join(args.output_dir, f"layer{layer}.safetensors")
-        write_safetensors(out, layer_tensors(q, k, v, lengths), meta)
+        write_safetensors(out, neutral_kvm_inputs(q, k, v, lengths), meta)
     print(f"capture: {name}: layers {layers[0]}..{layers[-1]} ({len(layers)}), {len(texts)} texts of "
           f"{', '.join(map(str, lengths))} tokens, Hq {got[layers[0]][0].shape[1]}, Hkv {got[layers[0]][1].shape[1]}, "
           f"head_dim {head_dim} -> {args.output_dir}")
