@@ -236,11 +236,12 @@ void exact_decode_step(const exec_t& exec, const KvCache& cache, const Q& q1, co
   const float inv_sqrt_d = 1.0f / std::sqrt(static_cast<float>(D));
   const long floats = QueryBlock::scratch_floats(D, Dv);
   policy_t policy(exec, B * Hq, Kokkos::AUTO);
-  policy = policy.set_scratch_size(0, Kokkos::PerTeam(scratch_t::shmem_size(floats)));
+  const int level = kvmem::kernels::scratch_level(policy, scratch_t::shmem_size(floats));
+  policy = policy.set_scratch_size(level, Kokkos::PerTeam(scratch_t::shmem_size(floats)));
   Kokkos::parallel_for(
       "bench::exact_decode", policy, KOKKOS_LAMBDA(const member_t& team) {
         const long b = team.league_rank() / Hq, hq = team.league_rank() % Hq, h = hq / G;
-        scratch_t scratch(team.team_scratch(0), floats);
+        scratch_t scratch(team.team_scratch(level), floats);
         QueryBlock blk;
         blk.carve(scratch.data(), 1, D, Dv);
         Kokkos::parallel_for(Kokkos::TeamThreadRange(team, QueryBlock::lanes), [&](int u) {

@@ -44,6 +44,48 @@ def load(path):
     return data.get("context", {}), runs
 
 
+def load_torch(path, pre, dec):
+    """PyTorch SDPA's times from bench/torch_sdpa.py --shapes-from (same run, same shapes and threads): sets
+    torch_sec and vs_torch (PyTorch's time / kvmem's: > 1 means kvmem is faster) on each kvmem run of a
+    shape it measured. Returns the context, or {} when there is no such file."""
+    if not os.path.exists(path):
+        return {}
+    with open(path) as f:
+        data = json.load(f)
+    times = {}
+    for t in data.get("results", []):
+        if t.get("dtype") == "float32":
+            times[(t["op"], t.get("T", t.get("pos")), t["D"], t["G"], t["B"], t["Hkv"], t["threads"])] = t["seconds"]
+    for op, runs in (("prefill", pre), ("decode", dec)):
+        for r in runs:
+            sec = times.get((op, r.get("T", r.get("pos")), r["D"], r["G"], r["B"], r["Hkv"], r["threads"]))
+            if sec is not None:
+                r["torch_sec"], r["vs_torch"] = sec, sec / r["sec"]
+    return dict(data.get("context", {}), copy_bytes_per_s=data.get("copy_bytes_per_s"))
+
+
+def against_torch(runs, axis, label):
+    """One row per shape that PyTorch measured: PyTorch's time, then each memory's time and speedup over it."""
+    runs = [r for r in runs if "torch_sec" in r]
+    if not runs:
+        return []
+    keys = ("D", "G", "B", "Hkv", "threads")
+    shapes = sorted({(r[axis],) + tuple(r[k] for k in keys) for r in runs}, key=lambda k: (k[1:], k[0]))
+    mems = memory_order(runs)
+    out = [f"| {label} | D | G | B | Hkv | threads | PyTorch SDPA | " + " | ".join(mems) + " |",
+           "|" + "---|" * (7 + len(mems))]
+    for shp in shapes:
+        cond = dict(zip((axis,) + keys, shp))
+        rs = pick(runs, **cond)
+        cells = []
+        for m in mems:
+            r = one(rs, memory=m)
+            cells.append(f"{fmt_time(r['sec'])} ({r['vs_torch']:.2f}x)" if r else "-")
+        out.append(f"| {size(shp[0])} | " + " | ".join(str(x) for x in shp[1:]) + f" | {fmt_time(rs[0]['torch_sec'])} | "
+                   + " | ".join(cells) + " |")
+    return out
+
+
 def pick(runs, **kw):
     return [r for r in runs if all(r.get(k) == v for k, v in kw.items())]
 
@@ -135,11 +177,59 @@ def with_speedup(r):
     return fmt_time(r["sec"]) + (f" ({s:.1f}x)" if s is not None else "")
 
 
+def torch_targets(pre, dec, all_threads, row):
+    """The CPU-speed targets: exact attention at least PyTorch SDPA's speed, the memories' margins over it,
+    the readout's share of sgemm, the update's cost against the readout, thread scaling."""
+    ex = [r for r in pre if r["memory"] == "exact" and "vs_torch" in r]
+    if ex:
+        worst = min(ex, key=lambda r: r["vs_torch"])
+        row(f"exact prefill >= 1.0x PyTorch SDPA's speed at every measured shape ({len(ex)} shapes)",
+            f"lowest {worst['vs_torch']:.2f}x (T = {size(worst['T'])}, D = {worst['D']}, G = {worst['G']}, "
+            f"B = {worst['B']}, Hkv = {worst['Hkv']}, {worst['threads']} threads); "
+            f"{sum(r['vs_torch'] >= 1 for r in ex)} of {len(ex)} met", worst["vs_torch"] >= 1)
+    exd = [r for r in dec if r["memory"] == "exact" and "vs_torch" in r]
+    if exd:
+        worst = min(exd, key=lambda r: r["vs_torch"])
+        row(f"exact decode >= 1.0x PyTorch SDPA's speed at every measured position ({len(exd)} cases)",
+            f"lowest {worst['vs_torch']:.2f}x (position {size(worst['pos'])}, D = {worst['D']}, G = {worst['G']}, "
+            f"B = {worst['B']}, Hkv = {worst['Hkv']}, {worst['threads']} threads); "
+            f"{sum(r['vs_torch'] >= 1 for r in exd)} of {len(exd)} met", worst["vs_torch"] >= 1)
+    for mem, want in (("kvm-fixed256", 10.0), ("kvm-power-law", 3.0)):
+        r = one(pre, memory=mem, T=16384, D=128, G=1, B=1, Hkv=1, threads=all_threads)
+        if r and "vs_torch" in r:
+            row(f"{mem} prefill at T = 16K, D = 128 >= {want:.0f}x faster than PyTorch SDPA over the full cache",
+                f"{r['vs_torch']:.1f}x ({fmt_time(r['sec'])} vs {fmt_time(r['torch_sec'])})", r["vs_torch"] >= want)
+    rd = [r for r in pre if "readout_frac_sgemm" in r and r["threads"] == all_threads and r["T"] >= 4096
+          and r["memory"] in ("exact", "kvm-fixed256", "kvm-power-law", "ovq-plateau256")]
+    if rd:
+        worst = min(rd, key=lambda r: r["readout_frac_sgemm"])
+        best = max(rd, key=lambda r: r["readout_frac_sgemm"])
+        row("prefill readout >= 70% of the measured sgemm rate (exact, KVM, OVQ; T >= 4K)",
+            f"{100 * worst['readout_frac_sgemm']:.1f}% ({worst['memory']}, T = {size(worst['T'])}, D = {worst['D']}, "
+            f"G = {worst['G']}, B = {worst['B']}, Hkv = {worst['Hkv']}) to {100 * best['readout_frac_sgemm']:.1f}% "
+            f"({best['memory']}, T = {size(best['T'])}, D = {best['D']})", worst["readout_frac_sgemm"] >= 0.70)
+    for r in sorted(pick(pre, T=16384, G=1, B=1, Hkv=1, threads=all_threads), key=lambda r: (r["D"], r["memory"])):
+        if r.get("readout_share") and "update_share" in r:
+            ratio = r["update_share"] / r["readout_share"]
+            row(f"{r['memory']} update <= 30% of its readout at T = 16K (D = {r['D']})",
+                f"{100 * ratio:.0f}% (update {fmt_time(r['update_share'] * r['sec'])}, "
+                f"readout {fmt_time(r['readout_share'] * r['sec'])})", ratio <= 0.30)
+    for mem in ("exact", "kvm-fixed256"):
+        for r1 in pick(pre, memory=mem, threads=1, T=8192):
+            r2 = one(pre, memory=mem, T=r1["T"], D=r1["D"], G=r1["G"], B=r1["B"], Hkv=r1["Hkv"], threads=all_threads)
+            if r2 and all_threads > 1:
+                sp = r1["sec"] / r2["sec"]
+                row(f"{mem} prefill on {all_threads} threads >= 1.8x one thread (T = 8K, D = {r1['D']}, "
+                    f"Hkv = {r1['Hkv']})", f"{sp:.2f}x", sp >= 1.8)
+
+
 def targets(pre, dec, all_threads):
     lines = ["| target | measured | met |", "|---|---|---|"]
 
     def row(name, value, ok):
         lines.append(f"| {name} | {value} | {'yes' if ok else 'no'} |")
+
+    torch_targets(pre, dec, all_threads, row)
 
     for D in (64, 128):
         r = one(pre, memory="kvm-fixed256", T=65536, D=D, G=1, B=1, threads=all_threads)
@@ -152,29 +242,6 @@ def targets(pre, dec, all_threads):
             v = r["vs_first_pos"]
             row(f"KVM fixed-256 decode step at 256K within 10% of 4K (D = {r['D']}, B = {r['B']}, Hkv = {r['Hkv']})",
                 f"{100 * (v - 1):+.1f}% ({fmt_time(r['sec'])} vs {fmt_time(r['sec'] / v)})", abs(v - 1) <= 0.10)
-    for mem in ("kvm-fixed256", "exact"):
-        one_t = [r for r in pick(pre, memory=mem, threads=1)]
-        for r1 in one_t:
-            r2 = one(pre, memory=mem, T=r1["T"], D=r1["D"], G=r1["G"], B=r1["B"], Hkv=r1["Hkv"], threads=all_threads)
-            if r2:
-                s = r1["sec"] / r2["sec"]
-                row(f"{mem} prefill on {all_threads} threads >= 1.7x one thread (T = {size(r1['T'])}, D = {r1['D']})",
-                    f"{s:.2f}x", s >= 1.7)
-    def readout_row(r, label):
-        f = r["readout_frac_sgemm"]
-        row(f"prefill readout >= 30% of sgemm ({label}{r['memory']}, T = {size(r['T'])}, D = {r['D']}, G = {r['G']}, "
-            f"B = {r['B']}, Hkv = {r['Hkv']})", f"{100 * f:.1f}% ({r['readout_GFLOP/s']:.1f} GFLOP/s)", f >= 0.30)
-
-    with_readout = [r for r in pre if "readout_frac_sgemm" in r and r["memory"] in ("exact", "kvm-fixed256")
-                    and r["threads"] == all_threads]
-    for mem in ("exact", "kvm-fixed256"):
-        for D in (64, 128):
-            rs = [r for r in with_readout if r["memory"] == mem and r["D"] == D and r["Hkv"] == 1]
-            if rs:
-                readout_row(max(rs, key=lambda r: r["T"]), "longest: ")
-    long_enough = [r for r in with_readout if r["T"] >= 4096]
-    if long_enough:
-        readout_row(min(long_enough, key=lambda r: r["readout_frac_sgemm"]), "lowest from T = 4K: ")
     for r in pick(dec, memory="kvm-fixed256", threads=all_threads):
         if r["pos"] in (4096, 262144) and (r["B"] == 8 or r["pos"] == 262144):
             f = r["frac_copy_bw"]
@@ -196,6 +263,7 @@ def main():
         with open(os.path.join(a.results, "meta.json")) as f:
             meta = json.load(f)
     ctx = ctx_p or ctx_d
+    ctx_t = load_torch(os.path.join(a.results, "sdpa.json"), pre, dec)
     all_threads = int(ctx.get("kokkos_threads", 2))
     rank = {m: i for i, m in enumerate(memory_order(pre + dec))}
 
@@ -211,7 +279,15 @@ def main():
                 f"sgemm {float(c[f'ceiling_sgemm_gflops_threads_{t}']):.1f} GFLOP/s and copy "
                 f"{float(c[f'ceiling_copy_gbytes_per_s_threads_{t}']):.1f} GB/s on {t} thread{'s' if t > 1 else ''}"
                 for t in sorted({1, all_threads}) if f"ceiling_sgemm_gflops_threads_{t}" in c))
+    if ctx_t:
+        md.append(f"- PyTorch {ctx_t.get('torch', '?')} `scaled_dot_product_attention` (bench/torch_sdpa.py, float32, "
+                  f"same shapes and threads, right after kvmem's runs; decode: the fastest of {ctx_t.get('repeats')} "
+                  f"windows of {ctx_t.get('steps')} steps)")
     md.append("")
+    if ctx_t:
+        md += ["## Against PyTorch SDPA (same run; x: PyTorch's time / kvmem's, above 1 kvmem is faster)", "",
+               "Prefill:", ""] + against_torch(pre, "T", "T") + ["", "Decode step:", ""] + \
+            against_torch(dec, "pos", "position") + [""]
     if pre:
         scaling = [r for r in pre if r["Hkv"] == 1 and r["threads"] == all_threads and r["memory"] != "reference-fixed256"]
         for D in sorted({r["D"] for r in scaling}):

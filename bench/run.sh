@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Builds the kvmem benchmarks in the build environment, runs the documented suite and plots it:
-#   bench/results/prefill.json, decode.json (Google Benchmark JSON), meta.json (machine, date, commit),
+#   bench/results/prefill.json, decode.json (Google Benchmark JSON), sdpa.json (PyTorch SDPA on the same
+#   shapes and threads, bench/torch_sdpa.py), meta.json (machine, date, commit),
 #   bench/results/summary.md (tables and the issue's targets), docs/performance.png (log-log plots).
 #
 #   bench/run.sh                      # the standard grid (4 minutes on 2 quiet cores, about 12 under load)
@@ -46,6 +47,10 @@ run "$KVMEM_BUILD_DIR/bench/kvmem_bench_prefill" --grid="$grid" --benchmark_min_
   --benchmark_out="$out/prefill.json" --benchmark_out_format=json "$@"
 run "$KVMEM_BUILD_DIR/bench/kvmem_bench_decode" --grid="$grid" \
   --benchmark_out="$out/decode.json" --benchmark_out_format=json "$@"
+
+# The peer: PyTorch's scaled_dot_product_attention on every shape just measured, same threads (the
+# environment's python3-torch; bench/torch_sdpa.py).
+run python3 bench/torch_sdpa.py --device cpu --shapes-from "$out" --out "$out/sdpa.json"
 
 cat >"$out/meta.json" <<EOF
 {"commit": "$commit", "dirty": $dirty, "started": "$started", "finished": "$(date -u +%Y-%m-%dT%H:%M:%SZ)",

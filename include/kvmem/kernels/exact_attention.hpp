@@ -41,13 +41,14 @@ void exact_causal_attention(const ExecSpace& exec, const In& q, const In& k, con
   using scratch_t = Kokkos::View<float*, typename ExecSpace::scratch_memory_space, Kokkos::MemoryUnmanaged>;
   const long floats = QueryBlock::scratch_floats(D, Dv);
   policy_t policy(exec, B * Hq * blocks, Kokkos::AUTO);
-  policy = policy.set_scratch_size(0, Kokkos::PerTeam(scratch_t::shmem_size(floats)));
+  const int level = scratch_level(policy, scratch_t::shmem_size(floats));
+  policy = policy.set_scratch_size(level, Kokkos::PerTeam(scratch_t::shmem_size(floats)));
   Kokkos::parallel_for(
       "kvmem::exact_causal_attention", policy, KOKKOS_LAMBDA(const member_t& team) {
         const long league = team.league_rank();
         const long blk_index = league % blocks, hq = (league / blocks) % Hq, b = league / (blocks * Hq), h = hq / G;
         const long first = blk_index * QB, last = Kokkos::min(T, first + QB);
-        scratch_t scratch(team.team_scratch(0), floats);
+        scratch_t scratch(team.team_scratch(level), floats);
         QueryBlock blk;
         blk.carve(scratch.data(), static_cast<int>(last - first), D, Dv);
         const float scale = (tau ? tau[hq] : 1.0f) / sqrt_d;  // as merge::Defaults::logit_scale

@@ -7,6 +7,7 @@
 #include "../config.hpp"
 #include "../policy/layer_weights.hpp"
 #include "../state/state_rows.hpp"
+#include "simd.hpp"
 #include "step_plan.hpp"
 #include "vector_ops.hpp"
 
@@ -15,7 +16,14 @@ namespace kvmem::kernels {
 /// Keys processed per online-softmax tile.
 inline constexpr int readout_key_tile = 32;
 /// Queries handled by one team (the lanes of a query block).
-inline constexpr int readout_query_block = 16;
+inline constexpr int readout_query_block = 32;
+
+/// The scratch level for a team that needs `bytes`: level 0 (a GPU's shared memory, a CPU thread's
+/// cache-resident scratch) when the policy allows that much there, else level 1 (larger, slower on a GPU).
+template <class Policy>
+int scratch_level(const Policy& policy, std::size_t bytes) {
+  return bytes <= static_cast<std::size_t>(policy.scratch_size_max(0)) ? 0 : 1;
+}
 
 /// c ? a : b through integer masks: a select the compiler vectorizes even where it keeps floating-point
 /// exceptions exact (GCC's default -ftrapping-math turns float selects around FP arithmetic into branches).
@@ -121,6 +129,11 @@ KOKKOS_INLINE_FUNCTION void attend(OnlineSoftmax& sm, const float* q, int dim, l
 struct QueryBlock {
   static constexpr int lanes = readout_query_block;
   static constexpr int tile = readout_key_tile;
+  static_assert(lanes % simd::width == 0, "a query block fills whole register vectors");
+  /// Keys per register tile of the logits (logits_lanes): NK keys x lanes / width vectors of accumulators.
+  static constexpr int qk_keys = 8 * simd::width / lanes > 0 ? 8 * simd::width / lanes : 1;
+  /// Lanes and channel vectors per register tile of the value product (accumulate_lanes).
+  static constexpr int pv_lanes = 4, pv_vectors = 2;
   int queries = 0;  ///< live queries (lanes [queries, lanes) hold zero queries)
   int dim = 0, value_dim = 0;
   float* qt = nullptr;          ///< [dim][lanes] queries, transposed
@@ -159,23 +172,27 @@ struct QueryBlock {
     for (int c = 0; c < value_dim; ++c) out[c] = acc[long(u) * value_dim + c] * inv;
   }
 
-  /// logits[j + jj][u] for all lanes u and NK keys; scale [lanes].
+  /// logits[j + jj][u] for all lanes u and NK keys; scale [lanes]. A register tile of NK keys x the
+  /// lanes' register vectors: per channel, one load of the lanes' query channel and one broadcast per key.
   template <int NK, class BiasOf>
   KOKKOS_INLINE_FUNCTION void logits_lanes(const float* const* keys, const float* scale, int j, long j_abs,
                                            BiasOf bias_of) const {
-    float s[NK][lanes];
+    constexpr int W = simd::width, QV = lanes / W;
+    simd::vec s[NK][QV];
     for (int jj = 0; jj < NK; ++jj)
-      for (int u = 0; u < lanes; ++u) s[jj][u] = 0.0f;
+      for (int x = 0; x < QV; ++x) s[jj][x] = simd::broadcast(0.0f);
     for (int c = 0; c < dim; ++c) {
-      const float* qc = qt + long(c) * lanes;
+      simd::vec qc[QV];
+      for (int x = 0; x < QV; ++x) qc[x] = simd::load(qt + long(c) * lanes + x * W);
       for (int jj = 0; jj < NK; ++jj) {
-        const float kc = keys[jj][c];
-        for (int u = 0; u < lanes; ++u) s[jj][u] = mul_add(qc[u], kc, s[jj][u]);
+        const simd::vec kc = simd::broadcast(keys[jj][c]);
+        for (int x = 0; x < QV; ++x) s[jj][x] = simd::fma(qc[x], kc, s[jj][x]);
       }
     }
     for (int jj = 0; jj < NK; ++jj) {
-      const float bias = bias_of(j_abs + jj);
-      for (int u = 0; u < lanes; ++u) logits[(j + jj) * lanes + u] = mul_add(s[jj][u], scale[u], bias);
+      const simd::vec bias = simd::broadcast(bias_of(j_abs + jj));
+      for (int x = 0; x < QV; ++x)
+        simd::store(logits + (j + jj) * lanes + x * W, simd::fma(s[jj][x], simd::load(scale + x * W), bias));
     }
   }
   /// logits[j + jj][0] of lane 0 alone (one live query: decode) for NK keys as independent chains.
@@ -234,6 +251,59 @@ struct QueryBlock {
     }
   }
 
+  /// accumulate() for `count` lanes at once (lane[i], each with n[i] >= 1 keys of the tile): a register
+  /// tile of pv_lanes lanes x pv_vectors register vectors of output channels; each value row is loaded
+  /// once for the group's lanes, each probability broadcast once for its channels. Keys [0, min n) run for
+  /// the whole group, each lane's remaining keys after them. Per lane and channel the same operations in
+  /// the same key order as accumulate(), so the same bits.
+  template <class ValueOf>
+  KOKKOS_INLINE_FUNCTION void accumulate_lanes(const int* lane, const int* n, const float* corrections, int count,
+                                               ValueOf value_of) const {
+    constexpr int UQ = pv_lanes, CV = pv_vectors, W = simd::width, CW = CV * W;
+    int i0 = 0;
+    for (; i0 + UQ <= count; i0 += UQ) {
+      int common = n[i0];
+      for (int i = 1; i < UQ; ++i) common = n[i0 + i] < common ? n[i0 + i] : common;
+      float* a[UQ];
+      const float* pr[UQ];
+      for (int i = 0; i < UQ; ++i) a[i] = acc + long(lane[i0 + i]) * value_dim, pr[i] = probs + lane[i0 + i];
+      int c0 = 0;
+      for (; c0 + CW <= value_dim; c0 += CW) {
+        simd::vec r[UQ][CV];
+        for (int i = 0; i < UQ; ++i) {
+          const simd::vec corr = simd::broadcast(corrections[lane[i0 + i]]);
+          for (int x = 0; x < CV; ++x) r[i][x] = simd::mul(simd::load(a[i] + c0 + x * W), corr);
+        }
+        for (int j = 0; j < common; ++j) {
+          const float* vj = value_of(j) + c0;
+          simd::vec v[CV];
+          for (int x = 0; x < CV; ++x) v[x] = simd::load(vj + x * W);
+          for (int i = 0; i < UQ; ++i) {
+            const simd::vec pj = simd::broadcast(pr[i][j * lanes]);
+            for (int x = 0; x < CV; ++x) r[i][x] = simd::fma(pj, v[x], r[i][x]);
+          }
+        }
+        for (int i = 0; i < UQ; ++i) {
+          for (int j = common; j < n[i0 + i]; ++j) {
+            const float* vj = value_of(j) + c0;
+            const simd::vec pj = simd::broadcast(pr[i][j * lanes]);
+            for (int x = 0; x < CV; ++x) r[i][x] = simd::fma(pj, simd::load(vj + x * W), r[i][x]);
+          }
+          for (int x = 0; x < CV; ++x) simd::store(a[i] + c0 + x * W, r[i][x]);
+        }
+      }
+      for (int i = 0; i < UQ; ++i) {
+        const float corr = corrections[lane[i0 + i]];
+        for (int c = c0; c < value_dim; ++c) {
+          float r = a[i][c] * corr;
+          for (int j = 0; j < n[i0 + i]; ++j) r = mul_add(pr[i][j * lanes], value_of(j)[c], r);
+          a[i][c] = r;
+        }
+      }
+    }
+    for (; i0 < count; ++i0) accumulate(lane[i0], n[i0], corrections[lane[i0]], value_of);
+  }
+
   /// acc_u = acc_u * correction + sum_{j < n} probs[j][u] v_j, in key order per channel.
   template <class ValueOf>
   KOKKOS_INLINE_FUNCTION void accumulate(int u, int n, float correction, ValueOf value_of) const {
@@ -283,7 +353,7 @@ KOKKOS_INLINE_FUNCTION void attend_block(const Member& team, const QueryBlock& b
         }
       });
     } else {
-      constexpr int NK = 4;
+      constexpr int NK = QueryBlock::qk_keys;
       Kokkos::parallel_for(Kokkos::TeamThreadRange(team, (n + NK - 1) / NK), [&](int g) {
         const int j = g * NK;
         if (j + NK <= n) {
@@ -314,9 +384,16 @@ KOKKOS_INLINE_FUNCTION void attend_block(const Member& team, const QueryBlock& b
         blk.softmax_lanes(counts, n, corrections);
       });
       team.team_barrier();
-      Kokkos::parallel_for(Kokkos::TeamThreadRange(team, blk.queries), [&](int u) {
+      // The lanes that read keys of this tile, in groups of four per thread (QueryBlock::accumulate_lanes).
+      int lane[QueryBlock::lanes], counts[QueryBlock::lanes], live = 0;
+      for (int u = 0; u < blk.queries; ++u) {
         const int nu = keys_of(u);
-        if (nu > 0) blk.accumulate(u, nu, corrections[u], values);
+        if (nu > 0) lane[live] = u, counts[live++] = nu;
+      }
+      constexpr int UQ = QueryBlock::pv_lanes;
+      Kokkos::parallel_for(Kokkos::TeamThreadRange(team, (live + UQ - 1) / UQ), [&](int g) {
+        const int i0 = UQ * g, m = live - i0 < UQ ? live - i0 : UQ;
+        blk.accumulate_lanes(lane + i0, counts + i0, corrections, m, values);
       });
     }
     team.team_barrier();
@@ -357,7 +434,8 @@ void readout(const ExecSpace& exec, const MemoryConfig& cfg, const LayerWeightsR
   using scratch_t = Kokkos::View<float*, typename ExecSpace::scratch_memory_space, Kokkos::MemoryUnmanaged>;
   const long floats = QueryBlock::scratch_floats(D, Dv);
   policy_t policy(exec, B * Hq * blocks, Kokkos::AUTO);
-  policy = policy.set_scratch_size(0, Kokkos::PerTeam(scratch_t::shmem_size(floats)));
+  const int level = scratch_level(policy, scratch_t::shmem_size(floats));
+  policy = policy.set_scratch_size(level, Kokkos::PerTeam(scratch_t::shmem_size(floats)));
   Kokkos::parallel_for(
       "kvmem::readout", policy, KOKKOS_LAMBDA(const member_t& team) {
         const long league = team.league_rank();
@@ -367,7 +445,7 @@ void readout(const ExecSpace& exec, const MemoryConfig& cfg, const LayerWeightsR
         const long last = Kokkos::min(p(b, query_end), first + QB);
         if (first >= last) return;
         const long m = p(b, read_rows), wb = p(b, window_begin_pos), off = p(b, input_offset);
-        scratch_t scratch(team.team_scratch(0), floats);
+        scratch_t scratch(team.team_scratch(level), floats);
         QueryBlock blk;
         blk.carve(scratch.data(), static_cast<int>(last - first), D, Dv);
         Kokkos::parallel_for(Kokkos::TeamThreadRange(team, QB), [&](int u) {

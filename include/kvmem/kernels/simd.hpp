@@ -1,0 +1,107 @@
+#pragma once
+/// \file simd.hpp
+/// A register vector of float32 for the readout's register tiles: the host CPU's vector register where
+/// the compiler offers GCC vector extensions (x86 SSE/AVX2/AVX-512, ARM NEON), a plain array elsewhere
+/// (device code, other compilers). Every operation is element-wise and rounds as the scalar code does
+/// (fma is one fused multiply-add per element exactly where kernels::mul_add is one), so a kernel gives
+/// the same bits with either form.
+///
+/// Why not Kokkos::Experimental::simd: its vector ABI is fixed when Kokkos itself is configured
+/// (KOKKOS_ARCH_AVX2 and friends), and distribution packages of Kokkos (Debian's 5.2.2) are configured
+/// for a generic CPU, where its native simd is one scalar. kvmem is header-only and compiled with the
+/// engine's flags (-march=native), so it takes the vector width from the compiler instead.
+
+#include <Kokkos_Core.hpp>
+
+#include "vector_ops.hpp"
+
+#if defined(__GNUC__) && !defined(__CUDACC__) && !defined(__HIPCC__) && !defined(__SYCL_DEVICE_ONLY__) && \
+    (defined(__AVX__) || defined(__SSE2__) || defined(__ARM_NEON))
+#define KVMEM_SIMD_VECTOR_EXTENSIONS 1
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#endif
+#endif
+
+namespace kvmem::kernels::simd {
+
+#if defined(KVMEM_SIMD_VECTOR_EXTENSIONS)
+/// Floats per register vector: the widest vector register the compiler targets.
+#if defined(__AVX512F__)
+inline constexpr int width = 16;
+#elif defined(__AVX__)
+inline constexpr int width = 8;
+#else
+inline constexpr int width = 4;
+#endif
+/// One register vector of `width` floats (a GCC vector extension type, e.g. __m256 under AVX2).
+typedef float vec __attribute__((vector_size(width * sizeof(float))));
+
+/// Loads width floats from p (no alignment needed).
+KOKKOS_INLINE_FUNCTION vec load(const float* p) {
+  vec v;
+  __builtin_memcpy(&v, p, sizeof v);
+  return v;
+}
+/// Stores v to p [width] (no alignment needed).
+KOKKOS_INLINE_FUNCTION void store(float* p, const vec& v) { __builtin_memcpy(p, &v, sizeof v); }
+/// Every lane x.
+KOKKOS_INLINE_FUNCTION vec broadcast(float x) {
+#if defined(__AVX512F__)
+  return _mm512_set1_ps(x);
+#elif defined(__AVX__)
+  return _mm256_set1_ps(x);
+#elif defined(__SSE2__)
+  return _mm_set1_ps(x);
+#else
+  vec v;
+  for (int i = 0; i < width; ++i) v[i] = x;  // not vec{} + x, which would turn -0 into +0
+  return v;
+#endif
+}
+/// a * b + c per lane, rounded as kernels::mul_add rounds it.
+KOKKOS_INLINE_FUNCTION vec fma(const vec& a, const vec& b, const vec& c) {
+#if defined(__AVX512F__)
+  return _mm512_fmadd_ps(a, b, c);
+#elif defined(__FMA__)
+  return _mm256_fmadd_ps(a, b, c);
+#else
+  vec r;
+  for (int i = 0; i < width; ++i) r[i] = mul_add(a[i], b[i], c[i]);
+  return r;
+#endif
+}
+/// a * b per lane.
+KOKKOS_INLINE_FUNCTION vec mul(const vec& a, const vec& b) { return a * b; }
+#else
+inline constexpr int width = 8;
+/// The portable form: width floats that the compiler keeps in registers or spreads over its own vectors.
+struct vec {
+  float lane[width];
+};
+KOKKOS_INLINE_FUNCTION vec load(const float* p) {
+  vec v;
+  for (int i = 0; i < width; ++i) v.lane[i] = p[i];
+  return v;
+}
+KOKKOS_INLINE_FUNCTION void store(float* p, const vec& v) {
+  for (int i = 0; i < width; ++i) p[i] = v.lane[i];
+}
+KOKKOS_INLINE_FUNCTION vec broadcast(float x) {
+  vec v;
+  for (int i = 0; i < width; ++i) v.lane[i] = x;
+  return v;
+}
+KOKKOS_INLINE_FUNCTION vec fma(const vec& a, const vec& b, const vec& c) {
+  vec r;
+  for (int i = 0; i < width; ++i) r.lane[i] = mul_add(a.lane[i], b.lane[i], c.lane[i]);
+  return r;
+}
+KOKKOS_INLINE_FUNCTION vec mul(const vec& a, const vec& b) {
+  vec r;
+  for (int i = 0; i < width; ++i) r.lane[i] = a.lane[i] * b.lane[i];
+  return r;
+}
+#endif
+
+}  // namespace kvmem::kernels::simd
