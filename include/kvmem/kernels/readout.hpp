@@ -7,6 +7,7 @@
 #include "../config.hpp"
 #include "../policy/layer_weights.hpp"
 #include "../state/state_rows.hpp"
+#include "scratch.hpp"
 #include "simd.hpp"
 #include "step_plan.hpp"
 #include "vector_ops.hpp"
@@ -17,13 +18,6 @@ namespace kvmem::kernels {
 inline constexpr int readout_key_tile = 32;
 /// Queries handled by one team (the lanes of a query block).
 inline constexpr int readout_query_block = 32;
-
-/// The scratch level for a team that needs `bytes`: level 0 (a GPU's shared memory, a CPU thread's
-/// cache-resident scratch) when the policy allows that much there, else level 1 (larger, slower on a GPU).
-template <class Policy>
-int scratch_level(const Policy& policy, std::size_t bytes) {
-  return bytes <= static_cast<std::size_t>(policy.scratch_size_max(0)) ? 0 : 1;
-}
 
 /// c ? a : b through integer masks: a select the compiler vectorizes even where it keeps floating-point
 /// exceptions exact (GCC's default -ftrapping-math turns float selects around FP arithmetic into branches).
@@ -177,23 +171,13 @@ struct QueryBlock {
   template <int NK, class BiasOf>
   KOKKOS_INLINE_FUNCTION void logits_lanes(const float* const* keys, const float* scale, int j, long j_abs,
                                            BiasOf bias_of) const {
-    constexpr int W = simd::width, QV = lanes / W;
-    simd::vec s[NK][QV];
-    for (int jj = 0; jj < NK; ++jj)
-      for (int x = 0; x < QV; ++x) s[jj][x] = simd::broadcast(0.0f);
-    for (int c = 0; c < dim; ++c) {
-      simd::vec qc[QV];
-      for (int x = 0; x < QV; ++x) qc[x] = simd::load(qt + long(c) * lanes + x * W);
-      for (int jj = 0; jj < NK; ++jj) {
-        const simd::vec kc = simd::broadcast(keys[jj][c]);
-        for (int x = 0; x < QV; ++x) s[jj][x] = simd::fma(qc[x], kc, s[jj][x]);
-      }
-    }
-    for (int jj = 0; jj < NK; ++jj) {
-      const simd::vec bias = simd::broadcast(bias_of(j_abs + jj));
-      for (int x = 0; x < QV; ++x)
-        simd::store(logits + (j + jj) * lanes + x * W, simd::fma(s[jj][x], simd::load(scale + x * W), bias));
-    }
+    constexpr int W = simd::width;
+    float bias[NK];
+    for (int jj = 0; jj < NK; ++jj) bias[jj] = bias_of(j_abs + jj);
+    simd::lane_dots<lanes, NK>(qt, dim, keys, [&](int jj, int x, const simd::vec& s) {
+      simd::store(logits + (j + jj) * lanes + x * W,
+                  simd::fma(s, simd::load(scale + x * W), simd::broadcast(bias[jj])));
+    });
   }
   /// logits[j + jj][0] of lane 0 alone (one live query: decode) for NK keys as independent chains.
   template <int NK, class BiasOf>

@@ -73,6 +73,20 @@ KOKKOS_INLINE_FUNCTION vec fma(const vec& a, const vec& b, const vec& c) {
 }
 /// a * b per lane.
 KOKKOS_INLINE_FUNCTION vec mul(const vec& a, const vec& b) { return a * b; }
+/// One int per lane (row indices; the all-ones / zero lanes of a comparison).
+typedef int ivec __attribute__((vector_size(width * sizeof(int))));
+/// Lane mask of a > b (false where either is NaN).
+KOKKOS_INLINE_FUNCTION ivec greater(const vec& a, const vec& b) { return a > b; }
+/// m ? a : b per lane.
+KOKKOS_INLINE_FUNCTION vec select(const ivec& m, const vec& a, const vec& b) {
+  return reinterpret_cast<vec>((reinterpret_cast<ivec>(a) & m) | (reinterpret_cast<ivec>(b) & ~m));
+}
+/// m ? a : b per lane.
+KOKKOS_INLINE_FUNCTION ivec select(const ivec& m, const ivec& a, const ivec& b) { return (a & m) | (b & ~m); }
+/// Every lane x.
+KOKKOS_INLINE_FUNCTION ivec broadcast_int(int x) { return ivec{} + x; }
+/// Stores v to p [width].
+KOKKOS_INLINE_FUNCTION void store(int* p, const ivec& v) { __builtin_memcpy(p, &v, sizeof v); }
 #else
 inline constexpr int width = 8;
 /// The portable form: width floats that the compiler keeps in registers or spreads over its own vectors.
@@ -102,6 +116,56 @@ KOKKOS_INLINE_FUNCTION vec mul(const vec& a, const vec& b) {
   for (int i = 0; i < width; ++i) r.lane[i] = a.lane[i] * b.lane[i];
   return r;
 }
+struct ivec {
+  int lane[width];
+};
+KOKKOS_INLINE_FUNCTION ivec greater(const vec& a, const vec& b) {
+  ivec m;
+  for (int i = 0; i < width; ++i) m.lane[i] = a.lane[i] > b.lane[i] ? -1 : 0;
+  return m;
+}
+KOKKOS_INLINE_FUNCTION vec select(const ivec& m, const vec& a, const vec& b) {
+  vec r;
+  for (int i = 0; i < width; ++i) r.lane[i] = m.lane[i] ? a.lane[i] : b.lane[i];
+  return r;
+}
+KOKKOS_INLINE_FUNCTION ivec select(const ivec& m, const ivec& a, const ivec& b) {
+  ivec r;
+  for (int i = 0; i < width; ++i) r.lane[i] = m.lane[i] ? a.lane[i] : b.lane[i];
+  return r;
+}
+KOKKOS_INLINE_FUNCTION ivec broadcast_int(int x) {
+  ivec v;
+  for (int i = 0; i < width; ++i) v.lane[i] = x;
+  return v;
+}
+KOKKOS_INLINE_FUNCTION void store(int* p, const ivec& v) {
+  for (int i = 0; i < width; ++i) p[i] = v.lane[i];
+}
 #endif
+
+/// s[k][x] = sum_c at[c][x * width + lane] * rows[k][c] for K rows, channels c in increasing order, one
+/// fma a step: the register tile of a block of L vectors (queries or tokens, transposed: at is [dim][L])
+/// against K rows (keys), every product of the tile's lanes with a row's channel in one fma. Per (lane,
+/// row) the same chain as kernels::dot of the two vectors, so the same bits. `finish(k, x, s)` receives
+/// each accumulator vector.
+template <int L, int K, class Finish>
+KOKKOS_INLINE_FUNCTION void lane_dots(const float* at, int dim, const float* const* rows, Finish&& finish) {
+  static_assert(L % width == 0, "a lane block fills whole register vectors");
+  constexpr int V = L / width;
+  vec s[K][V];
+  for (int k = 0; k < K; ++k)
+    for (int x = 0; x < V; ++x) s[k][x] = broadcast(0.0f);
+  for (int c = 0; c < dim; ++c) {
+    vec a[V];
+    for (int x = 0; x < V; ++x) a[x] = load(at + long(c) * L + x * width);
+    for (int k = 0; k < K; ++k) {
+      const vec r = broadcast(rows[k][c]);
+      for (int x = 0; x < V; ++x) s[k][x] = fma(a[x], r, s[k][x]);
+    }
+  }
+  for (int k = 0; k < K; ++k)
+    for (int x = 0; x < V; ++x) finish(k, x, s[k][x]);
+}
 
 }  // namespace kvmem::kernels::simd

@@ -18,12 +18,15 @@
 /// allocate).
 
 #include <Kokkos_Core.hpp>
+#include <type_traits>
 
 #include "../config.hpp"
 #include "../policy/layer_weights.hpp"
 #include "../policy/merge/concept.hpp"
 #include "../policy/score/append_scorer.hpp"
 #include "../state/state_rows.hpp"
+#include "scratch.hpp"
+#include "simd.hpp"
 #include "step_plan.hpp"
 #include "vector_ops.hpp"
 
@@ -49,6 +52,59 @@ struct UpdateScratch {
                              (ranks.span() + new_rows.span() + routes.span()) * sizeof(long));
   }
 };
+
+/// Tokens per register tile of the score and route products (token_rows_max): a multiple of the
+/// register vector's width.
+inline constexpr int update_lanes = 16;
+
+/// Whether the update scores and routes a block on the host through register tiles (tokens in vector
+/// lanes, rows broadcast: token_rows_max) rather than one thread per token with dot products of rows.
+/// Both give the same bits; the tiles are for CPU threads, one thread per token for GPUs.
+template <class ExecSpace>
+inline constexpr bool update_in_lanes =
+    std::is_same_v<typename ExecSpace::memory_space, Kokkos::HostSpace> && simd::width <= update_lanes;
+
+/// Whether Scorer::score is max_i dot(key, row_i) over the rows in row order from -inf (score::Novelty),
+/// declared by `static constexpr bool max_similarity = true`: the update then scores a block in
+/// register tiles (token_rows_max), the same bits as the per-token hook.
+template <class Scorer>
+inline constexpr bool scores_max_similarity = [] {
+  if constexpr (requires { Scorer::max_similarity; })
+    return static_cast<bool>(Scorer::max_similarity);
+  else
+    return false;
+}();
+
+/// For the L tokens of `at` ([dim][L], transposed, each already scaled as the caller wants): best[u] =
+/// max over rows [first, end) of dot(at_u, row_of(i)) and best_row[u] its row, rows compared in row
+/// order by `>` (ties and NaN keep the earlier row). With `take_first` the first row is taken as it is
+/// (route: a NaN score stays), otherwise the maximum starts from -inf and stays there for NaN or -inf
+/// scores (score::Novelty). Per lane the same operations as dot_rows and those comparisons, so the same
+/// bits as one thread per token (spec KVM.md §5.3 and §5.5).
+template <int L, class RowOf>
+KOKKOS_INLINE_FUNCTION void token_rows_max(const float* at, int dim, long first, long end, bool take_first,
+                                           RowOf row_of, float* best, int* best_row) {
+  constexpr int W = simd::width, V = L / W, K = 4;
+  simd::vec bv[V];
+  simd::ivec rv[V];
+  for (int x = 0; x < V; ++x) bv[x] = simd::broadcast(neg_inf()), rv[x] = simd::broadcast_int(static_cast<int>(first));
+  auto keep = [&](long row, int x, const simd::vec& sv) {
+    const simd::ivec m = take_first && row == first ? simd::broadcast_int(-1) : simd::greater(sv, bv[x]);
+    bv[x] = simd::select(m, sv, bv[x]);
+    rv[x] = simd::select(m, simd::broadcast_int(static_cast<int>(row)), rv[x]);
+  };
+  long i = first;
+  for (; i + K <= end; i += K) {
+    const float* rows[K];
+    for (int k = 0; k < K; ++k) rows[k] = row_of(i + k);
+    simd::lane_dots<L, K>(at, dim, rows, [&](int k, int x, const simd::vec& sv) { keep(i + k, x, sv); });
+  }
+  for (; i < end; ++i) {
+    const float* rows[1] = {row_of(i)};
+    simd::lane_dots<L, 1>(at, dim, rows, [&](int, int x, const simd::vec& sv) { keep(i, x, sv); });
+  }
+  for (int x = 0; x < V; ++x) simd::store(best + x * W, bv[x]), simd::store(best_row + x * W, rv[x]);
+}
 
 /// Seeding: the policy commits its first block like any other and no row exists yet (OVQ's m == 0):
 /// tokens are scored against the block's first token, row 0 takes the block's first token and every
@@ -80,6 +136,9 @@ void update_state(const ExecSpace& exec, const MemoryConfig& cfg, const LayerWei
   const auto new_rows = scratch.new_rows;
   const auto routes = scratch.routes;
   using range = Kokkos::RangePolicy<ExecSpace>;
+  // Register-tile kernels (update_in_lanes): one thread per team, a block of update_lanes tokens each.
+  using lane_policy = Kokkos::TeamPolicy<ExecSpace>;
+  using lane_member = typename lane_policy::member_type;
   // Tokens selected for new rows: M* - m, or one fewer when seeding (row 0 is founded by the fold).
   auto selected = [=] KOKKOS_FUNCTION(long b) {
     const long app = p(b, append_count);
@@ -97,15 +156,43 @@ void update_state(const ExecSpace& exec, const MemoryConfig& cfg, const LayerWei
     Merge::memory_key(cfg, w, &ring.keys(b, h, ring.slot(p(b, block_begin) + j), 0), &keys(b, h, j, 0));
   });
   // 2. score: against the existing rows' read keys, or (seeding) against the block's first token.
-  Kokkos::parallel_for("kvmem::score", range(exec, 0, B * H * C), KOKKOS_LAMBDA(long idx) {
-    const long j = idx % C, h = (idx / C) % H, b = idx / (C * H);
-    if (j >= p(b, block_count) || !must_rank(b)) return;
-    const long m = p(b, rows_before);
-    if (seeding<Merge>(m))
-      scores(b, h, j) = j == 0 ? -neg_inf() : dot(&keys(b, h, j, 0), &keys(b, h, 0, 0), D);
-    else
-      scores(b, h, j) = Scorer::score(&keys(b, h, j, 0), &st.read_keys(b, h, 0, 0), m, D);
-  });
+  auto seed_score = [=] KOKKOS_FUNCTION(long b, long h, long j) {
+    return j == 0 ? -neg_inf() : dot(&keys(b, h, j, 0), &keys(b, h, 0, 0), D);
+  };
+  if constexpr (update_in_lanes<ExecSpace> && scores_max_similarity<Scorer>) {
+    constexpr int L = update_lanes;
+    const long blocks = (C + L - 1) / L;
+    int level = 0;
+    const auto policy = with_float_scratch(lane_policy(exec, B * H * blocks, 1), long(D) * L, level);
+    Kokkos::parallel_for("kvmem::score", policy, KOKKOS_LAMBDA(const lane_member& team) {
+      const long idx = team.league_rank();
+      const long j0 = (idx % blocks) * L, h = (idx / blocks) % H, b = idx / (blocks * H);
+      const long count = p(b, block_count), m = p(b, rows_before);
+      if (j0 >= count || !must_rank(b)) return;
+      const int n = static_cast<int>(Kokkos::min(static_cast<long>(L), count - j0));
+      if (seeding<Merge>(m)) {
+        for (int u = 0; u < n; ++u) scores(b, h, j0 + u) = seed_score(b, h, j0 + u);
+        return;
+      }
+      float* at = static_cast<float*>(team.team_scratch(level).get_shmem(sizeof(float) * D * L));
+      for (int c = 0; c < D; ++c)
+        for (int u = 0; u < L; ++u) at[c * L + u] = u < n ? keys(b, h, j0 + u, c) : 0.0f;
+      float best[L];
+      int row[L];
+      token_rows_max<L>(at, D, 0, m, false, [&](long i) { return &st.read_keys(b, h, i, 0); }, best, row);
+      for (int u = 0; u < n; ++u) scores(b, h, j0 + u) = best[u];
+    });
+  } else {
+    Kokkos::parallel_for("kvmem::score", range(exec, 0, B * H * C), KOKKOS_LAMBDA(long idx) {
+      const long j = idx % C, h = (idx / C) % H, b = idx / (C * H);
+      if (j >= p(b, block_count) || !must_rank(b)) return;
+      const long m = p(b, rows_before);
+      if (seeding<Merge>(m))
+        scores(b, h, j) = seed_score(b, h, j);
+      else
+        scores(b, h, j) = Scorer::score(&keys(b, h, j, 0), &st.read_keys(b, h, 0, 0), m, D);
+    });
+  }
   // 3. select: rank by (score asc, token index asc); the first `selected` found rows. NaN scores (from a
   //    non-finite key) rank after every number, so the ranks stay a permutation of 0..count-1: with plain
   //    `<` every NaN would rank 0, more tokens than planned would found rows, past the rows the host
@@ -152,39 +239,87 @@ void update_state(const ExecSpace& exec, const MemoryConfig& cfg, const LayerWei
   // 5. route the other tokens: seeding -> row 0; else argmax over the rows before or after the append,
   //    from the first non-sink row (spec KVM.md §5.5 and §9 #2-#3, OVQ.md §5.1).
   const long sinks = cfg.sinks;
-  Kokkos::parallel_for("kvmem::route", range(exec, 0, B * H * C), KOKKOS_LAMBDA(long idx) {
-    const long j = idx % C, h = (idx / C) % H, b = idx / (C * H);
-    if (j >= p(b, block_count) || new_rows(b, h, j) >= 0) return;
+  // The rows a token of sequence b may join: [first, end).
+  auto route_rows = [=] KOKKOS_FUNCTION(long b, long& first, long& end) {
     const long m = p(b, rows_before);
-    if (seeding<Merge>(m)) {
-      routes(b, h, j) = 0;
-      return;
-    }
-    const long end = Merge::route_after_append ? m + selected(b) : m;
-    const long first = Kokkos::min(sinks, end);
-    const float g = Merge::gate(ring.gates(b, h, ring.slot(p(b, block_begin) + j)));
-    const float* key = &keys(b, h, j, 0);
-    long best_row = first;
-    float best = neg_inf();
-    // Each score is sum_c (g key[c]) khat[c] in channel order; eight rows are scored at a time as
-    // independent chains (dot_rows), then compared in row order.
-    constexpr int NR = 8;
-    const long stride = end - first > 1 ? &st.read_keys(b, h, first + 1, 0) - &st.read_keys(b, h, first, 0) : 0;
-    float s[NR];
-    for (long i = first; i < end; i += NR) {
-      const long n = Kokkos::min(static_cast<long>(NR), end - i);
-      if (n == NR)
-        dot_rows<NR>(key, g, &st.read_keys(b, h, i, 0), stride, D, s);
-      else
-        for (long r = 0; r < n; ++r) dot_rows<1>(key, g, &st.read_keys(b, h, i + r, 0), 0, D, &s[r]);
-      for (long r = 0; r < n; ++r)
-        if (s[r] > best || i + r == first) {
-          best = s[r];
-          best_row = i + r;
-        }
-    }
-    routes(b, h, j) = best_row;
-  });
+    end = Merge::route_after_append ? m + selected(b) : m;
+    first = Kokkos::min(sinks, end);
+  };
+  auto routed = [=] KOKKOS_FUNCTION(long b, long h, long j) {
+    return j < p(b, block_count) && new_rows(b, h, j) < 0;
+  };
+  auto gate_of = [=] KOKKOS_FUNCTION(long b, long h, long j) {
+    return Merge::gate(ring.gates(b, h, ring.slot(p(b, block_begin) + j)));
+  };
+  if constexpr (update_in_lanes<ExecSpace>) {
+    constexpr int L = update_lanes;
+    const long blocks = (C + L - 1) / L;
+    int level = 0;
+    const auto policy = with_float_scratch(lane_policy(exec, B * H * blocks, 1), long(D) * L, level);
+    Kokkos::parallel_for("kvmem::route", policy, KOKKOS_LAMBDA(const lane_member& team) {
+      const long idx = team.league_rank();
+      const long j0 = (idx % blocks) * L, h = (idx / blocks) % H, b = idx / (blocks * H);
+      const long count = p(b, block_count);
+      if (j0 >= count) return;
+      const int n = static_cast<int>(Kokkos::min(static_cast<long>(L), count - j0));
+      bool any = false;
+      for (int u = 0; u < n; ++u) any = any || routed(b, h, j0 + u);
+      if (!any) return;
+      if (seeding<Merge>(p(b, rows_before))) {
+        for (int u = 0; u < n; ++u)
+          if (routed(b, h, j0 + u)) routes(b, h, j0 + u) = 0;
+        return;
+      }
+      long first, end;
+      route_rows(b, first, end);
+      // Lane u holds the gated key g_u k_u (the same product as dot_rows forms); lanes of tokens that
+      // found rows or lie past the block are computed and ignored.
+      float* at = static_cast<float*>(team.team_scratch(level).get_shmem(sizeof(float) * D * L));
+      for (int u = 0; u < L; ++u) {
+        const bool live = u < n && routed(b, h, j0 + u);
+        const float g = live ? gate_of(b, h, j0 + u) : 0.0f;
+        for (int c = 0; c < D; ++c) at[c * L + u] = live ? g * keys(b, h, j0 + u, c) : 0.0f;
+      }
+      float best[L];
+      int row[L];
+      token_rows_max<L>(at, D, first, end, true, [&](long i) { return &st.read_keys(b, h, i, 0); }, best, row);
+      for (int u = 0; u < n; ++u)
+        if (routed(b, h, j0 + u)) routes(b, h, j0 + u) = row[u];
+    });
+  } else {
+    Kokkos::parallel_for("kvmem::route", range(exec, 0, B * H * C), KOKKOS_LAMBDA(long idx) {
+      const long j = idx % C, h = (idx / C) % H, b = idx / (C * H);
+      if (!routed(b, h, j)) return;
+      if (seeding<Merge>(p(b, rows_before))) {
+        routes(b, h, j) = 0;
+        return;
+      }
+      long first, end;
+      route_rows(b, first, end);
+      const float g = gate_of(b, h, j);
+      const float* key = &keys(b, h, j, 0);
+      long best_row = first;
+      float best = neg_inf();
+      // Each score is sum_c (g key[c]) khat[c] in channel order; eight rows are scored at a time as
+      // independent chains (dot_rows), then compared in row order.
+      constexpr int NR = 8;
+      const long stride = end - first > 1 ? &st.read_keys(b, h, first + 1, 0) - &st.read_keys(b, h, first, 0) : 0;
+      float s[NR];
+      for (long i = first; i < end; i += NR) {
+        const long n = Kokkos::min(static_cast<long>(NR), end - i);
+        if (n == NR)
+          dot_rows<NR>(key, g, &st.read_keys(b, h, i, 0), stride, D, s);
+        else
+          for (long r = 0; r < n; ++r) dot_rows<1>(key, g, &st.read_keys(b, h, i + r, 0), 0, D, &s[r]);
+        for (long r = 0; r < n; ++r)
+          if (s[r] > best || i + r == first) {
+            best = s[r];
+            best_row = i + r;
+          }
+      }
+      routes(b, h, j) = best_row;
+    });
+  }
   // 6. fold routed tokens into their rows in token order, then refresh the rows' read caches.
   Kokkos::parallel_for("kvmem::fold", range(exec, 0, B * H * R), KOKKOS_LAMBDA(long idx) {
     const long i = idx % R, h = (idx / R) % H, b = idx / (R * H);

@@ -14,6 +14,9 @@ namespace kvmem::score {
 /// (lowest score) become new rows. With no rows the score is -inf (every token equally novel).
 struct Novelty {
   static constexpr std::string_view name = "novelty";
+  /// score is the maximum of dot products with the rows from -inf: the update may compute it for a block
+  /// of tokens in register tiles (kernels::token_rows_max), with the same bits.
+  static constexpr bool max_similarity = true;
   /// `rows_keys` [rows, dim], row-major. Eight rows are scored at a time as independent chains
   /// (kernels::dot_rows, the same bits as one `dot` per row), then compared in row order.
   KOKKOS_INLINE_FUNCTION static float score(const float* key, const float* rows_keys, long rows, int dim) {
