@@ -291,7 +291,7 @@ class Memory {
     plan_.upload(exec_);
     const auto w = LayerWeightsRef::of(weights_);
     auto update = [&] {
-      kernels::update_state<Merge, Scorer>(exec_, cfg_, w, rows_, ring_, scratch_, plan_, block, most_rows);
+      kernels::update_state<Merge, Scorer>(exec_, cfg_, w, rows_, ring_, scratch_, plan_, block);
       if constexpr (RowPolicy::evicts)
         if (block > 0) kernels::evict_rows(exec_, cfg_, rows_, plan_);
     };

@@ -317,7 +317,7 @@ long require_memory_steps(Memory& memory, const Stream& s) {
     folds += fold ? 1 : 0;
     regrowths += grew ? 1 : 0;
     Counts allowed{.copies = 1, .fences = 1, .kernels = 2};
-    if (fold) allowed.kernels += 6;
+    if (fold) allowed.kernels += 7;  // stage, score, select, append, route, group, fold
     if (row_eviction) allowed.kernels += fold ? 2 : 1;
     if (grew) allowed = allowed + regrowth;
     return allowed;
@@ -336,7 +336,7 @@ long require_memory_steps(Memory& memory, const Stream& s) {
   REQUIRE(e.copies == Labels{{plan_upload, kSteps}});
   Labels kernels{{"kvmem::window", kSteps}, {"kvmem::readout", kSteps}};
   for (const char* k :
-       {"kvmem::stage", "kvmem::score", "kvmem::select", "kvmem::append", "kvmem::route", "kvmem::fold"})
+       {"kvmem::stage", "kvmem::score", "kvmem::select", "kvmem::append", "kvmem::route", "kvmem::group", "kvmem::fold"})
     kernels[k] = folds;
   if (row_eviction) {
     kernels["kvmem::row_attn"] = kSteps;

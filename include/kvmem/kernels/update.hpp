@@ -11,7 +11,8 @@
 ///   4. append  selected tokens as new rows (in token or score order, per policy),
 ///   5. route   every other token to its best row (argmax of the gated key's dot product with the read
 ///              keys, ties to the lower row) among the rows before or after the append, per policy,
-///   6. fold    per row, its routed tokens in token order, then refresh the row's read caches.
+///   6. group   the routed tokens by row (each row's tokens one run, in token order),
+///   7. fold    per row, its routed tokens in token order, then refresh the row's read caches.
 /// The same kernels serve KVM's first-chunk copy (every token appended), so prefill and decode produce
 /// identical bits. Their Kokkos labels are kvmem::stage ... kvmem::fold: at most 15 characters, which a
 /// std::string holds without a heap allocation (Kokkos copies the label at every launch; decode must not
@@ -33,12 +34,13 @@
 namespace kvmem::kernels {
 
 /// Scratch of one update for a batch: memory keys [B, Hkv, C, D]; scores, score ranks, new-row index or
-/// -1, and routes [B, Hkv, C] of the block's tokens.
+/// -1, routes (the row a token folds into; the largest long for a token that found a row), and the routed tokens grouped by row (token indices ordered by (route, token), tokens that
+/// found rows last) [B, Hkv, C] of the block's tokens.
 template <class MemorySpace>
 struct UpdateScratch {
   Kokkos::View<float****, Kokkos::LayoutRight, MemorySpace> keys;
   Kokkos::View<float***, Kokkos::LayoutRight, MemorySpace> scores;
-  Kokkos::View<long***, Kokkos::LayoutRight, MemorySpace> ranks, new_rows, routes;
+  Kokkos::View<long***, Kokkos::LayoutRight, MemorySpace> ranks, new_rows, routes, grouped;
 
   void allocate(int batch, int kv_heads, int chunk, int head_dim) {
     keys = decltype(keys)("kvmem::block_keys", batch, kv_heads, chunk, head_dim);
@@ -46,10 +48,11 @@ struct UpdateScratch {
     ranks = decltype(ranks)("kvmem::block_ranks", batch, kv_heads, chunk);
     new_rows = decltype(new_rows)("kvmem::block_new_rows", batch, kv_heads, chunk);
     routes = decltype(routes)("kvmem::block_routes", batch, kv_heads, chunk);
+    grouped = decltype(grouped)("kvmem::block_grouped", batch, kv_heads, chunk);
   }
   [[nodiscard]] long bytes() const {
     return static_cast<long>((keys.span() + scores.span()) * sizeof(float) +
-                             (ranks.span() + new_rows.span() + routes.span()) * sizeof(long));
+                             (ranks.span() + new_rows.span() + routes.span() + grouped.span()) * sizeof(long));
   }
 };
 
@@ -117,24 +120,24 @@ KOKKOS_INLINE_FUNCTION bool seeding(long rows_before) {
 /// Folds the block [block_begin, block_begin + block_count) of every plan row into that sequence's
 /// state (all kv-heads). `append_count` is the plan's growth M* - m (spec KVM.md §5.1, OVQ.md §3): that
 /// many tokens found rows, lowest Scorer score first (when seeding, row 0 is one of them). Plan rows with
-/// block_count == 0 are untouched. `max_block` bounds block_count over the batch (<= chunk) and
-/// `max_rows_after` bounds the rows any sequence has afterwards (at least 1).
+/// block_count == 0 are untouched. `max_block` bounds block_count over the batch (<= chunk).
 template <merge::MergePolicy Merge, score::AppendScorer Scorer, class ExecSpace>
 void update_state(const ExecSpace& exec, const MemoryConfig& cfg, const LayerWeightsRef& w,
                   const state::StateRows<typename ExecSpace::memory_space>& st,
                   const state::WindowRing<typename ExecSpace::memory_space>& ring,
                   const UpdateScratch<typename ExecSpace::memory_space>& scratch,
-                  const StepPlan<typename ExecSpace::memory_space>& plan, long max_block, long max_rows_after) {
+                  const StepPlan<typename ExecSpace::memory_space>& plan, long max_block) {
   const long B = static_cast<long>(st.keys.extent(0)), H = static_cast<long>(st.keys.extent(1));
   if (max_block <= 0 || B == 0) return;
   const int D = cfg.head_dim;
-  const long C = max_block, R = max_rows_after > 1 ? max_rows_after : 1;
+  const long C = max_block;
   const auto p = plan.device;
   const auto keys = scratch.keys;
   const auto scores = scratch.scores;
   const auto ranks = scratch.ranks;
   const auto new_rows = scratch.new_rows;
   const auto routes = scratch.routes;
+  const auto grouped = scratch.grouped;
   using range = Kokkos::RangePolicy<ExecSpace>;
   // Register-tile kernels (update_in_lanes): one thread per team, a block of update_lanes tokens each.
   using lane_policy = Kokkos::TeamPolicy<ExecSpace>;
@@ -248,6 +251,8 @@ void update_state(const ExecSpace& exec, const MemoryConfig& cfg, const LayerWei
   auto routed = [=] KOKKOS_FUNCTION(long b, long h, long j) {
     return j < p(b, block_count) && new_rows(b, h, j) < 0;
   };
+  // The route of a token that found a row (after every row, so such tokens group last).
+  constexpr long no_route = Kokkos::Experimental::finite_max_v<long>;
   auto gate_of = [=] KOKKOS_FUNCTION(long b, long h, long j) {
     return Merge::gate(ring.gates(b, h, ring.slot(p(b, block_begin) + j)));
   };
@@ -264,10 +269,8 @@ void update_state(const ExecSpace& exec, const MemoryConfig& cfg, const LayerWei
       const int n = static_cast<int>(Kokkos::min(static_cast<long>(L), count - j0));
       bool any = false;
       for (int u = 0; u < n; ++u) any = any || routed(b, h, j0 + u);
-      if (!any) return;
-      if (seeding<Merge>(p(b, rows_before))) {
-        for (int u = 0; u < n; ++u)
-          if (routed(b, h, j0 + u)) routes(b, h, j0 + u) = 0;
+      if (!any || seeding<Merge>(p(b, rows_before))) {
+        for (int u = 0; u < n; ++u) routes(b, h, j0 + u) = routed(b, h, j0 + u) ? 0 : no_route;
         return;
       }
       long first, end;
@@ -283,13 +286,16 @@ void update_state(const ExecSpace& exec, const MemoryConfig& cfg, const LayerWei
       float best[L];
       int row[L];
       token_rows_max<L>(at, D, first, end, true, [&](long i) { return &st.read_keys(b, h, i, 0); }, best, row);
-      for (int u = 0; u < n; ++u)
-        if (routed(b, h, j0 + u)) routes(b, h, j0 + u) = row[u];
+      for (int u = 0; u < n; ++u) routes(b, h, j0 + u) = routed(b, h, j0 + u) ? row[u] : no_route;
     });
   } else {
     Kokkos::parallel_for("kvmem::route", range(exec, 0, B * H * C), KOKKOS_LAMBDA(long idx) {
       const long j = idx % C, h = (idx / C) % H, b = idx / (C * H);
-      if (!routed(b, h, j)) return;
+      if (j >= p(b, block_count)) return;
+      if (!routed(b, h, j)) {
+        routes(b, h, j) = no_route;
+        return;
+      }
       if (seeding<Merge>(p(b, rows_before))) {
         routes(b, h, j) = 0;
         return;
@@ -320,24 +326,36 @@ void update_state(const ExecSpace& exec, const MemoryConfig& cfg, const LayerWei
       routes(b, h, j) = best_row;
     });
   }
-  // 6. fold routed tokens into their rows in token order, then refresh the rows' read caches.
-  Kokkos::parallel_for("kvmem::fold", range(exec, 0, B * H * R), KOKKOS_LAMBDA(long idx) {
-    const long i = idx % R, h = (idx / R) % H, b = idx / (R * H);
+  // 6. group the routed tokens by row: position of token j = #{i : (route_i, i) < (route_j, j)}, so each
+  //    row's tokens are one run in token order (tokens that found rows, route no_route, come last).
+  Kokkos::parallel_for("kvmem::group", range(exec, 0, B * H * C), KOKKOS_LAMBDA(long idx) {
+    const long j = idx % C, h = (idx / C) % H, b = idx / (C * H);
     const long count = p(b, block_count);
-    bool touched = false;
+    if (j >= count) return;
+    const long rj = routes(b, h, j);
+    const long* r = &routes(b, h, 0);
+    long pos = 0;
+    for (long i = 0; i < j; ++i) pos += r[i] <= rj ? 1 : 0;
+    for (long i = j + 1; i < count; ++i) pos += r[i] < rj ? 1 : 0;
+    grouped(b, h, pos) = j;
+  });
+  // 7. fold each row's run of routed tokens into it in token order, then refresh its read caches: one
+  //    thread per run, found at the run's first position.
+  Kokkos::parallel_for("kvmem::fold", range(exec, 0, B * H * C), KOKKOS_LAMBDA(long idx) {
+    const long k = idx % C, h = (idx / C) % H, b = idx / (C * H);
+    const long count = p(b, block_count);
+    if (k >= count) return;
+    const long i = routes(b, h, grouped(b, h, k));
+    if (i == no_route || (k > 0 && routes(b, h, grouped(b, h, k - 1)) == i)) return;
     const merge::Row r = st.row(b, h, i);
-    for (long j = 0; j < count; ++j) {
-      if (new_rows(b, h, j) >= 0 || routes(b, h, j) != i) continue;
-      if (!touched) Merge::begin_fold(cfg, r);
-      touched = true;
-      const long s = ring.slot(p(b, block_begin) + j);
+    Merge::begin_fold(cfg, r);
+    for (long kk = k; kk < count && routes(b, h, grouped(b, h, kk)) == i; ++kk) {
+      const long j = grouped(b, h, kk), s = ring.slot(p(b, block_begin) + j);
       Merge::fold(cfg, r, &keys(b, h, j, 0), &ring.values(b, h, s, 0), Merge::gate(ring.gates(b, h, s)));
     }
-    if (touched) {
-      Merge::end_fold(cfg, r);
-      Merge::read_key(cfg, w, r, &st.read_keys(b, h, i, 0));
-      Merge::read_value(cfg, r, &st.read_values(b, h, i, 0));
-    }
+    Merge::end_fold(cfg, r);
+    Merge::read_key(cfg, w, r, &st.read_keys(b, h, i, 0));
+    Merge::read_value(cfg, r, &st.read_values(b, h, i, 0));
   });
 }
 
