@@ -118,7 +118,7 @@ KOKKOS_INLINE_FUNCTION void attend(OnlineSoftmax& sm, const float* q, int dim, l
 /// team's scratch. Each key tile is read once for the whole block: the logits of all queries against the
 /// tile come from a register-blocked product (queries in vector lanes, several keys at a time), then each
 /// query folds its row of logits in. Every logit and every softmax step is the same sequence of
-/// operations as OnlineSoftmax/attend for that query alone, so a block of 16 queries, a block of one
+/// operations as OnlineSoftmax/attend for that query alone, so a block of 32 queries, a block of one
 /// (decode) and attend() give the same bits.
 struct QueryBlock {
   static constexpr int lanes = readout_query_block;

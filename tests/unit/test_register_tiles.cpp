@@ -1,0 +1,138 @@
+// The register tiles of the CPU kernels (kernels/simd.hpp, kernels/update.hpp): a block of queries or
+// tokens in vector lanes against rows broadcast one channel at a time must give, per (lane, row), the
+// bits of one `dot` -- the readout's block of queries and its decode query, and the update's tiles and
+// its one-thread-per-token path (the path of GPUs), must agree exactly (spec KVM.md §5.3, §5.5).
+#include <catch2/catch_test_macros.hpp>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <random>
+#include <vector>
+
+#include <kvmem/kvmem.hpp>
+
+namespace {
+std::vector<float> uniform(std::size_t n, unsigned seed) {
+  std::mt19937 rng(seed);
+  std::uniform_real_distribution<float> u(-1.0f, 1.0f);
+  std::vector<float> x(n);
+  for (auto& v : x) v = u(rng);
+  return x;
+}
+bool same_bits(float a, float b) { return std::memcmp(&a, &b, sizeof(float)) == 0; }
+constexpr int L = kvmem::kernels::update_lanes;
+
+/// at [dim][L]: lane u holds vectors[u] (transposed, as the kernels lay a block out).
+std::vector<float> transpose(const std::vector<float>& vectors, int dim) {
+  std::vector<float> at(std::size_t(dim) * L);
+  for (int u = 0; u < L; ++u)
+    for (int c = 0; c < dim; ++c) at[std::size_t(c) * L + u] = vectors[std::size_t(u) * dim + c];
+  return at;
+}
+}  // namespace
+
+TEST_CASE("lane_dots gives each lane the bits of one dot per row", "[simd][readout][update]") {
+  for (int dim : {1, 7, 40, 64, 128}) {
+    auto vectors = uniform(std::size_t(L) * dim, 3 + dim), rows = uniform(4 * std::size_t(dim), 4 + dim);
+    vectors[0] = -0.0f;  // signed zeros and a large value go through unchanged
+    rows[0] = -0.0f;
+    vectors[dim] = 3.0e38f;
+    const auto at = transpose(vectors, dim);
+    const float* r[4] = {rows.data(), rows.data() + dim, rows.data() + 2 * dim, rows.data() + 3 * dim};
+    std::vector<float> got(4 * L);
+    kvmem::kernels::simd::lane_dots<L, 4>(at.data(), dim, r, [&](int k, int x, const kvmem::kernels::simd::vec& s) {
+      kvmem::kernels::simd::store(got.data() + k * L + x * kvmem::kernels::simd::width, s);
+    });
+    for (int k = 0; k < 4; ++k)
+      for (int u = 0; u < L; ++u)
+        CHECK(same_bits(got[k * L + u], kvmem::kernels::dot(vectors.data() + std::size_t(u) * dim, r[k], dim)));
+  }
+}
+
+TEST_CASE("token_rows_max is the row-order argmax of route and the maximum of novelty", "[simd][update]") {
+  const int dim = 24;
+  auto tokens = uniform(std::size_t(L) * dim, 21);
+  auto rows = uniform(13 * std::size_t(dim), 22);
+  // Rows 5 and 9 equal row 2 (ties go to the lower row); token 3 is NaN (a non-finite key); token 4 is
+  // zero (every score ties at 0).
+  for (int c = 0; c < dim; ++c) rows[5 * dim + c] = rows[9 * dim + c] = rows[2 * dim + c];
+  tokens[3 * dim + 1] = std::numeric_limits<float>::quiet_NaN();
+  for (int c = 0; c < dim; ++c) tokens[4 * dim + c] = 0.0f;
+  const auto at = transpose(tokens, dim);
+  auto row_of = [&](long i) { return rows.data() + i * dim; };
+  for (long first = 0; first <= 2; ++first)
+    for (long end = first; end <= 13; ++end)  // no rows, fewer than a group of 4, groups and tails
+      for (bool take_first : {true, false}) {
+        float best[L];
+        int row[L];
+        kvmem::kernels::token_rows_max<L>(at.data(), dim, first, end, take_first, row_of, best, row);
+        for (int u = 0; u < L; ++u) {
+          // The one-thread-per-token loops of kernels::update_state (route) and score::Novelty.
+          float want = -std::numeric_limits<float>::infinity();
+          long want_row = first;
+          for (long i = first; i < end; ++i) {
+            const float s = kvmem::kernels::dot(tokens.data() + std::size_t(u) * dim, row_of(i), dim);
+            if (s > want || (take_first && i == first)) want = s, want_row = i;
+          }
+          CHECK(same_bits(best[u], want));
+          CHECK(row[u] == want_row);
+        }
+      }
+}
+
+namespace {
+/// score::Novelty without its max_similarity declaration: the update scores it one thread per token.
+struct NoveltyPerToken {
+  static constexpr std::string_view name = "novelty (per token)";
+  KOKKOS_INLINE_FUNCTION static float score(const float* key, const float* rows_keys, long rows, int dim) {
+    return kvmem::score::Novelty::score(key, rows_keys, rows, dim);
+  }
+};
+}  // namespace
+
+TEST_CASE("a KVM memory scored in register tiles gives the bits of one thread per token", "[simd][update][kvm]") {
+  using exec = Kokkos::DefaultHostExecutionSpace;
+  using space = exec::memory_space;
+  kvmem::MemoryConfig cfg;
+  cfg.head_dim = 40, cfg.value_dim = 24, cfg.query_heads = 4, cfg.kv_heads = 2, cfg.chunk = 20, cfg.window_chunks = 2;
+  cfg.rope_dims = 8, cfg.sinks = 3, cfg.max_rows = 1 << 16;
+  const kvmem::budget::PowerLaw budget{.min_rows = 30, .growth_factor = 4.0, .growth_exponent = 0.5};
+  Kokkos::View<float*, space> ones("ones", cfg.head_dim), zeros("zeros", cfg.head_dim), taus("tau", cfg.query_heads);
+  Kokkos::deep_copy(ones, 1.0f);
+  Kokkos::deep_copy(taus, 1.0f);
+  const kvmem::LayerWeights<space> weights{ones, zeros, taus, taus};
+  const long T = 700, prompt = 600;
+  using V4 = Kokkos::View<float****, Kokkos::LayoutRight, space>;
+  using V3 = Kokkos::View<float***, Kokkos::LayoutRight, space>;
+  V4 q("q", 1, cfg.query_heads, T, cfg.head_dim), k("k", 1, cfg.kv_heads, T, cfg.head_dim),
+      v("v", 1, cfg.kv_heads, T, cfg.value_dim);
+  V3 gate("gate", 1, cfg.kv_heads, T);
+  for (auto [view, seed] : {std::pair{q, 1u}, std::pair{k, 2u}, std::pair{v, 3u}}) {
+    const auto x = uniform(view.size(), seed);
+    std::memcpy(view.data(), x.data(), x.size() * sizeof(float));
+  }
+  const auto g = uniform(gate.size(), 4);
+  std::memcpy(gate.data(), g.data(), g.size() * sizeof(float));
+  auto run = [&](auto& memory) {
+    V4 y("y", 1, cfg.query_heads, T, cfg.value_dim);
+    auto tokens = [](auto view, long t0, long t1) {
+      return Kokkos::subview(view, Kokkos::ALL, Kokkos::ALL, Kokkos::make_pair(t0, t1), Kokkos::ALL);
+    };
+    auto gates = [&](long t0, long t1) { return Kokkos::subview(gate, Kokkos::ALL, Kokkos::ALL, Kokkos::make_pair(t0, t1)); };
+    memory.prefill(tokens(q, 0, prompt), tokens(k, 0, prompt), tokens(v, 0, prompt), gates(0, prompt), tokens(y, 0, prompt));
+    for (long t = prompt; t < T; ++t)
+      memory.decode(tokens(q, t, t + 1), tokens(k, t, t + 1), tokens(v, t, t + 1), gates(t, t + 1), tokens(y, t, t + 1));
+    exec().fence();
+    return std::vector<float>(y.data(), y.data() + y.size());
+  };
+  static_assert(kvmem::kernels::scores_max_similarity<kvmem::score::Novelty>);
+  static_assert(!kvmem::kernels::scores_max_similarity<NoveltyPerToken>);
+  kvmem::Memory<exec, kvmem::merge::WinnerTakeAll, kvmem::budget::PowerLaw, kvmem::score::Novelty> tiles(cfg, budget,
+                                                                                                      weights, 1);
+  kvmem::Memory<exec, kvmem::merge::WinnerTakeAll, kvmem::budget::PowerLaw, NoveltyPerToken> per_token(cfg, budget,
+                                                                                                     weights, 1);
+  const auto a = run(tiles), b = run(per_token);
+  REQUIRE(tiles.cursor(0).rows > 2 * cfg.chunk);  // the state grew: blocks were scored and routed
+  REQUIRE(a.size() == b.size());
+  CHECK(std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0);
+}
