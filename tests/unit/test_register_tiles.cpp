@@ -22,6 +22,19 @@ std::vector<float> uniform(std::size_t n, unsigned seed) {
 bool same_bits(float a, float b) { return std::memcmp(&a, &b, sizeof(float)) == 0; }
 constexpr int L = kvmem::kernels::update_lanes;
 
+/// The kernels' callbacks are device functions too: functors, not host lambdas (nvcc checks the calls).
+struct StoreTile {
+  float* out;
+  KOKKOS_INLINE_FUNCTION void operator()(int k, int x, const kvmem::kernels::simd::vec& s) const {
+    kvmem::kernels::simd::store(out + k * L + x * kvmem::kernels::simd::width, s);
+  }
+};
+struct RowOf {
+  const float* rows;
+  int dim;
+  KOKKOS_INLINE_FUNCTION const float* operator()(long i) const { return rows + i * dim; }
+};
+
 /// at [dim][L]: lane u holds vectors[u] (transposed, as the kernels lay a block out).
 std::vector<float> transpose(const std::vector<float>& vectors, int dim) {
   std::vector<float> at(std::size_t(dim) * L);
@@ -40,9 +53,7 @@ TEST_CASE("lane_dots gives each lane the bits of one dot per row", "[simd][reado
     const auto at = transpose(vectors, dim);
     const float* r[4] = {rows.data(), rows.data() + dim, rows.data() + 2 * dim, rows.data() + 3 * dim};
     std::vector<float> got(4 * L);
-    kvmem::kernels::simd::lane_dots<L, 4>(at.data(), dim, r, [&](int k, int x, const kvmem::kernels::simd::vec& s) {
-      kvmem::kernels::simd::store(got.data() + k * L + x * kvmem::kernels::simd::width, s);
-    });
+    kvmem::kernels::simd::lane_dots<L, 4>(at.data(), dim, r, StoreTile{got.data()});
     for (int k = 0; k < 4; ++k)
       for (int u = 0; u < L; ++u)
         CHECK(same_bits(got[k * L + u], kvmem::kernels::dot(vectors.data() + std::size_t(u) * dim, r[k], dim)));
@@ -59,7 +70,7 @@ TEST_CASE("token_rows_max is the row-order argmax of route and the maximum of no
   tokens[3 * dim + 1] = std::numeric_limits<float>::quiet_NaN();
   for (int c = 0; c < dim; ++c) tokens[4 * dim + c] = 0.0f;
   const auto at = transpose(tokens, dim);
-  auto row_of = [&](long i) { return rows.data() + i * dim; };
+  const RowOf row_of{rows.data(), dim};
   for (long first = 0; first <= 2; ++first)
     for (long end = first; end <= 13; ++end)  // no rows, fewer than a group of 4, groups and tails
       for (bool take_first : {true, false}) {
@@ -80,7 +91,7 @@ TEST_CASE("token_rows_max is the row-order argmax of route and the maximum of no
       }
 }
 
-namespace {
+namespace register_tiles_test {
 /// score::Novelty without its max_similarity declaration: the update scores it one thread per token.
 struct NoveltyPerToken {
   static constexpr std::string_view name = "novelty (per token)";
@@ -88,7 +99,8 @@ struct NoveltyPerToken {
     return kvmem::score::Novelty::score(key, rows_keys, rows, dim);
   }
 };
-}  // namespace
+}  // namespace register_tiles_test
+using register_tiles_test::NoveltyPerToken;
 
 TEST_CASE("a KVM memory scored in register tiles gives the bits of one thread per token", "[simd][update][kvm]") {
   using exec = Kokkos::DefaultHostExecutionSpace;
