@@ -180,20 +180,15 @@ def with_speedup(r):
 def torch_targets(pre, dec, all_threads, row):
     """The CPU-speed targets: exact attention at least PyTorch SDPA's speed, the memories' margins over it,
     the readout's share of sgemm, the update's cost against the readout, thread scaling."""
-    ex = [r for r in pre if r["memory"] == "exact" and "vs_torch" in r]
-    if ex:
-        worst = min(ex, key=lambda r: r["vs_torch"])
-        row(f"exact prefill >= 1.0x PyTorch SDPA's speed at every measured shape ({len(ex)} shapes)",
-            f"lowest {worst['vs_torch']:.2f}x (T = {size(worst['T'])}, D = {worst['D']}, G = {worst['G']}, "
-            f"B = {worst['B']}, Hkv = {worst['Hkv']}, {worst['threads']} threads); "
-            f"{sum(r['vs_torch'] >= 1 for r in ex)} of {len(ex)} met", worst["vs_torch"] >= 1)
-    exd = [r for r in dec if r["memory"] == "exact" and "vs_torch" in r]
-    if exd:
-        worst = min(exd, key=lambda r: r["vs_torch"])
-        row(f"exact decode >= 1.0x PyTorch SDPA's speed at every measured position ({len(exd)} cases)",
-            f"lowest {worst['vs_torch']:.2f}x (position {size(worst['pos'])}, D = {worst['D']}, G = {worst['G']}, "
-            f"B = {worst['B']}, Hkv = {worst['Hkv']}, {worst['threads']} threads); "
-            f"{sum(r['vs_torch'] >= 1 for r in exd)} of {len(exd)} met", worst["vs_torch"] >= 1)
+    for op, runs, axis, what in (("prefill", pre, "T", "shape"), ("decode", dec, "pos", "position")):
+        ex = [r for r in runs if r["memory"] == "exact" and "vs_torch" in r]
+        if ex:
+            worst = min(ex, key=lambda r: r["vs_torch"])
+            where = f"T = {size(worst['T'])}" if axis == "T" else f"position {size(worst['pos'])}"
+            row(f"exact {op} >= 1.0x PyTorch SDPA's speed at every measured {what} ({len(ex)} cases)",
+                f"lowest {worst['vs_torch']:.2f}x ({where}, D = {worst['D']}, G = {worst['G']}, B = {worst['B']}, "
+                f"Hkv = {worst['Hkv']}, {worst['threads']} threads); {sum(r['vs_torch'] >= 1 for r in ex)} of "
+                f"{len(ex)} met", worst["vs_torch"] >= 1)
     for mem, want in (("kvm-fixed256", 10.0), ("kvm-power-law", 3.0)):
         r = one(pre, memory=mem, T=16384, D=128, G=1, B=1, Hkv=1, threads=all_threads)
         if r and "vs_torch" in r:

@@ -10,15 +10,11 @@
 
 #include <kvmem/kvmem.hpp>
 
+#include "float_bits.hpp"
+
 namespace {
-std::vector<float> uniform(std::size_t n, unsigned seed) {
-  std::mt19937 rng(seed);
-  std::uniform_real_distribution<float> u(-1.0f, 1.0f);
-  std::vector<float> x(n);
-  for (auto& v : x) v = u(rng);
-  return x;
-}
-bool same_bits(float a, float b) { return std::memcmp(&a, &b, sizeof(float)) == 0; }
+using kvmem_test::same_bits;
+using kvmem_test::uniform;
 }  // namespace
 
 TEST_CASE("dot_rows gives the bits of one dot per row", "[vector_ops][update]") {

@@ -109,6 +109,28 @@ KOKKOS_INLINE_FUNCTION void token_rows_max(const float* at, int dim, long first,
   for (int x = 0; x < V; ++x) simd::store(best + x * W, bv[x]), simd::store(best_row + x * W, rv[x]);
 }
 
+/// Runs body(b, h, j0, n, at) once per block of update_lanes tokens [j0, j0 + n) (n >= 1) of every
+/// (sequence b, kv-head h) whose block holds such tokens, one thread per block; `at` is that thread's
+/// scratch of head_dim x update_lanes floats, for the block's keys transposed (token_rows_max). The body
+/// is a device function (KOKKOS_FUNCTION lambda). `label` names the kernel (at most 15 characters).
+template <class ExecSpace, class Plan, class Body>
+void for_token_blocks(const char* label, const ExecSpace& exec, const Plan& p, long B, long H, long C, int D,
+                      const Body& body) {
+  constexpr int L = update_lanes;
+  const long blocks = (C + L - 1) / L;
+  using policy_t = Kokkos::TeamPolicy<ExecSpace>;
+  int level = 0;
+  const auto policy = with_float_scratch(policy_t(exec, B * H * blocks, 1), long(D) * L, level);
+  Kokkos::parallel_for(label, policy, KOKKOS_LAMBDA(const typename policy_t::member_type& team) {
+    const long idx = team.league_rank();
+    const long j0 = (idx % blocks) * L, h = (idx / blocks) % H, b = idx / (blocks * H);
+    const long count = p(b, block_count);
+    if (j0 >= count) return;
+    const int n = static_cast<int>(Kokkos::min(static_cast<long>(L), count - j0));
+    body(b, h, j0, n, static_cast<float*>(team.team_scratch(level).get_shmem(sizeof(float) * D * L)));
+  });
+}
+
 /// Seeding: the policy commits its first block like any other and no row exists yet (OVQ's m == 0):
 /// tokens are scored against the block's first token, row 0 takes the block's first token and every
 /// token not selected, and selected tokens found rows 1, 2, ... (spec OVQ.md §5.1).
@@ -139,9 +161,6 @@ void update_state(const ExecSpace& exec, const MemoryConfig& cfg, const LayerWei
   const auto routes = scratch.routes;
   const auto grouped = scratch.grouped;
   using range = Kokkos::RangePolicy<ExecSpace>;
-  // Register-tile kernels (update_in_lanes): one thread per team, a block of update_lanes tokens each.
-  using lane_policy = Kokkos::TeamPolicy<ExecSpace>;
-  using lane_member = typename lane_policy::member_type;
   // Tokens selected for new rows: M* - m, or one fewer when seeding (row 0 is founded by the fold).
   auto selected = [=] KOKKOS_FUNCTION(long b) {
     const long app = p(b, append_count);
@@ -164,20 +183,13 @@ void update_state(const ExecSpace& exec, const MemoryConfig& cfg, const LayerWei
   };
   if constexpr (update_in_lanes<ExecSpace> && scores_max_similarity<Scorer>) {
     constexpr int L = update_lanes;
-    const long blocks = (C + L - 1) / L;
-    int level = 0;
-    const auto policy = with_float_scratch(lane_policy(exec, B * H * blocks, 1), long(D) * L, level);
-    Kokkos::parallel_for("kvmem::score", policy, KOKKOS_LAMBDA(const lane_member& team) {
-      const long idx = team.league_rank();
-      const long j0 = (idx % blocks) * L, h = (idx / blocks) % H, b = idx / (blocks * H);
-      const long count = p(b, block_count), m = p(b, rows_before);
-      if (j0 >= count || !must_rank(b)) return;
-      const int n = static_cast<int>(Kokkos::min(static_cast<long>(L), count - j0));
+    for_token_blocks("kvmem::score", exec, p, B, H, C, D, [=] KOKKOS_FUNCTION(long b, long h, long j0, int n, float* at) {
+      const long m = p(b, rows_before);
+      if (!must_rank(b)) return;
       if (seeding<Merge>(m)) {
         for (int u = 0; u < n; ++u) scores(b, h, j0 + u) = seed_score(b, h, j0 + u);
         return;
       }
-      float* at = static_cast<float*>(team.team_scratch(level).get_shmem(sizeof(float) * D * L));
       for (int c = 0; c < D; ++c)
         for (int u = 0; u < L; ++u) at[c * L + u] = u < n ? keys(b, h, j0 + u, c) : 0.0f;
       float best[L];
@@ -258,15 +270,7 @@ void update_state(const ExecSpace& exec, const MemoryConfig& cfg, const LayerWei
   };
   if constexpr (update_in_lanes<ExecSpace>) {
     constexpr int L = update_lanes;
-    const long blocks = (C + L - 1) / L;
-    int level = 0;
-    const auto policy = with_float_scratch(lane_policy(exec, B * H * blocks, 1), long(D) * L, level);
-    Kokkos::parallel_for("kvmem::route", policy, KOKKOS_LAMBDA(const lane_member& team) {
-      const long idx = team.league_rank();
-      const long j0 = (idx % blocks) * L, h = (idx / blocks) % H, b = idx / (blocks * H);
-      const long count = p(b, block_count);
-      if (j0 >= count) return;
-      const int n = static_cast<int>(Kokkos::min(static_cast<long>(L), count - j0));
+    for_token_blocks("kvmem::route", exec, p, B, H, C, D, [=] KOKKOS_FUNCTION(long b, long h, long j0, int n, float* at) {
       bool any = false;
       for (int u = 0; u < n; ++u) any = any || routed(b, h, j0 + u);
       if (!any || seeding<Merge>(p(b, rows_before))) {
@@ -277,7 +281,6 @@ void update_state(const ExecSpace& exec, const MemoryConfig& cfg, const LayerWei
       route_rows(b, first, end);
       // Lane u holds the gated key g_u k_u (the same product as dot_rows forms); lanes of tokens that
       // found rows or lie past the block are computed and ignored.
-      float* at = static_cast<float*>(team.team_scratch(level).get_shmem(sizeof(float) * D * L));
       for (int u = 0; u < L; ++u) {
         const bool live = u < n && routed(b, h, j0 + u);
         const float g = live ? gate_of(b, h, j0 + u) : 0.0f;
