@@ -107,7 +107,7 @@ void bm_exact(benchmark::State& st, Shape s, long pos, long steps) {
   const double sec = win.step_seconds();
   exact_step_seconds()[Key::of(s, pos)] = sec;
   set_counters(st, "exact", s, pos, w, steps, sec,
-               KernelClock::seconds({"bench::exact_decode"}) / i * sec / win.mean_step_seconds(), kv_cache_bytes(s, pos));
+               KernelClock::seconds({"kvmem::exact_causal_attention"}) / i * sec / win.mean_step_seconds(), kv_cache_bytes(s, pos));
   st.counters["mean_step_us"] = win.mean_step_seconds() * 1e6;
 }
 

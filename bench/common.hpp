@@ -207,9 +207,9 @@ inline Work exact_prefill_work(const Shape& s, long T) {
 
 // ---------------------------------------------------------------------------------------------------
 // Exact attention decode: one new token per sequence appended to a full KV cache, then its query read
-// against every cached key by the library's query-block kernel with one live query (the path the
-// memories' decode readout takes: kvmem::kernels::QueryBlock, attend_block), one team per (sequence,
-// query head). Row `pos` of exact_causal_attention, bit for bit.
+// against every cached key by the library's exact attention at first_position = pos (the query blocks of
+// the memories' decode readout: a kv-head's G query heads share one pass over its keys). Row `pos` of
+// exact_causal_attention over the prompt, bit for bit.
 
 struct KvCache {
   view4 k, v;  // [B, Hkv, capacity, D]
@@ -218,11 +218,8 @@ struct KvCache {
 template <class Q, class KV, class Y>
 void exact_decode_step(const exec_t& exec, const KvCache& cache, const Q& q1, const KV& k1, const KV& v1, const Y& y1,
                        long pos, const float* tau) {
-  using kvmem::kernels::QueryBlock;
-  const long B = static_cast<long>(q1.extent(0)), Hq = static_cast<long>(q1.extent(1));
-  const long Hkv = static_cast<long>(cache.k.extent(1));
+  const long B = static_cast<long>(q1.extent(0)), Hkv = static_cast<long>(cache.k.extent(1));
   const int D = static_cast<int>(q1.extent(3)), Dv = static_cast<int>(cache.v.extent(3));
-  const long G = Hq / Hkv;
   const auto ck = cache.k, cv = cache.v;
   Kokkos::parallel_for(
       "bench::kv_append", Kokkos::RangePolicy<exec_t>(exec, 0, B * Hkv), KOKKOS_LAMBDA(long i) {
@@ -230,30 +227,7 @@ void exact_decode_step(const exec_t& exec, const KvCache& cache, const Q& q1, co
         for (int c = 0; c < D; ++c) ck(b, h, pos, c) = k1(b, h, 0, c);
         for (int c = 0; c < Dv; ++c) cv(b, h, pos, c) = v1(b, h, 0, c);
       });
-  using policy_t = Kokkos::TeamPolicy<exec_t>;
-  using member_t = policy_t::member_type;
-  using scratch_t = Kokkos::View<float*, exec_t::scratch_memory_space, Kokkos::MemoryUnmanaged>;
-  const float inv_sqrt_d = 1.0f / std::sqrt(static_cast<float>(D));
-  const long floats = QueryBlock::scratch_floats(D, Dv);
-  policy_t policy(exec, B * Hq, Kokkos::AUTO);
-  const int level = kvmem::kernels::scratch_level(policy, scratch_t::shmem_size(floats));
-  policy = policy.set_scratch_size(level, Kokkos::PerTeam(scratch_t::shmem_size(floats)));
-  Kokkos::parallel_for(
-      "bench::exact_decode", policy, KOKKOS_LAMBDA(const member_t& team) {
-        const long b = team.league_rank() / Hq, hq = team.league_rank() % Hq, h = hq / G;
-        scratch_t scratch(team.team_scratch(level), floats);
-        QueryBlock blk;
-        blk.carve(scratch.data(), 1, D, Dv);
-        Kokkos::parallel_for(Kokkos::TeamThreadRange(team, QueryBlock::lanes), [&](int u) {
-          blk.load(u, u == 0 ? &q1(b, hq, 0, 0) : nullptr);
-          blk.scales[u] = tau[hq] * inv_sqrt_d;
-        });
-        team.team_barrier();
-        kvmem::kernels::attend_block(
-            team, blk, blk.scales, pos + 1, [&](int) { return pos + 1; }, [&](long p) { return &ck(b, h, p, 0); },
-            [&](long p) { return &cv(b, h, p, 0); }, kvmem::kernels::NoBias{});
-        Kokkos::single(Kokkos::PerTeam(team), [&]() { blk.finish(0, &y1(b, hq, 0, 0)); });
-      });
+  kvmem::kernels::exact_causal_attention(exec, q1, ck, cv, y1, tau, pos);
 }
 
 // ---------------------------------------------------------------------------------------------------

@@ -56,6 +56,33 @@ TEST_CASE("lane_dots gives each lane the bits of one dot per row", "[simd][reado
   }
 }
 
+TEST_CASE("transpose and row_dots: a query against a register's width of rows, the bits of dot per row",
+          "[simd][readout]") {
+  namespace simd = kvmem::kernels::simd;
+  constexpr int W = simd::width;
+  std::vector<float> m = uniform(W * W, 5);
+  simd::vec r[W];
+  for (int i = 0; i < W; ++i) r[i] = simd::load(m.data() + i * W);
+  simd::transpose(r);
+  std::vector<float> t(W * W);
+  for (int i = 0; i < W; ++i) simd::store(t.data() + i * W, r[i]);
+  for (int i = 0; i < W; ++i)
+    for (int j = 0; j < W; ++j) CHECK(same_bits(t[i * W + j], m[j * W + i]));
+  for (int dim : {1, W - 1, W, W + 3, 40, 64, 128}) {
+    INFO("dim=" << dim);
+    auto rows = uniform(std::size_t(W) * dim, 6 + dim), q = uniform(std::size_t(3) * dim, 7 + dim);
+    rows[0] = -0.0f;  // signed zeros and a large value go through unchanged
+    q[0] = -0.0f;
+    rows[std::size_t(dim) * (W - 1)] = 3.0e38f;
+    std::vector<const float*> row(W);
+    for (int k = 0; k < W; ++k) row[k] = rows.data() + std::size_t(k) * dim;
+    std::vector<float> q_strided(std::size_t(3) * dim), got(W);  // the query as one lane of a [dim][3] block
+    for (int c = 0; c < dim; ++c) q_strided[std::size_t(c) * 3] = q[c];
+    simd::row_dots(q_strided.data(), 3, dim, row.data(), got.data());
+    for (int k = 0; k < W; ++k) CHECK(same_bits(got[k], kvmem::kernels::dot(q.data(), row[k], dim)));
+  }
+}
+
 TEST_CASE("token_rows_max is the row-order argmax of route and the maximum of novelty", "[simd][update]") {
   const int dim = 24;
   auto tokens = uniform(std::size_t(L) * dim, 21);

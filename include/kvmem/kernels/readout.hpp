@@ -179,15 +179,20 @@ struct QueryBlock {
                   simd::fma(s, simd::load(scale + x * W), simd::broadcast(bias[jj])));
     });
   }
-  /// logits[j + jj][0] of lane 0 alone (one live query: decode) for NK keys as independent chains.
+  /// logits[j + jj][0] of lane 0 alone (one live query: decode) for NK keys: NK = simd::width keys
+  /// transposed in registers, their chains in vector lanes (simd::row_dots), or NK scalar chains.
   template <int NK, class BiasOf>
   KOKKOS_INLINE_FUNCTION void logits_one(const float* const* keys, const float* scale, int j, long j_abs,
                                          BiasOf bias_of) const {
     float s[NK];
-    for (int jj = 0; jj < NK; ++jj) s[jj] = 0.0f;
-    for (int c = 0; c < dim; ++c) {
-      const float qc = qt[long(c) * lanes];
-      for (int jj = 0; jj < NK; ++jj) s[jj] = mul_add(qc, keys[jj][c], s[jj]);
+    if constexpr (NK == simd::width) {
+      simd::row_dots(qt, lanes, dim, keys, s);
+    } else {
+      for (int jj = 0; jj < NK; ++jj) s[jj] = 0.0f;
+      for (int c = 0; c < dim; ++c) {
+        const float qc = qt[long(c) * lanes];
+        for (int jj = 0; jj < NK; ++jj) s[jj] = mul_add(qc, keys[jj][c], s[jj]);
+      }
     }
     for (int jj = 0; jj < NK; ++jj) logits[(j + jj) * lanes] = mul_add(s[jj], scale[0], bias_of(j_abs + jj));
   }
@@ -319,10 +324,12 @@ template <class Member, class CountOf, class KeyOf, class ValueOf, class BiasOf>
 KOKKOS_INLINE_FUNCTION void attend_block(const Member& team, const QueryBlock& blk, const float* scale, long max_count,
                                          CountOf count_of, KeyOf key_of, ValueOf value_of, BiasOf bias_of) {
   constexpr int KT = readout_key_tile;
+  long lane_count[QueryBlock::lanes];  // count_of once per lane, not once per tile
+  for (int u = 0; u < QueryBlock::lanes; ++u) lane_count[u] = u < blk.queries ? count_of(u) : 0;
   for (long j0 = 0; j0 < max_count; j0 += KT) {
     const int n = static_cast<int>(max_count - j0 < KT ? max_count - j0 : KT);
     if (blk.queries == 1) {
-      constexpr int NK = 8;
+      constexpr int NK = simd::width;
       Kokkos::parallel_for(Kokkos::TeamThreadRange(team, (n + NK - 1) / NK), [&](int g) {
         const int j = g * NK;
         if (j + NK <= n) {
@@ -354,7 +361,7 @@ KOKKOS_INLINE_FUNCTION void attend_block(const Member& team, const QueryBlock& b
     }
     team.team_barrier();
     auto keys_of = [&](int u) {  // keys of this tile that lane u reads
-      const long count = u < blk.queries ? count_of(u) : 0;
+      const long count = lane_count[u];
       return static_cast<int>(count <= j0 ? 0 : (count - j0 < KT ? count - j0 : KT));
     };
     auto values = [&](int j) { return value_of(j0 + j); };
@@ -384,6 +391,51 @@ KOKKOS_INLINE_FUNCTION void attend_block(const Member& team, const QueryBlock& b
   }
 }
 
+/// Which queries the lanes of one query block hold under GQA: the query heads of a kv-head's group read the
+/// same keys, so a block holds `heads` query heads of one kv-head at `positions` consecutive positions and
+/// reads each key once for all of them. Lane u of a block with n heads (n = heads, or fewer in the last
+/// head group when G > readout_query_block) reads query head first_head + u % n at position first + u / n;
+/// its live lanes are [0, n x live positions). With G = 1 a block is 32 positions of one head; a decode
+/// step (one position) puts a group's G query heads in G lanes. The lanes' layout changes no bit: every
+/// lane runs the operations of OnlineSoftmax/attend for its query alone.
+struct GroupLanes {
+  long group = 1;        ///< G: query heads per kv-head
+  int heads = 1;         ///< query heads per block: min(G, readout_query_block)
+  int positions = 1;     ///< positions per block: readout_query_block / heads
+  long head_groups = 1;  ///< blocks of heads per kv-head: ceil(G / heads)
+  long blocks = 1;       ///< position blocks: ceil(max_queries / positions)
+
+  /// The layout for group size G >= 1 and at most max_queries >= 1 positions per sequence.
+  GroupLanes(long G, long max_queries)
+      : group(G),
+        heads(static_cast<int>(G < readout_query_block ? G : readout_query_block)),
+        positions(readout_query_block / heads),
+        head_groups((G + heads - 1) / heads),
+        blocks((max_queries + positions - 1) / positions) {}
+  /// Teams for B sequences of Hkv kv-heads.
+  [[nodiscard]] long league(long B, long Hkv) const { return B * Hkv * head_groups * blocks; }
+
+  /// One team's block: sequence b, kv-head h, query heads [first_head, first_head + heads), position block
+  /// index `block` (positions block x positions + [0, positions) from the caller's first query).
+  struct Team {
+    long b, h, first_head, block;
+    int heads;
+  };
+  KOKKOS_INLINE_FUNCTION Team team(long league_rank, long Hkv) const {
+    Team t{};
+    t.block = league_rank % blocks;
+    long rest = league_rank / blocks;
+    const long hg = rest % head_groups;
+    rest /= head_groups;
+    t.h = rest % Hkv;
+    t.b = rest / Hkv;
+    t.first_head = t.h * group + hg * heads;
+    const long left = group - hg * heads;
+    t.heads = static_cast<int>(left < heads ? left : heads);
+    return t;
+  }
+};
+
 /// Attention output for the queries of every (sequence b, query head hq) at positions
 /// [query_begin, query_end) of plan row b (spec KVM.md §3, OVQ.md §4):
 ///   logit(u, i) = q_u · read_keys_i * Merge::logit_scale(tau_state[hq], q_u) + Merge::row_bias(row i)
@@ -393,8 +445,9 @@ KOKKOS_INLINE_FUNCTION void attend_block(const Member& team, const QueryBlock& b
 ///   y_u = softmax(logits) · [read_values ; v].
 /// q [B, Hq, T, D] and y [B, Hq, T, Dv] are indexed by position - input_offset and need unit channel
 /// stride. Query head hq reads kv-head hq / G (GQA). `max_queries` bounds query_end - query_begin.
-/// A team computes a block of readout_query_block queries of one (b, hq) (QueryBlock, attend_block), in a
-/// fixed order: the same bits on every run of a backend, for any block size and on any thread count.
+/// A team computes a block of readout_query_block queries of one kv-head's group (GroupLanes: the query
+/// heads that share the kv-head, at consecutive positions; QueryBlock, attend_block), in a fixed order: the
+/// same bits on every run of a backend, for any block layout and on any thread count.
 /// When `lse` [B, Hq, >= max_queries] is not empty, lse(b, hq, u - query_begin) also receives each query's
 /// log-sum-exp max + log(normalizer) (for row eviction, score::RowEviction); otherwise nothing is paid.
 template <class Merge, class ExecSpace, class QueriesIn, class Out,
@@ -407,8 +460,8 @@ void readout(const ExecSpace& exec, const MemoryConfig& cfg, const LayerWeightsR
   const long B = static_cast<long>(plan.device.extent(0));
   if (max_queries <= 0 || B == 0) return;
   constexpr int QB = readout_query_block;
-  const long blocks = (max_queries + QB - 1) / QB;
-  const int Hq = cfg.query_heads, G = cfg.group(), D = cfg.head_dim, Dv = cfg.value_dim;
+  const int Hkv = cfg.kv_heads, D = cfg.head_dim, Dv = cfg.value_dim;
+  const GroupLanes gl(cfg.group(), max_queries);
   const auto p = plan.device;
   // Dynamic schedule: a causal query block's work grows with its position, so equal shares of the league
   // are unequal work (with a static split over 2 threads of one head, one thread did 3/4 of it). Each team
@@ -417,23 +470,23 @@ void readout(const ExecSpace& exec, const MemoryConfig& cfg, const LayerWeightsR
   using member_t = typename policy_t::member_type;
   using scratch_t = Kokkos::View<float*, typename ExecSpace::scratch_memory_space, Kokkos::MemoryUnmanaged>;
   const long floats = QueryBlock::scratch_floats(D, Dv);
-  policy_t policy(exec, B * Hq * blocks, Kokkos::AUTO);
+  policy_t policy(exec, gl.league(B, Hkv), Kokkos::AUTO);
   const int level = scratch_level(policy, scratch_t::shmem_size(floats));
   policy = policy.set_scratch_size(level, Kokkos::PerTeam(scratch_t::shmem_size(floats)));
   Kokkos::parallel_for(
       "kvmem::readout", policy, KOKKOS_LAMBDA(const member_t& team) {
-        const long league = team.league_rank();
-        const long blk_index = league % blocks, hq = (league / blocks) % Hq, b = league / (blocks * Hq);
-        const long h = hq / G;
-        const long first = p(b, query_begin) + blk_index * QB;
-        const long last = Kokkos::min(p(b, query_end), first + QB);
+        const auto t = gl.team(team.league_rank(), Hkv);
+        const long b = t.b, h = t.h, n = t.heads;
+        const long first = p(b, query_begin) + t.block * gl.positions;
+        const long last = Kokkos::min(p(b, query_end), first + gl.positions);
         if (first >= last) return;
         const long m = p(b, read_rows), wb = p(b, window_begin_pos), off = p(b, input_offset);
         scratch_t scratch(team.team_scratch(level), floats);
         QueryBlock blk;
-        blk.carve(scratch.data(), static_cast<int>(last - first), D, Dv);
+        blk.carve(scratch.data(), static_cast<int>((last - first) * n), D, Dv);
         Kokkos::parallel_for(Kokkos::TeamThreadRange(team, QB), [&](int u) {
-          const float* qu = u < blk.queries ? &q(b, hq, first + u - off, 0) : nullptr;
+          const long hq = t.first_head + u % n;
+          const float* qu = u < blk.queries ? &q(b, hq, first + u / n - off, 0) : nullptr;
           blk.load(u, qu);
           blk.scales[u] = qu ? Merge::logit_scale(w.tau_state[hq], qu, D) : 0.0f;
           blk.scales[QB + u] = qu ? Merge::logit_scale(w.tau_window[hq], qu, D) : 0.0f;
@@ -444,14 +497,15 @@ void readout(const ExecSpace& exec, const MemoryConfig& cfg, const LayerWeightsR
             [&](long i) { return &rows.read_values(b, h, i, 0); },
             [&](long i) { return Merge::row_bias(rows.row(b, h, i)); });
         attend_block(
-            team, blk, blk.scales + QB, last - wb, [&](int u) { return first + u + 1 - wb; },
+            team, blk, blk.scales + QB, last - wb, [&](int u) { return first + u / n + 1 - wb; },
             [&](long j) { return &ring.keys(b, h, ring.slot(wb + j), 0); },
             [&](long j) { return &ring.values(b, h, ring.slot(wb + j), 0); }, NoBias{});
         Kokkos::parallel_for(Kokkos::TeamThreadRange(team, blk.queries),
-                             [&](int u) { blk.finish(u, &y(b, hq, first + u - off, 0)); });
+                             [&](int u) { blk.finish(u, &y(b, t.first_head + u % n, first + u / n - off, 0)); });
         if (lse.data() != nullptr)
           Kokkos::parallel_for(Kokkos::TeamThreadRange(team, blk.queries), [&](int u) {
-            lse(b, hq, first + u - p(b, query_begin)) = blk.max_logit[u] + Kokkos::log(blk.normalizer[u]);
+            lse(b, t.first_head + u % n, first + u / n - p(b, query_begin)) =
+                blk.max_logit[u] + Kokkos::log(blk.normalizer[u]);
           });
       });
 }

@@ -12,6 +12,7 @@
 /// engine's flags (-march=native), so it takes the vector width from the compiler instead.
 
 #include <Kokkos_Core.hpp>
+#include <utility>
 
 #include "vector_ops.hpp"
 
@@ -87,6 +88,35 @@ KOKKOS_INLINE_FUNCTION ivec select(const ivec& m, const ivec& a, const ivec& b) 
 KOKKOS_INLINE_FUNCTION ivec broadcast_int(int x) { return ivec{} + x; }
 /// Stores v to p [width].
 KOKKOS_INLINE_FUNCTION void store(int* p, const ivec& v) { __builtin_memcpy(p, &v, sizeof v); }
+
+namespace detail {
+// One stage of the block transpose of `transpose`: rows i and i + B (bit B of i clear) exchange their
+// column blocks of width B (bit B of the column set in row i, clear in row i + B).
+template <int B, int... J>
+vec upper_of_pair(const vec& a, const vec& b, std::integer_sequence<int, J...>) {
+  return __builtin_shufflevector(a, b, ((J & B) ? J - B + width : J)...);
+}
+template <int B, int... J>
+vec lower_of_pair(const vec& a, const vec& b, std::integer_sequence<int, J...>) {
+  return __builtin_shufflevector(a, b, ((J & B) ? J + width : J + B)...);
+}
+template <int B>
+KOKKOS_INLINE_FUNCTION void transpose_stage(vec* r) {
+  if constexpr (B >= 1) {
+    constexpr auto columns = std::make_integer_sequence<int, width>{};
+    for (int i = 0; i < width; ++i)
+      if ((i & B) == 0) {
+        const vec upper = upper_of_pair<B>(r[i], r[i + B], columns);
+        r[i + B] = lower_of_pair<B>(r[i], r[i + B], columns);
+        r[i] = upper;
+      }
+    transpose_stage<B / 2>(r);
+  }
+}
+}  // namespace detail
+/// r[i][j] <- r[j][i] for the width x width floats of `width` register vectors: log2(width) stages of
+/// lane shuffles (24 for AVX2's 8 x 8), no memory round trip.
+KOKKOS_INLINE_FUNCTION void transpose(vec* r) { detail::transpose_stage<width / 2>(r); }
 #else
 inline constexpr int width = 8;
 /// The portable form: width floats that the compiler keeps in registers or spreads over its own vectors.
@@ -142,6 +172,15 @@ KOKKOS_INLINE_FUNCTION ivec broadcast_int(int x) {
 KOKKOS_INLINE_FUNCTION void store(int* p, const ivec& v) {
   for (int i = 0; i < width; ++i) p[i] = v.lane[i];
 }
+/// r[i][j] <- r[j][i] for the width x width floats of `width` vectors.
+KOKKOS_INLINE_FUNCTION void transpose(vec* r) {
+  for (int i = 0; i < width; ++i)
+    for (int j = i + 1; j < width; ++j) {
+      const float x = r[i].lane[j];
+      r[i].lane[j] = r[j].lane[i];
+      r[j].lane[i] = x;
+    }
+}
 #endif
 
 /// s[k][x] = sum_c at[c][x * width + lane] * rows[k][c] for K rows, channels c in increasing order, one
@@ -166,6 +205,25 @@ KOKKOS_INLINE_FUNCTION void lane_dots(const float* at, int dim, const float* con
   }
   for (int k = 0; k < K; ++k)
     for (int x = 0; x < V; ++x) finish(k, x, s[k][x]);
+}
+
+/// out[k] = sum_c q[c * q_stride] * rows[k][c] for the `width` rows k, channels c in increasing order, one
+/// fma a step: per row the chain of kernels::dot (the same bits), advanced in vector lanes. One query
+/// against a register's width of rows (the readout's decode step): width channels of the rows are loaded
+/// as width vectors and transposed in registers, so each fma moves every row's chain on by one channel;
+/// channels past the last multiple of width continue the chains one row at a time. `out` [width].
+KOKKOS_INLINE_FUNCTION void row_dots(const float* q, long q_stride, int dim, const float* const* rows, float* out) {
+  vec s = broadcast(0.0f);
+  int c0 = 0;
+  for (; c0 + width <= dim; c0 += width) {
+    vec t[width];
+    for (int k = 0; k < width; ++k) t[k] = load(rows[k] + c0);
+    transpose(t);  // t[c] holds channel c0 + c of every row
+    for (int c = 0; c < width; ++c) s = fma(t[c], broadcast(q[(c0 + c) * q_stride]), s);
+  }
+  store(out, s);
+  for (int c = c0; c < dim; ++c)
+    for (int k = 0; k < width; ++k) out[k] = mul_add(q[c * q_stride], rows[k][c], out[k]);
 }
 
 }  // namespace kvmem::kernels::simd
