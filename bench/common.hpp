@@ -20,6 +20,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <limits>
+#include <type_traits>
 #include <map>
 #include <optional>
 #include <string>
@@ -113,6 +114,17 @@ inline kvmem::LayerWeights<space_t> unit_weights(const Shape& s) {
   return {ln_w, ln_b, tau_s, tau_w};
 }
 
+/// Uniform values in [lo, hi) through the view's elements taken as one flat range. Kokkos::fill_random
+/// parallelizes over the first extent only, in blocks of 128 indices: with B (1 to 8) first, one thread
+/// fills the whole tensor, minutes for the gigabytes of the GPU grid's 64K and 128K shapes (their rows did
+/// not finish on an H200). The views here are contiguous (LayoutRight), so the flat range is every element.
+template <class View>
+void fill_uniform(const View& view, Kokkos::Random_XorShift64_Pool<exec_t>& pool, float lo, float hi) {
+  static_assert(std::is_same_v<typename View::array_layout, Kokkos::LayoutRight>);
+  Kokkos::View<float*, space_t, Kokkos::MemoryTraits<Kokkos::Unmanaged>> flat(view.data(), view.span());
+  Kokkos::fill_random(flat, pool, lo, hi);
+}
+
 /// Random q, k, v (uniform [-1, 1)), gate pre-activations (uniform [-2, 2)), y, and unit layer weights,
 /// for `tokens` tokens of every sequence; add_trellis() adds the Trellis memory's inputs.
 struct Inputs {
@@ -132,10 +144,10 @@ struct Inputs {
     y = view4("y", s.B, s.Hq(), tokens, s.D);
     gate = view3(Kokkos::view_alloc(Kokkos::WithoutInitializing, "gate"), s.B, s.Hkv, tokens);
     Kokkos::Random_XorShift64_Pool<exec_t> pool(seed);
-    Kokkos::fill_random(q, pool, -1.0f, 1.0f);
-    Kokkos::fill_random(k, pool, -1.0f, 1.0f);
-    Kokkos::fill_random(v, pool, -1.0f, 1.0f);
-    Kokkos::fill_random(gate, pool, -2.0f, 2.0f);
+    fill_uniform(q, pool, -1.0f, 1.0f);
+    fill_uniform(k, pool, -1.0f, 1.0f);
+    fill_uniform(v, pool, -1.0f, 1.0f);
+    fill_uniform(gate, pool, -2.0f, 2.0f);
     weights = unit_weights(s);
     tau = weights.tau_window;
     Kokkos::fence();
@@ -149,9 +161,9 @@ struct Inputs {
     alpha = view4(Kokkos::view_alloc(Kokkos::WithoutInitializing, "alpha"), B, H, T, slots);
     beta1 = gates("beta1"), gamma1 = gates("gamma1"), beta2 = gates("beta2"), gamma2 = gates("gamma2");
     Kokkos::Random_XorShift64_Pool<exec_t> pool(seed);
-    Kokkos::fill_random(alpha, pool, -1.0f, 1.0f);
-    for (const auto& beta : {beta1, beta2}) Kokkos::fill_random(beta, pool, 0.9f, 1.0f);
-    for (const auto& gamma : {gamma1, gamma2}) Kokkos::fill_random(gamma, pool, 0.0f, 0.1f);
+    fill_uniform(alpha, pool, -1.0f, 1.0f);
+    for (const auto& beta : {beta1, beta2}) fill_uniform(beta, pool, 0.9f, 1.0f);
+    for (const auto& gamma : {gamma1, gamma2}) fill_uniform(gamma, pool, 0.0f, 0.1f);
     Kokkos::fence();
   }
 };

@@ -21,7 +21,18 @@ def load_kvmem(path):
     if not os.path.exists(path):
         return {}
     with open(path) as f:
-        data = json.load(f)
+        text = f.read()
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError:
+        # A benchmark stopped at KVMEM_GPU_STEP_LIMIT leaves its file open: keep the complete entries.
+        end = text.rfind("\n    }")
+        try:
+            data = json.loads(text[:end + 6] + "\n  ]\n}") if end >= 0 else {}
+        except json.JSONDecodeError:
+            data = {}
+        print(f"gpu_table.py: {path} was cut off; {len(data.get('benchmarks', []))} complete results kept",
+              file=sys.stderr)
     rows = {}
     for b in data.get("benchmarks", []):
         if b.get("run_type") == "aggregate" or "error_occurred" in b:
@@ -49,7 +60,7 @@ def ms(sec):
 
 
 def ratio(a, b):
-    return "-" if a is None or b is None or b == 0 else f"{a / b:.1f}x"
+    return "-" if a is None or b is None or b == 0 else f"{a / b:.3g}x"
 
 
 def table(title, axis, op, kvmem, sdpa, memories, extra=None):

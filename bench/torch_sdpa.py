@@ -7,8 +7,10 @@ Times, in one process:
   - a decode step at position `pos`: one query per sequence against a full KV cache of pos + 1 tokens
     (the SDPA call alone: appending the token to the cache is not timed, which favours PyTorch slightly);
   - the device's copy bandwidth (a tensor copy of 1 GiB, bytes read + bytes written), the ceiling of decode.
-Each case runs in float32 (kvmem's dtype today; on CUDA PyTorch picks its memory-efficient kernel) and,
-on CUDA, in bfloat16 (the flash kernel). Inputs are uniform in [-1, 1) as in kvmem's benchmarks. Times
+Each case runs in float32 (kvmem's dtype today) and, on CUDA, in bfloat16 (the flash kernel, GQA
+native). PyTorch has no float32 kernel on CUDA that takes GQA natively (enable_gqa falls back to the math
+kernel, whose T x T scores do not fit at 16K), so a float32 prefill on CUDA gets k and v repeated to the
+Hq query heads before timing and runs the memory-efficient kernel (backend "efficient, kv repeated"). Inputs are uniform in [-1, 1) as in kvmem's benchmarks. Times
 are the fastest of --repeats timed runs after two warm-ups (CUDA events on a GPU), for decode the
 fastest of --repeats windows of --steps steps (each window's mean step), as kvmem_bench_decode reports.
 
@@ -30,8 +32,10 @@ import time
 
 GRIDS = {
     # scripts/gpu-check: B = 8, Hq = 32, Hkv = 8, D = 128 (kvmem_bench_* --grid=gpu)
+    # (float32 prefill up to T = 16K, where kvmem's exact attention runs: beyond, the memory-efficient
+    # kernel takes tens of seconds per call and only bfloat16 flash is the targets' peer)
     "gpu": {"shape": (8, 32, 8, 128), "prefill": [4096, 16384, 65536, 131072],
-            "decode": [4096, 16384, 65536, 131072, 262144]},
+            "decode": [4096, 16384, 65536, 131072, 262144], "float32_prefill_max": 16384},
     # a smoke test that runs anywhere in seconds
     "quick": {"shape": (1, 4, 2, 64), "prefill": [256, 1024], "decode": [1024]},
 }
@@ -79,7 +83,7 @@ def shapes_from(results):
     return cases
 
 
-def backend_name(torch, q, k, v, causal):
+def backend_name(torch, q, k, v, causal, gqa=True):
     """Which SDPA kernel PyTorch would pick for these inputs (best effort; 'unknown' if it cannot say)."""
     try:
         from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -88,7 +92,7 @@ def backend_name(torch, q, k, v, causal):
             try:
                 with sdpa_kernel([b]):
                     torch.nn.functional.scaled_dot_product_attention(q[..., :8, :], k[..., :8, :], v[..., :8, :],
-                                                                     is_causal=causal, enable_gqa=True)
+                                                                     is_causal=causal, enable_gqa=gqa)
                 return name
             except RuntimeError:
                 continue
@@ -135,12 +139,18 @@ def main():
             if device == "cpu":
                 torch.set_num_threads(threads or default_threads)
             if op == "prefill":
-                if B * (2 * Hq + 2 * Hkv) * n * D * size > a.max_bytes:
+                if dtype == torch.float32 and not a.shapes_from and n > GRIDS[a.grid].get("float32_prefill_max", n):
+                    continue
+                repeat_kv = device == "cuda" and dtype == torch.float32 and G > 1
+                kv_heads = Hq if repeat_kv else Hkv
+                if B * (2 * Hq + 2 * kv_heads) * n * D * size > a.max_bytes:
                     continue
                 q, k, v = uniform(B, Hq, n, D, dtype=dtype), uniform(B, Hkv, n, D, dtype=dtype), \
                     uniform(B, Hkv, n, D, dtype=dtype)
-                sec = run(lambda: sdpa(q, k, v, is_causal=True, enable_gqa=True), a.repeats)
-                backend = backend_name(torch, q, k, v, True)
+                if repeat_kv:
+                    k, v = k.repeat_interleave(G, dim=1), v.repeat_interleave(G, dim=1)
+                sec = run(lambda: sdpa(q, k, v, is_causal=True, enable_gqa=not repeat_kv), a.repeats)
+                backend = backend_name(torch, q, k, v, True, gqa=not repeat_kv) + (", kv repeated" if repeat_kv else "")
             else:
                 if B * 2 * Hkv * (n + 1) * D * size > a.max_bytes:
                     continue
@@ -156,7 +166,7 @@ def main():
                             "B": B, "Hq": Hq, "Hkv": Hkv, "G": G, "D": D,
                             "threads": torch.get_num_threads() if device == "cpu" else 0,
                             "seconds": sec, "backend": backend})
-            del q
+            del q, k, v
         if device == "cuda":
             torch.cuda.empty_cache()
     torch.set_num_threads(default_threads)

@@ -17,3 +17,9 @@ if("CUDA" IN_LIST Kokkos_DEVICES)
                HINTS "${CUDAToolkit_LIBRARY_DIR}/cmake" "${CUDAToolkit_LIBRARY_ROOT}/cccl/lib/cmake"
                      "${CUDAToolkit_LIBRARY_DIR}/../cccl/lib/cmake")
 endif()
+
+# nlohmann-json (header-only): the safetensors reader (include/kvmem/io/safetensors.hpp) that loads the
+# KVPOP scorer's weights, reached from kvmem.hpp through policy/score/mlstm.hpp. Linked to kvmem::kvmem
+# when its CMake package is found; otherwise its header must be on the compiler's default include path.
+find_package(nlohmann_json 3 QUIET)
+set(KVMEM_WITH_NLOHMANN_JSON ${nlohmann_json_FOUND})

@@ -16,6 +16,8 @@ from typing import Callable, Optional
 
 import numpy as np
 
+from float64_math import fsum_dot, fsum_norm
+
 
 @dataclass
 class OVQParams:
@@ -66,16 +68,35 @@ def ovq_sizes(p, T):
 
 def _unit(x):
     """x / (||x||_2 + 1e-5) over the last axis (§2)."""
-    return x / (np.linalg.norm(x, axis=-1, keepdims=True) + 1e-5)
+    return x / (fsum_norm(x) + 1e-5)
+
+
+# Two scores closer than this (relative) but not equal are a near-tie: equal in exact arithmetic (a row
+# normalized after a fold against a row founded by a copy of the same key), they are decided by rounding,
+# which a float32 implementation does differently from this float64 reference.
+NEAR_TIE = 1e-5
 
 
 class Dictionary:
-    """One head's dictionary: N rows; the caller tracks how many are live."""
+    """One head's dictionary: N rows; the caller tracks how many are live. `near_ties`, if a list, receives
+    the gap of every decision of commit() between two scores that form a near-tie (NEAR_TIE)."""
 
-    def __init__(self, N, D, Dv):
+    def __init__(self, N, D, Dv, near_ties=None):
         self.keys = np.zeros((N, D))
         self.values = np.zeros((N, Dv))
         self.counts = np.zeros(N)
+        self.near_ties = near_ties
+
+    def _note(self, a, b):
+        if (self.near_ties is not None and a != b and math.isfinite(a) and math.isfinite(b)
+                and abs(a - b) <= NEAR_TIE * max(1.0, abs(a), abs(b))):
+            self.near_ties.append(abs(a - b))
+
+    def _note_order(self, scores, order, count):
+        """Near-ties among the first count + 1 entries of `order` (which tokens become rows, and in which
+        order)."""
+        for r in range(min(count, len(order) - 1)):
+            self._note(scores[order[r]], scores[order[r + 1]])
 
     def commit(self, m, num_new, khat, v, normalize=False):
         """§5: fold one full chunk (khat [n,D] normalized keys, v [n,Dv]) into a dictionary of
@@ -85,20 +106,24 @@ class Dictionary:
         a = np.zeros(n, dtype=np.int64)
         if m == 0:
             if num_new > 1:
-                sim0 = [float(np.dot(khat[j], khat[0])) for j in range(n)]
+                sim0 = [fsum_dot(khat[j], khat[0]) for j in range(n)]
                 sim0[0] = math.inf
                 order = sorted(range(n), key=lambda j: (sim0[j], j))
+                self._note_order(sim0, order, num_new - 1)
                 for r in range(num_new - 1):
                     a[order[r]] = r + 1
         else:
             best = []
             for j in range(n):
-                sims = [float(np.dot(khat[j], self.keys[i])) for i in range(m)]
+                sims = [fsum_dot(khat[j], self.keys[i]) for i in range(m)]
                 bv = max(sims)
                 a[j] = sims.index(bv)           # first (lowest) index of the maximum
+                for sv in sims:
+                    self._note(bv, sv)
                 best.append(bv)
             if num_new > 0:
                 order = sorted(range(n), key=lambda j: (best[j], j))
+                self._note_order(best, order, num_new)
                 for r in range(num_new):
                     a[order[r]] = m + r
         new_counts = self.counts.copy()
@@ -112,8 +137,8 @@ class Dictionary:
             self.values[i] += lr * (v[j] - old_v[i])
         self.counts = new_counts
         if normalize:
-            self.keys /= np.maximum(np.linalg.norm(self.keys, axis=-1, keepdims=True), 1e-12)
-            self.values /= np.maximum(np.linalg.norm(self.values, axis=-1, keepdims=True), 1e-12)
+            self.keys /= np.maximum(fsum_norm(self.keys), 1e-12)
+            self.values /= np.maximum(fsum_norm(self.values), 1e-12)
         return a
 
     def attend(self, m, qs, tok_k, tok_v, count_bias=True):
@@ -143,8 +168,8 @@ def _result(dicts, rows, y, D, Dv):
     return y, keys, vals, cnts, rows
 
 
-def ovq_prefill(q, k, v, beta, p):
-    """§4-§5 chunk by chunk: attend, then commit the chunk if it is full."""
+def ovq_prefill(q, k, v, beta, p, near_ties=None):
+    """§4-§5 chunk by chunk: attend, then commit the chunk if it is full. `near_ties`: see Dictionary."""
     p = make_params(p)
     q, k, v, beta = _check(q, k, v, beta)
     H, T, D = q.shape
@@ -155,7 +180,7 @@ def ovq_prefill(q, k, v, beta, p):
     for h in range(H):
         qs = _unit(q[h]) * (beta[h] * math.sqrt(D))
         kh = _unit(k[h])
-        d = Dictionary(p.max_centroids, D, Dv)
+        d = Dictionary(p.max_centroids, D, Dv, near_ties)
         for c in range(len(sizes) - 1):
             s, e, m = c * C, min(T, (c + 1) * C), sizes[c]
             for u in range(s, e):
