@@ -213,19 +213,6 @@ void register_grid(const std::string& grid) {
 int main(int argc, char** argv) {
   const std::string grid = kvbench::take_flag(argc, argv, "grid", "standard");
   g_steps = std::stol(kvbench::take_flag(argc, argv, "steps", "512"));
-  Kokkos::initialize(argc, argv);
-  {
-    benchmark::Initialize(&argc, argv);
-    if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
-    kvbench::KernelClock::install();
-    kvbench::measure_ceilings();
-    benchmark::AddCustomContext("kvmem_grid", grid);
-    benchmark::AddCustomContext("decode_steps_per_benchmark", std::to_string(g_steps));
-    register_grid(grid);
-    benchmark::RunSpecifiedBenchmarks();
-    benchmark::Shutdown();
-    kvbench::release_execs();
-  }
-  Kokkos::finalize();
-  return 0;
+  return kvbench::benchmark_main(argc, argv, grid, /*ceilings=*/true, register_grid,
+                                 {{"decode_steps_per_benchmark", std::to_string(g_steps)}});
 }

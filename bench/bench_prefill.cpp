@@ -215,18 +215,5 @@ void register_grid(const std::string& grid) {
 
 int main(int argc, char** argv) {
   const std::string grid = kvbench::take_flag(argc, argv, "grid", "standard");
-  Kokkos::initialize(argc, argv);
-  {
-    benchmark::Initialize(&argc, argv);
-    if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
-    kvbench::KernelClock::install();
-    kvbench::measure_ceilings();
-    benchmark::AddCustomContext("kvmem_grid", grid);
-    register_grid(grid);
-    benchmark::RunSpecifiedBenchmarks();
-    benchmark::Shutdown();
-    kvbench::release_execs();
-  }
-  Kokkos::finalize();
-  return 0;
+  return kvbench::benchmark_main(argc, argv, grid, /*ceilings=*/true, register_grid);
 }

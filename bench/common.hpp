@@ -168,12 +168,14 @@ struct Inputs {
   }
 };
 
-/// Token t of a [B, H, T, C] or [B, H, T] input, as a view of one token.
+/// Token t of a [B, H, T, C] or [B, H, T] input (any element type), as a view of one token.
 template <class V>
 auto token(const V& x, long t) {
-  return Kokkos::subview(x, Kokkos::ALL, Kokkos::ALL, std::make_pair(t, t + 1), Kokkos::ALL);
+  if constexpr (V::rank() == 3)
+    return Kokkos::subview(x, Kokkos::ALL, Kokkos::ALL, std::make_pair(t, t + 1));
+  else
+    return Kokkos::subview(x, Kokkos::ALL, Kokkos::ALL, std::make_pair(t, t + 1), Kokkos::ALL);
 }
-inline auto token(const view3& x, long t) { return Kokkos::subview(x, Kokkos::ALL, Kokkos::ALL, std::make_pair(t, t + 1)); }
 
 /// Bytes of a full float32 KV cache of `tokens` tokens (what exact attention holds).
 inline double kv_cache_bytes(const Shape& s, long tokens) {
@@ -223,13 +225,16 @@ inline Work exact_prefill_work(const Shape& s, long T) {
 // the memories' decode readout: a kv-head's G query heads share one pass over its keys). Row `pos` of
 // exact_causal_attention over the prompt, bit for bit.
 
-struct KvCache {
-  view4 k, v;  // [B, Hkv, capacity, D]
+/// A full KV cache of element type S (float32, or a storage type of kvmem/dtype.hpp).
+template <class S>
+struct KvCacheOf {
+  Kokkos::View<S****, Kokkos::LayoutRight, space_t> k, v;  // [B, Hkv, capacity, D]
 };
+using KvCache = KvCacheOf<float>;
 
-template <class Q, class KV, class Y>
-void exact_decode_step(const exec_t& exec, const KvCache& cache, const Q& q1, const KV& k1, const KV& v1, const Y& y1,
-                       long pos, const float* tau) {
+template <class S, class Q, class KV, class Y>
+void exact_decode_step(const exec_t& exec, const KvCacheOf<S>& cache, const Q& q1, const KV& k1, const KV& v1,
+                       const Y& y1, long pos, const float* tau) {
   const long B = static_cast<long>(q1.extent(0)), Hkv = static_cast<long>(cache.k.extent(1));
   const int D = static_cast<int>(q1.extent(3)), Dv = static_cast<int>(cache.v.extent(3));
   const auto ck = cache.k, cv = cache.v;
@@ -396,6 +401,36 @@ inline std::string take_flag(int& argc, char** argv, const std::string& name, co
   }
   argc = out;
   return value;
+}
+
+/// The main() of a benchmark program around Kokkos and Google Benchmark: `register_grid(grid)` registers
+/// the benchmarks of `grid` (after the machine's ceilings are measured and the kernel clock installed, when
+/// `ceilings` is set) and Google Benchmark runs them; `context` pairs go to its JSON context. Returns the
+/// exit status: 1 for an argument Google Benchmark does not know.
+template <class Register>
+int benchmark_main(int argc, char** argv, const std::string& grid, bool ceilings, Register register_grid,
+                   const std::map<std::string, std::string>& context = {}) {
+  Kokkos::initialize(argc, argv);
+  int status = 0;
+  {
+    benchmark::Initialize(&argc, argv);
+    if (benchmark::ReportUnrecognizedArguments(argc, argv)) {
+      status = 1;
+    } else {
+      if (ceilings) {
+        KernelClock::install();
+        measure_ceilings();
+      }
+      benchmark::AddCustomContext("kvmem_grid", grid);
+      for (const auto& [key, value] : context) benchmark::AddCustomContext(key, value);
+      register_grid(grid);
+      benchmark::RunSpecifiedBenchmarks();
+      benchmark::Shutdown();
+    }
+    release_execs();
+  }
+  Kokkos::finalize();
+  return status;
 }
 
 }  // namespace kvbench

@@ -3,7 +3,8 @@
 
     python3 bench/plot.py bench/results --png docs/performance.png --summary bench/results/summary.md
 
-Reads prefill.json and decode.json (Google Benchmark JSON written by kvmem_bench_prefill/_decode) and
+Reads prefill.json and decode.json (Google Benchmark JSON written by kvmem_bench_prefill/_decode; dtype.json
+of kvmem_bench_dtype when present) and
 meta.json (bench/run.sh) from the results directory. Writes a two-panel log-log plot (prefill time
 against T, each memory against exact attention; decode step time against position) and a Markdown
 summary: every measurement as a table, and the issue's targets with the measured values.
@@ -245,6 +246,35 @@ def targets(pre, dec, all_threads):
     return lines
 
 
+def dtype_rows(path):
+    """The storage-type comparison of kvmem_bench_dtype (dtype.json), one row per (phase, memory): the
+    float32 time, and per 16-bit type its time, its ratio to float32 and its bytes held against float32's.
+    [] when there is no such file."""
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        data = json.load(f)
+    cells = {}
+    for b in data.get("benchmarks", []):
+        if b.get("run_type", "iteration") != "iteration" or b.get("error_occurred"):
+            continue
+        _, phase, memory, dtype = b["name"].split("/")[:4]
+        where = "position " + str(dict(FIELD.findall(b["name"])).get("pos") or "") if phase == "decode" else \
+            "T = " + str(dict(FIELD.findall(b["name"])).get("T"))
+        cells.setdefault((phase, memory, where), {})[dtype] = b
+    rows = ["| phase | memory | float32 | bfloat16 (time, held vs float32) | float16 (time, held vs float32) |",
+            "|---|---|---|---|---|"]
+    for (phase, memory, where), by in cells.items():
+        def cell(d):
+            b = by.get(d)
+            if b is None:
+                return "-"
+            t = fmt_time(b["seconds"])
+            return t if d == "F32" else f"{t} ({fmt(b.get('vs_f32', float('nan')))}x, {fmt(b.get('held_vs_f32', float('nan')))}x)"
+        rows.append(f"| {phase} ({where}) | {memory} | {cell('F32')} | {cell('BF16')} | {cell('F16')} |")
+    return rows
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("results")
@@ -323,6 +353,11 @@ def main():
         md += ["## Decode over the issue's shape grid (Hkv = 8) and on one thread and all threads (Hkv = 4)", ""] + \
             decode_rows(sorted([r for r in dec if not series(r)],
                                key=lambda r: (r["Hkv"], r["G"], r["B"], r["threads"], rank[r["memory"]]))) + [""]
+    dt = dtype_rows(os.path.join(a.results, "dtype.json"))
+    if dt:
+        md += ["## Storage types (kvmem_bench_dtype: B = 8, Hkv = 8, D = 128, G = 1; 16-bit time / float32 time in "
+               "the same run; issue 17's target: bfloat16 decode <= 0.6x where the state streams from memory, "
+               "prefill no slower)", ""] + dt + [""]
     md += ["## Targets", ""] + targets(pre, dec, all_threads) + [""]
     text = "\n".join(md)
     if a.summary:

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Builds the kvmem benchmarks in the build environment, runs the documented suite and plots it:
-#   bench/results/prefill.json, decode.json (Google Benchmark JSON), sdpa.json (PyTorch SDPA on the same
+#   bench/results/prefill.json, decode.json, dtype.json (Google Benchmark JSON), sdpa.json (PyTorch SDPA on the same
 #   shapes and threads, bench/torch_sdpa.py), meta.json (machine, date, commit),
 #   bench/results/summary.md (tables and the issue's targets), docs/performance.png (log-log plots).
 #
@@ -30,7 +30,7 @@ cd "$repo"
 if [ ! -f "$KVMEM_BUILD_DIR/build.ninja" ]; then
   kvmem_in_env cmake -S . -B "$KVMEM_BUILD_DIR" -G Ninja -DCMAKE_BUILD_TYPE=Release -DKVMEM_BUILD_BENCH=ON
 fi
-kvmem_in_env cmake --build "$KVMEM_BUILD_DIR" --parallel "${KVMEM_JOBS:-2}" --target kvmem_bench_prefill kvmem_bench_decode
+kvmem_in_env cmake --build "$KVMEM_BUILD_DIR" --parallel "${KVMEM_JOBS:-2}" --target kvmem_bench_prefill kvmem_bench_decode kvmem_bench_dtype
 
 # What the numbers were measured on.
 commit=$(git -C "$repo" rev-parse --short HEAD 2>/dev/null || echo unknown)
@@ -47,6 +47,10 @@ run "$KVMEM_BUILD_DIR/bench/kvmem_bench_prefill" --grid="$grid" --benchmark_min_
   --benchmark_out="$out/prefill.json" --benchmark_out_format=json "$@"
 run "$KVMEM_BUILD_DIR/bench/kvmem_bench_decode" --grid="$grid" \
   --benchmark_out="$out/decode.json" --benchmark_out_format=json "$@"
+# float32 against bfloat16 and float16 storage (B = 8, Hkv = 8, D = 128): its own names, so "$@"'s filters
+# are not passed on.
+run "$KVMEM_BUILD_DIR/bench/kvmem_bench_dtype" --grid="$grid" \
+  --benchmark_out="$out/dtype.json" --benchmark_out_format=json
 
 # The peer: PyTorch's scaled_dot_product_attention on every shape just measured, same threads (the
 # environment's python3-torch; bench/torch_sdpa.py).

@@ -1,6 +1,6 @@
 #pragma once
 /// \file eviction_memory.hpp
-/// EvictionMemory<ExecSpace, Scorer>: a fixed-budget KV cache that keeps sinks, a protected window and the
+/// EvictionMemory<ExecSpace, Scorer, Storage>: a fixed-budget KV cache that keeps sinks, a protected window and the
 /// top-k tokens by an eviction scorer, read with one softmax (kvpop-paper Sec. 2; spec EVICTION.md §1-§4, §6).
 
 #include <Kokkos_Core.hpp>
@@ -35,7 +35,9 @@ namespace kvmem {
 /// others pay nothing for them.
 ///
 /// Tensors are views in (sequence, head, token, channel) order with unit channel stride and any other
-/// strides (LayoutStride), in ExecSpace's memory space, float32:
+/// strides (LayoutStride), in ExecSpace's memory space, of the storage type `Storage` (kvmem/dtype.hpp:
+/// float, the default, kvmem::bfloat16 or kvmem::float16), which is also the type the cache holds its keys
+/// and values in (logits, softmax and sums float32, scorer statistics float64; docs/numerics.md):
 ///   q [B, Hq, T, D], k [B, Hkv, T, D], v [B, Hkv, T, Dv] in, y [B, Hq, T, Dv] out (must not alias an input).
 /// prefill() and decode() both run the per-token state machine, one token after the other per (b, h) and
 /// the heads and sequences in parallel, so a prompt through prefill, through decode, or split between them
@@ -48,16 +50,17 @@ namespace kvmem {
 /// memory.prefill(q, k, v, y);     // the prompt
 /// memory.decode(q1, k1, v1, y1);  // then one token at a time
 /// \endcode
-template <class ExecSpace, score::EvictionScorer Scorer>
+template <class ExecSpace, score::EvictionScorer Scorer, StorageType Storage = float>
 class EvictionMemory {
  public:
   using execution_space = ExecSpace;
+  using storage_type = Storage;
   using memory_space = typename ExecSpace::memory_space;
   using scorer_type = Scorer;
   /// q, k, v: [B, heads, T, channels], unit channel stride.
-  using tokens_in = Kokkos::View<const float****, Kokkos::LayoutStride, memory_space>;
+  using tokens_in = Kokkos::View<const Storage****, Kokkos::LayoutStride, memory_space>;
   /// y: [B, Hq, T, Dv], unit channel stride.
-  using tokens_out = Kokkos::View<float****, Kokkos::LayoutStride, memory_space>;
+  using tokens_out = Kokkos::View<Storage****, Kokkos::LayoutStride, memory_space>;
 
   /// An empty memory for `batch` sequences with the scorer `scorer` (its parameters and weights). Throws
   /// kvmem::invalid_argument for a bad config field (EvictionConfig::validate), `batch` < 1, or what the
@@ -147,18 +150,18 @@ class EvictionMemory {
   /// Tokens sequence b has seen since construction or reset().
   [[nodiscard]] long tokens(long b) const { return tokens_.at(b); }
   /// The device cache (slots, positions, statistics, order), for inspection.
-  [[nodiscard]] const state::EvictionCache<memory_space>& cache() const { return cache_; }
-  /// Bytes of keys and values the batch holds at most, float32: B * Hkv * (budget + 1) * (D + Dv) * 4,
+  [[nodiscard]] const state::EvictionCache<memory_space, Storage>& cache() const { return cache_; }
+  /// Bytes of keys and values the batch holds at most: B * Hkv * (budget + 1) * (D + Dv) * sizeof(Storage),
   /// whatever the token count (the + 1 is the row a step holds between its append and its eviction).
   [[nodiscard]] long held_bytes() const {
     return batch() * cfg_.kv_heads * (cfg_.budget() + 1) * (cfg_.head_dim + cfg_.value_dim) *
-           static_cast<long>(sizeof(float));
+           static_cast<long>(sizeof(Storage));
   }
   /// Bytes this object has allocated on the device for its cache and scratch (the scorer's own state,
   /// e.g. the mLSTM's, is not counted). Fixed at construction.
   [[nodiscard]] long allocated_bytes() const {
     const auto& c = cache_;
-    return static_cast<long>((c.keys.span() + c.values.span() + c.logits.span()) * sizeof(float) +
+    return static_cast<long>((c.keys.span() + c.values.span()) * sizeof(Storage) + c.logits.span() * sizeof(float) +
                              (c.stats.span() + c.probabilities.span() + c.logits64.span()) * sizeof(double) +
                              (c.positions.span() + c.live.span() + first_.span() + lengths_.span()) * sizeof(long) +
                              c.order.span() * sizeof(int));
@@ -186,7 +189,7 @@ class EvictionMemory {
   Scorer scorer_;
   ExecSpace exec_;
   std::vector<long> tokens_;
-  state::EvictionCache<memory_space> cache_;
+  state::EvictionCache<memory_space, Storage> cache_;
   Kokkos::View<long*, memory_space> first_, lengths_;
   decltype(Kokkos::create_mirror_view(std::declval<Kokkos::View<long*, memory_space>>())) first_host_, lengths_host_;
 };

@@ -3,6 +3,7 @@
 /// Umbrella header: everything an engine needs to compose and run a kvmem memory.
 
 #include "config.hpp"
+#include "dtype.hpp"
 #include "errors.hpp"
 #include "eviction.hpp"
 #include "kernels/exact_attention.hpp"
@@ -20,15 +21,17 @@
 #include "trellis_memory.hpp"
 
 namespace kvmem {
-/// KVM (kvm-paper): winner-take-all merge, novelty-ranked append, budget schedule of your choice.
-template <class ExecSpace, budget::BudgetSchedule Budget>
-using KvmMemory = Memory<ExecSpace, merge::WinnerTakeAll, Budget, score::Novelty>;
+/// KVM (kvm-paper): winner-take-all merge, novelty-ranked append, budget schedule of your choice; tokens in
+/// the storage type T (float, kvmem::bfloat16, kvmem::float16; see Memory).
+template <class ExecSpace, budget::BudgetSchedule Budget, StorageType T = float>
+using KvmMemory = Memory<ExecSpace, merge::WinnerTakeAll, Budget, score::Novelty, score::KeepRows, T>;
 /// KVM whose state rows are also evicted by `RowPolicy` above its cap (e.g. score::RowAccumulatedAttention:
 /// winner-take-all merging plus H2O eviction of stale rows; no paper runs this combination).
-template <class ExecSpace, budget::BudgetSchedule Budget, score::RowEviction RowPolicy>
-using KvmMemoryWithRowEviction = Memory<ExecSpace, merge::WinnerTakeAll, Budget, score::Novelty, RowPolicy>;
+template <class ExecSpace, budget::BudgetSchedule Budget, score::RowEviction RowPolicy, StorageType T = float>
+using KvmMemoryWithRowEviction = Memory<ExecSpace, merge::WinnerTakeAll, Budget, score::Novelty, RowPolicy, T>;
 /// OVQ (ovq-paper): online k-means with counts, plateau budget by default. Configure window_chunks = 1,
-/// sinks = 0 and max_rows = N for the paper's semantics; tau_state = tau_window = beta.
-template <class ExecSpace, budget::BudgetSchedule Budget = budget::Plateau>
-using OvqMemory = Memory<ExecSpace, merge::KMeansCount, Budget, score::Novelty>;
+/// sinks = 0 and max_rows = N for the paper's semantics; tau_state = tau_window = beta. Tokens in the
+/// storage type T (see Memory).
+template <class ExecSpace, budget::BudgetSchedule Budget = budget::Plateau, StorageType T = float>
+using OvqMemory = Memory<ExecSpace, merge::KMeansCount, Budget, score::Novelty, score::KeepRows, T>;
 }  // namespace kvmem

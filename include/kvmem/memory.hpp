@@ -1,6 +1,6 @@
 #pragma once
 /// \file memory.hpp
-/// Memory<ExecSpace, Merge, Budget, Scorer>: the public facade that composes a bounded attention memory.
+/// Memory<ExecSpace, Merge, Budget, Scorer, RowPolicy, Storage>: the public facade that composes a bounded attention memory.
 
 #include <Kokkos_Core.hpp>
 #include <algorithm>
@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "config.hpp"
+#include "dtype.hpp"
 #include "errors.hpp"
 #include "kernels/readout.hpp"
 #include "kernels/row_eviction.hpp"
@@ -34,9 +35,17 @@ namespace kvmem {
 ///
 /// Tensors are views in (sequence, head, token, channel) index order with unit channel stride; any other
 /// strides are accepted, so an engine's [tokens, heads, head_dim] buffer is wrapped without a copy
-/// (LayoutStride). Storage and accumulation are float32.
+/// (LayoutStride).
 /// - q [B, Hq, T, D], k [B, Hkv, T, D], v [B, Hkv, T, Dv], gate [B, Hkv, T] (merge-gate pre-activation z;
-///   an empty view means z = 0), y [B, Hq, T, Dv] (written).
+///   an empty view means z = 0), y [B, Hq, T, Dv] (written), all of element type Storage.
+///
+/// Storage, the storage type (kvmem/dtype.hpp: float, the default, kvmem::bfloat16 or kvmem::float16), is the
+/// element type of the inputs and outputs and of what the memory holds per token: the block sliding
+/// window's keys and values and the state rows' read caches (the keys and values every readout streams).
+/// The merge accumulators (running sums, radius, counts), gates, logits, softmax statistics and every sum
+/// are float32; a value is widened when loaded and rounded once (to nearest even, saturating at the type's range)
+/// when stored. Inputs of another element type are a compile error: nothing is converted behind the
+/// caller's back. The error bounds against float64 are in docs/numerics.md.
 /// Per (sequence, kv-head) the memory holds state rows (keys, values, radius) and the block sliding
 /// window of the last window_chunks * chunk tokens. prefill() and decode() have one meaning: a prompt
 /// through prefill or through decode token by token gives the same bits, and decode continues a
@@ -48,18 +57,19 @@ namespace kvmem {
 /// still decides how many rows each fold appends (its growth, as if no row had been evicted: the other
 /// tokens of the block merge as usual), and the eviction takes the rows back to the cap.
 template <class ExecSpace, merge::MergePolicy Merge, budget::BudgetSchedule Budget, score::AppendScorer Scorer,
-          score::RowEviction RowPolicy = score::KeepRows>
+          score::RowEviction RowPolicy = score::KeepRows, StorageType Storage = float>
 class Memory {
  public:
   using execution_space = ExecSpace;
+  using storage_type = Storage;
   using memory_space = typename ExecSpace::memory_space;
   using merge_type = Merge;
   using budget_type = Budget;
   using scorer_type = Scorer;
   using row_policy_type = RowPolicy;
-  using tokens_in = Kokkos::View<const float****, Kokkos::LayoutStride, memory_space>;
-  using gates_in = Kokkos::View<const float***, Kokkos::LayoutStride, memory_space>;
-  using tokens_out = Kokkos::View<float****, Kokkos::LayoutStride, memory_space>;
+  using tokens_in = Kokkos::View<const Storage****, Kokkos::LayoutStride, memory_space>;
+  using gates_in = Kokkos::View<const Storage***, Kokkos::LayoutStride, memory_space>;
+  using tokens_out = Kokkos::View<Storage****, Kokkos::LayoutStride, memory_space>;
 
   /// A memory for `batch` sequences. `weights.tau_state`/`tau_window` [Hq] are the per-head factors of
   /// Merge::logit_scale (KVM temperatures, OVQ beta); `ln_weight`/`ln_bias` [D] are needed when
@@ -117,7 +127,7 @@ class Memory {
               "prefill needs an empty memory; call reset() first");
     const long longest = *std::max_element(len.begin(), len.end());
     cfg_.check_sinks(longest);
-    Kokkos::deep_copy(exec_, y, 0.0f);
+    Kokkos::deep_copy(exec_, y, Storage{});
 
     const long C = cfg_.chunk, L = cfg_.window();
     // Front block: exact causal attention over the first min(T, L) tokens, no state. Then the first chunk
@@ -202,8 +212,9 @@ class Memory {
     cursors_.assign(cursors_.size(), state::SequenceCursor{});
     Kokkos::deep_copy(exec_, rows_.keys, 0.0f);
     Kokkos::deep_copy(exec_, rows_.values, 0.0f);
-    Kokkos::deep_copy(exec_, rows_.read_keys, 0.0f);
-    Kokkos::deep_copy(exec_, rows_.read_values, 0.0f);
+    Kokkos::deep_copy(exec_, rows_.read_keys, Storage{});
+    Kokkos::deep_copy(exec_, rows_.read_values, Storage{});
+    if (rows_.decision_keys.data() != nullptr) Kokkos::deep_copy(exec_, rows_.decision_keys, 0.0f);
     Kokkos::deep_copy(exec_, rows_.radius, 0.0f);
     Kokkos::deep_copy(exec_, rows_.counts, 0.0f);
     exec_.fence();
@@ -215,27 +226,29 @@ class Memory {
   /// Token counts of sequence b: tokens seen, tokens covered by the state, state rows (same per kv-head).
   [[nodiscard]] const state::SequenceCursor& cursor(long b) const { return cursors_.at(b); }
   /// State rows [B, Hkv, capacity, ...]; rows [0, cursor(b).rows) of sequence b are live.
-  [[nodiscard]] const state::StateRows<memory_space>& rows() const { return rows_; }
+  [[nodiscard]] const state::StateRows<memory_space, Storage>& rows() const { return rows_; }
   /// Tokens of sequence b held in the block sliding window: n - window_begin(n).
   [[nodiscard]] long window_tokens(long b) const {
     const long n = cursors_.at(b).tokens;
     return n - state::window_begin(n, cfg_.chunk, cfg_.window());
   }
-  /// Bytes of memory the batch holds in float32: per kv-head, state rows x (D + Dv + 1) (key, value, and
-  /// the row's radius or count) plus window tokens x (D + Dv + 1) (key, value, gate). Read caches are derived data and
-  /// are not counted (allocated_bytes() counts them).
+  /// Bytes the batch holds as its memory: per kv-head, state rows x (D + Dv + 1) float32 (key and value
+  /// sums, and the row's radius or count) plus window tokens x ((D + Dv) x sizeof(Storage) + 4) (key and value in
+  /// the storage type, a float32 gate). Read caches are derived data and are not counted
+  /// (allocated_bytes() counts them).
   [[nodiscard]] long held_bytes() const {
-    long units = 0;
-    for (long b = 0; b < batch(); ++b) units += (cursors_[b].rows + window_tokens(b)) * cfg_.kv_heads;
-    return units * (cfg_.head_dim + cfg_.value_dim + 1) * static_cast<long>(sizeof(float));
+    long rows = 0, tokens = 0;
+    for (long b = 0; b < batch(); ++b) rows += cursors_[b].rows, tokens += window_tokens(b);
+    const long channels = cfg_.head_dim + cfg_.value_dim;
+    return cfg_.kv_heads * (rows * (channels + 1) * static_cast<long>(sizeof(float)) +
+                            tokens * (channels * static_cast<long>(sizeof(Storage)) + static_cast<long>(sizeof(float))));
   }
   /// Bytes this object has allocated on the device (state, read caches, window ring, scratch).
   [[nodiscard]] long allocated_bytes() const {
-    return static_cast<long>(rows_.keys.span() + rows_.values.span() + rows_.read_keys.span() +
-                             rows_.read_values.span() + rows_.radius.span() + rows_.counts.span() + ring_.keys.span() +
-                             ring_.values.span() + ring_.gates.span()) *
-               static_cast<long>(sizeof(float)) +
-           scratch_.bytes();
+    const auto f32 = rows_.keys.span() + rows_.values.span() + rows_.decision_keys.span() + rows_.radius.span() +
+                     rows_.counts.span() + ring_.gates.span();
+    const auto stored = rows_.read_keys.span() + rows_.read_values.span() + ring_.keys.span() + ring_.values.span();
+    return static_cast<long>(f32 * sizeof(float) + stored * sizeof(Storage)) + scratch_.bytes();
   }
 
  private:
@@ -318,8 +331,8 @@ class Memory {
   LayerWeights<memory_space> weights_;
   ExecSpace exec_;
   std::vector<state::SequenceCursor> cursors_;
-  state::StateRows<memory_space> rows_;
-  state::WindowRing<memory_space> ring_;
+  state::StateRows<memory_space, Storage> rows_;
+  state::WindowRing<memory_space, Storage> ring_;
   kernels::UpdateScratch<memory_space> scratch_;
   kernels::StepPlan<memory_space> plan_;
   RowPolicy row_policy_{};

@@ -1,6 +1,6 @@
 #pragma once
 /// \file trellis_memory.hpp
-/// TrellisMemory<ExecSpace>: a fixed-slot attention memory trained at test time by online gradient descent
+/// TrellisMemory<ExecSpace, Storage>: a fixed-slot attention memory trained at test time by online gradient descent
 /// (Trellis; trellis-paper Sec. 3, eqs. 4-14; spec TRELLIS.md).
 
 #include <Kokkos_Core.hpp>
@@ -11,6 +11,7 @@
 #include <utility>
 #include <vector>
 
+#include "dtype.hpp"
 #include "errors.hpp"
 #include "kernels/trellis.hpp"
 #include "policy/merge/gradient_descent.hpp"
@@ -38,7 +39,9 @@ namespace kvmem {
 /// C gives the same bits as one prefill, and decode continues either.
 ///
 /// Tensors are views in (sequence, head, token, channel) order with unit channel stride and any other
-/// strides (LayoutStride), in ExecSpace's memory space, float32:
+/// strides (LayoutStride), in ExecSpace's memory space, of the storage type `Storage` (kvmem/dtype.hpp:
+/// float, the default, kvmem::bfloat16 or kvmem::float16; every sum and the state M1, M2 stay float32,
+/// docs/numerics.md):
 ///   q, k [B, H, T, D], v [B, H, T, Dv], alpha [B, H, T, m] (latent target, eq. 4),
 ///   beta1, gamma1, beta2, gamma2 [B, H, T] (forget gates in [0, 1] and step sizes >= 0 of passes 1, 2),
 ///   y [B, H, T, Dv] (written; must not alias an input).
@@ -51,19 +54,21 @@ namespace kvmem {
 /// memory.prefill(q, k, v, alpha, beta1, gamma1, beta2, gamma2, y);      // the prompt, chunkwise
 /// memory.decode(q1, k1, v1, alpha1, beta1_1, gamma1_1, beta2_1, gamma2_1, y1);  // then one token at a time
 /// \endcode
-template <class ExecSpace>
+template <class ExecSpace, StorageType Storage = float>
 class TrellisMemory {
  public:
   using execution_space = ExecSpace;
+  using storage_type = Storage;
   using memory_space = typename ExecSpace::memory_space;
   using merge_policy = merge::GradientDescent;
   /// q, k, v, alpha: [B, H, T, channels], unit channel stride.
-  using tokens_in = Kokkos::View<const float****, Kokkos::LayoutStride, memory_space>;
+  using tokens_in = Kokkos::View<const Storage****, Kokkos::LayoutStride, memory_space>;
   /// beta1, gamma1, beta2, gamma2: [B, H, T].
-  using gates_in = Kokkos::View<const float***, Kokkos::LayoutStride, memory_space>;
+  using gates_in = Kokkos::View<const Storage***, Kokkos::LayoutStride, memory_space>;
   /// y: [B, H, T, Dv], unit channel stride.
-  using tokens_out = Kokkos::View<float****, Kokkos::LayoutStride, memory_space>;
-  /// M1 [B, H, m, D] and M2 [B, H, m, Dv], slot-major.
+  using tokens_out = Kokkos::View<Storage****, Kokkos::LayoutStride, memory_space>;
+  /// M1 [B, H, m, D] and M2 [B, H, m, Dv], slot-major, float32 whatever the storage type: the slots are
+  /// trained by gradient steps, each smaller than a 16-bit type resolves (docs/numerics.md).
   using state_view = Kokkos::View<float****, Kokkos::LayoutRight, memory_space>;
 
   /// A zero memory for `batch` sequences without an LN affine. Throws kvmem::invalid_argument for a bad
@@ -116,7 +121,7 @@ class TrellisMemory {
     if (ragged) kernels::zero_tail(exec_, y, lengths_);
     const long longest = *std::max_element(lengths_host_.data(), lengths_host_.data() + batch());
     const long C = cfg_.chunk;
-    scratch_.reserve(batch(), cfg_.heads, std::max(1L, std::min(C, longest)), cfg_.slots);
+    scratch_.reserve(batch(), cfg_.heads, std::max(1L, std::min(C, longest)), cfg_.slots, output_scratch());
     const auto prm = kernels::TrellisParams::of(cfg_, C);
     for (long first = 0; first < longest; first += C)
       kernels::trellis_chunk(exec_, prm, state_, scratch_, in, weights_.ln_weight, weights_.ln_bias, y, lengths_, first,
@@ -142,7 +147,7 @@ class TrellisMemory {
     const inputs_t in{q, k, v, alpha, beta1, gamma1, beta2, gamma2};
     Kokkos::deep_copy(exec_, lengths_, lengths_host_);
     if (cfg_.check_gates) check_gates(in, 1);
-    scratch_.reserve(batch(), cfg_.heads, 1, cfg_.slots);
+    scratch_.reserve(batch(), cfg_.heads, 1, cfg_.slots, output_scratch());
     kernels::trellis_chunk(exec_, kernels::TrellisParams::of(cfg_, 1), state_, scratch_, in, weights_.ln_weight,
                            weights_.ln_bias, y, lengths_, 0, 1);
     fence_step();
@@ -188,7 +193,7 @@ class TrellisMemory {
   /// Bytes this object has allocated on the device (state, per-chunk scratch, lengths, the gate check's result).
   [[nodiscard]] long allocated_bytes() const {
     return static_cast<long>(state_.m1.span() + state_.m2.span() + scratch_.u1.span() + scratch_.u2.span() +
-                             scratch_.g1.span() + scratch_.g2.span() + scratch_.p.span()) *
+                             scratch_.g1.span() + scratch_.g2.span() + scratch_.p.span() + scratch_.y.span()) *
                static_cast<long>(sizeof(float)) +
            static_cast<long>((lengths_.span() + first_bad_gate_.span()) * sizeof(long));
   }
@@ -196,6 +201,8 @@ class TrellisMemory {
  private:
   using inputs_t = kernels::TrellisInputs<tokens_in, gates_in>;
 
+  /// Channels of the float32 readout scratch: Dv for a 16-bit storage type, none for float.
+  [[nodiscard]] long output_scratch() const { return std::is_same_v<Storage, float> ? 0 : cfg_.value_dim; }
   void fence_step() const {
     static const std::string label = "kvmem::TrellisMemory::step";  // not Kokkos' default name, a heap string per call
     exec_.fence(label);
@@ -208,8 +215,9 @@ class TrellisMemory {
     const long B = batch(), t = bad % T, h = (bad / T) % H, b = (bad / (T * H)) % B, g = bad / (T * H * B);
     static const char* names[] = {"beta1", "gamma1", "beta2", "gamma2"};
     const gates_in& view = g == 0 ? in.beta1 : g == 1 ? in.gamma1 : g == 2 ? in.beta2 : in.gamma2;
-    float value = 0.0f;
-    Kokkos::deep_copy(value, Kokkos::subview(view, b, h, t));
+    Storage stored{};
+    Kokkos::deep_copy(stored, Kokkos::subview(view, b, h, t));
+    const float value = to_float(stored);
     const std::string where = std::string(names[g]) + "[" + std::to_string(b) + ", " + std::to_string(h) + ", " +
                               std::to_string(t) + "]";
     if (g % 2 == 0)

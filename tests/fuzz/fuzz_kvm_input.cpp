@@ -1,7 +1,7 @@
 // libFuzzer target: the whole `kvmem-run kvm` input path on one file (docs/reliability.md) — the
 // safetensors header, dtypes, shapes, offsets, tensor names and lengths (SafetensorsFile::read,
 // KvmInputs::load), the memory config and budget built from them, and a small KVM run over whatever is
-// accepted (kvmem::tools::run_kvm, the function kvmem-run's main calls), written to /dev/null.
+// accepted (kvmem::tools::run_command with run_kvm, as kvmem-run's main calls it), written to /dev/null.
 //
 // Flags come from the file's "__metadata__" (keys named like the flags: "mode", "budget", "chunk",
 // "window_chunks", "rope_dims", "sinks", "min_rows", "growth_factor", "growth_exponent", "round_down",
@@ -123,7 +123,8 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   o.input = g_input;
   o.output = "/dev/null";
   try {
-    kvmem::tools::run_kvm(o);
+    using kvmem::tools::run_kvm;  // in every storage type: the file picks it (BF16 and F16 inputs included)
+    kvmem::tools::run_command(o, run_kvm<float>, run_kvm<kvmem::bfloat16>, run_kvm<kvmem::float16>);
   } catch (const kvmem::invalid_argument& e) {
     if (*e.what() == '\0') std::abort();  // kvmem-run prints the message; it must say something
   }

@@ -58,7 +58,8 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
     std::uint64_t nbytes = 0;
     check(!__builtin_mul_overflow(n, es, &nbytes) && nbytes == t.bytes.size(), "byte count of '" + name + "'");
     total += t.bytes.size();
-    const bool numeric = t.dtype == "F32" || t.dtype == "F64" || t.dtype == "I64" || t.dtype == "I32";
+    const bool numeric = t.dtype == "F32" || t.dtype == "F64" || t.dtype == "BF16" || t.dtype == "F16" ||
+                         t.dtype == "I64" || t.dtype == "I32";
     try {
       const auto values = kvmem::io::to_double(t, name);
       check(numeric && values.size() == n, "to_double of '" + name + "'");

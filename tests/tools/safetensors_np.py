@@ -9,14 +9,31 @@ import struct
 
 import numpy as np
 
-DTYPES = {"F32": np.dtype("<f4"), "F64": np.dtype("<f8"),
-          "I64": np.dtype("<i8"), "I32": np.dtype("<i4"), "U8": np.dtype("u1")}
+# numpy has no bfloat16: a BF16 tensor is an array of this one-field record, its 16 bits (bf16_round,
+# bf16_to_f32 convert).
+BF16 = np.dtype([("bfloat16_bits", "<u2")])
+DTYPES = {"F32": np.dtype("<f4"), "F64": np.dtype("<f8"), "F16": np.dtype("<f2"), "BF16": BF16,
+          "I64": np.dtype("<i8"), "I32": np.dtype("<i4"), "I8": np.dtype("i1"), "U8": np.dtype("u1")}
 _NAMES = {v: k for k, v in DTYPES.items()}
 MAX_HEADER = 100 * 1024 * 1024
 
 
+def bf16_round(x):
+    """float32 values of `x` rounded to bfloat16 (to nearest, ties to even: the high 16 bits of the float32
+    after adding 0x7fff + the lowest kept bit), as a BF16 array. Finite inputs below bfloat16's largest
+    value only (what the tests write)."""
+    u = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32).astype(np.uint64)
+    bits = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype("<u2")
+    return bits.view(BF16)
+
+
+def bf16_to_f32(a):
+    """The float32 values of a BF16 array (exact)."""
+    return (np.ascontiguousarray(a).view("<u2").astype(np.uint32) << 16).view(np.float32)
+
+
 def save(path, tensors, metadata=None):
-    """Write {name: ndarray} to `path` (dtypes F32, F64, I64, I32, U8 only)."""
+    """Write {name: ndarray} to `path` (dtypes F32, F64, F16, BF16 (bf16_round), I64, I32, I8, U8 only)."""
     header, blobs, off = {}, [], 0
     if metadata:
         header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}

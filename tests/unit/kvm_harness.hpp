@@ -27,6 +27,14 @@ struct KvmCase {
 
   long length(long b) const { return lengths.empty() ? T : lengths[b]; }
 
+  /// Rounds the token inputs (q, k, v, gate) to the storage type S, as a memory of that type receives them,
+  /// so that the float64 reference sees the same inputs (layer weights stay float32).
+  template <kvmem::StorageType S>
+  void round_inputs() {
+    for (auto* x : {&q, &k, &v, &gate})
+      for (auto& e : *x) e = kvmem::to_float(kvmem::from_float<S>(e));
+  }
+
   void generate() {
     std::mt19937 rng(seed);
     std::normal_distribution<float> normal;
@@ -145,23 +153,34 @@ void with_budget(const kvmem_ref::KvmParams& p, F&& f) {
 
 enum class Mode { prefill, decode, prefill_then_decode };
 
-/// Runs the kvmem KVM memory on ExecSpace over case `c`. prefill_then_decode prefills the first
-/// `split` tokens of every sequence and decodes the rest.
-template <class ExecSpace>
+/// x as the storage type S (rounded by kvmem::from_float).
+template <kvmem::StorageType S>
+std::vector<S> stored_as(const std::vector<float>& x) {
+  std::vector<S> out(x.size());
+  for (std::size_t i = 0; i < x.size(); ++i) out[i] = kvmem::from_float<S>(x[i]);
+  return out;
+}
+
+/// Runs the kvmem KVM memory on ExecSpace over case `c` with tokens in the storage type S (inputs rounded
+/// to S; outputs widened back to float). prefill_then_decode prefills the first `split` tokens of every
+/// sequence and decodes the rest.
+template <class ExecSpace, kvmem::StorageType S = float>
 KvmOutput run_kvm(const KvmCase& c, Mode mode, long split = 0, const ExecSpace& exec = ExecSpace()) {
   using space = typename ExecSpace::memory_space;
-  using view4 = Kokkos::View<float****, Kokkos::LayoutRight, space>;
-  using view3 = Kokkos::View<float***, Kokkos::LayoutRight, space>;
+  using view4 = Kokkos::View<S****, Kokkos::LayoutRight, space>;
+  using view3 = Kokkos::View<S***, Kokkos::LayoutRight, space>;
   auto to4 = [&](const std::vector<float>& x, long h, long d, const std::string& n) {
     view4 v(n, c.B, h, c.T, d);
-    Kokkos::deep_copy(v, Kokkos::View<const float****, Kokkos::LayoutRight, Kokkos::HostSpace, Kokkos::MemoryUnmanaged>(
-                             x.data(), c.B, h, c.T, d));
+    const auto xs = stored_as<S>(x);
+    Kokkos::deep_copy(v, Kokkos::View<const S****, Kokkos::LayoutRight, Kokkos::HostSpace, Kokkos::MemoryUnmanaged>(
+                             xs.data(), c.B, h, c.T, d));
     return v;
   };
   const view4 q = to4(c.q, c.Hq, c.D, "q"), k = to4(c.k, c.Hkv, c.D, "k"), v = to4(c.v, c.Hkv, c.Dv, "v");
   view3 gate("gate", c.B, c.Hkv, c.T);
-  Kokkos::deep_copy(gate, Kokkos::View<const float***, Kokkos::LayoutRight, Kokkos::HostSpace, Kokkos::MemoryUnmanaged>(
-                              c.gate.data(), c.B, c.Hkv, c.T));
+  const auto gates = stored_as<S>(c.gate);
+  Kokkos::deep_copy(gate, Kokkos::View<const S***, Kokkos::LayoutRight, Kokkos::HostSpace, Kokkos::MemoryUnmanaged>(
+                              gates.data(), c.B, c.Hkv, c.T));
   view4 y("y", c.B, c.Hq, c.T, c.Dv);
   kvmem::LayerWeights<space> w{device_vector<space>(c.ln_weight, "ln_weight"), device_vector<space>(c.ln_bias, "ln_bias"),
                                device_vector<space>(c.tau_state, "tau_state"), device_vector<space>(c.tau_bswa, "tau_bswa")};
@@ -170,7 +189,7 @@ KvmOutput run_kvm(const KvmCase& c, Mode mode, long split = 0, const ExecSpace& 
   KvmOutput out;
   with_budget(c.params, [&](const auto& budget) {
     using budget_t = std::remove_cvref_t<decltype(budget)>;
-    kvmem::KvmMemory<ExecSpace, budget_t> mem(c.config(), budget, w, static_cast<int>(c.B), exec);
+    kvmem::KvmMemory<ExecSpace, budget_t, S> mem(c.config(), budget, w, static_cast<int>(c.B), exec);
     long first_decoded = 0;
     if (mode != Mode::decode) {
       std::vector<long> pre(c.B);
@@ -188,7 +207,8 @@ KvmOutput run_kvm(const KvmCase& c, Mode mode, long split = 0, const ExecSpace& 
     read_state(mem, c, out);
   });
   auto yh = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), y);
-  out.y.assign(yh.data(), yh.data() + yh.size());
+  out.y.resize(yh.size());
+  for (std::size_t i = 0; i < yh.size(); ++i) out.y[i] = kvmem::to_float(yh.data()[i]);
   return out;
 }
 

@@ -4,6 +4,7 @@
 // cache == the Fenwick mask of §5 == the brute-force mask, SnapKV's selection, the memory bound, the same
 // bits on one and on many threads, and bad input named.
 #include <catch2/catch_approx.hpp>
+#include <catch2/catch_template_test_macros.hpp>
 #include <catch2/catch_test_macros.hpp>
 #include <catch2/matchers/catch_matchers_string.hpp>
 
@@ -34,12 +35,14 @@ namespace {
 constexpr double tolerance = 1e-4;
 
 /// A user-defined scorer: static scores [B, Hkv, T] read from a device view at insertion. It shows that a
-/// scorer outside kvmem only derives from score::EvictionDefaults and replaces the hooks it needs.
+/// scorer outside kvmem only derives from score::EvictionDefaults and replaces the hooks it needs. Its
+/// absorb takes the key and value as templates, so it also serves bfloat16 / float16 caches.
 template <class MemorySpace>
 struct GivenScores : kvmem::score::EvictionDefaults {
   static constexpr std::string_view name = "given";
   Kokkos::View<const double***, Kokkos::LayoutRight, MemorySpace> scores;
-  KOKKOS_INLINE_FUNCTION double absorb(long b, int h, long t, const float*, const float*) const {
+  template <class K, class V>
+  KOKKOS_INLINE_FUNCTION double absorb(long b, int h, long t, const K*, const V*) const {
     return scores(b, h, t);
   }
 };
@@ -209,14 +212,17 @@ struct EvictCase {
   }
 };
 
-template <class MemorySpace>
-using view4 = Kokkos::View<float****, Kokkos::LayoutRight, MemorySpace>;
+template <class MemorySpace, kvmem::StorageType S = float>
+using view4 = Kokkos::View<S****, Kokkos::LayoutRight, MemorySpace>;
 
-template <class MemorySpace>
-view4<MemorySpace> to_device(const std::vector<float>& x, long B, long H, long T, long C, const char* name) {
-  view4<MemorySpace> out(std::string(name), B, H, T, C);  // Kokkos 4.7 takes no const char* label
-  Kokkos::deep_copy(out, Kokkos::View<const float****, Kokkos::LayoutRight, Kokkos::HostSpace, Kokkos::MemoryUnmanaged>(
-                             x.data(), B, H, T, C));
+/// x [B, H, T, C] on the device in the storage type S (rounded by kvmem::from_float).
+template <class MemorySpace, kvmem::StorageType S = float>
+view4<MemorySpace, S> to_device(const std::vector<float>& x, long B, long H, long T, long C, const char* name) {
+  view4<MemorySpace, S> out(std::string(name), B, H, T, C);  // Kokkos 4.7 takes no const char* label
+  std::vector<S> xs(x.size());
+  for (std::size_t i = 0; i < x.size(); ++i) xs[i] = kvmem::from_float<S>(x[i]);
+  Kokkos::deep_copy(out, Kokkos::View<const S****, Kokkos::LayoutRight, Kokkos::HostSpace, Kokkos::MemoryUnmanaged>(
+                             xs.data(), B, H, T, C));
   return out;
 }
 
@@ -315,19 +321,20 @@ std::vector<std::vector<long>> cached_positions(const Memory& mem) {
   return out;
 }
 
-template <class ExecSpace, class Scorer>
+/// The eviction memory over case c with tokens in the storage type S (outputs widened back to float).
+template <kvmem::StorageType S = float, class ExecSpace, class Scorer>
 EvictOutput run_with(const EvictCase& c, const Scorer& scorer, Mode mode, long split, bool record, const ExecSpace& exec) {
   using space = typename ExecSpace::memory_space;
-  const auto q = to_device<space>(c.q, c.B, c.Hq, c.T, c.D, "q");
-  const auto k = to_device<space>(c.k, c.B, c.Hkv, c.T, c.D, "k");
-  const auto v = to_device<space>(c.v, c.B, c.Hkv, c.T, c.Dv, "v");
-  view4<space> y("y", c.B, c.Hq, c.T, c.Dv);
-  kvmem::EvictionMemory<ExecSpace, Scorer> mem(c.config(), static_cast<int>(c.B), scorer, exec);
+  const auto q = to_device<space, S>(c.q, c.B, c.Hq, c.T, c.D, "q");
+  const auto k = to_device<space, S>(c.k, c.B, c.Hkv, c.T, c.D, "k");
+  const auto v = to_device<space, S>(c.v, c.B, c.Hkv, c.T, c.Dv, "v");
+  view4<space, S> y("y", c.B, c.Hq, c.T, c.Dv);
+  kvmem::EvictionMemory<ExecSpace, Scorer, S> mem(c.config(), static_cast<int>(c.B), scorer, exec);
   const long K = std::min(c.budget(), c.T) + 1;
   std::vector<long> len(c.B);
   for (long b = 0; b < c.B; ++b) len[b] = c.length(b);
   split = std::min(split, c.T);
-  auto slice = [](const view4<space>& x, long from, long to) {
+  auto slice = [](const view4<space, S>& x, long from, long to) {
     return Kokkos::subview(x, Kokkos::ALL, Kokkos::ALL, std::make_pair(from, to), Kokkos::ALL);
   };
   EvictOutput out;
@@ -361,14 +368,14 @@ EvictOutput run_with(const EvictCase& c, const Scorer& scorer, Mode mode, long s
   for (long b = 0; b < c.B; ++b) REQUIRE(mem.tokens(b) == len[b]);
   read_kept(mem, c.B, c.Hkv, K, out.rows, out.kept);
   auto yh = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), y);
-  out.y.assign(yh.data(), yh.data() + yh.size());
+  for (std::size_t i = 0; i < yh.size(); ++i) out.y.push_back(kvmem::to_float(yh.data()[i]));
   return out;
 }
 
-template <class ExecSpace = host_exec>
+template <class ExecSpace = host_exec, kvmem::StorageType S = float>
 EvictOutput run_evict(const EvictCase& c, Mode mode, long split = 0, bool record = false, const ExecSpace& exec = ExecSpace()) {
   EvictOutput out;
-  with_scorer<typename ExecSpace::memory_space>(c, [&](const auto& scorer) { out = run_with(c, scorer, mode, split, record, exec); });
+  with_scorer<typename ExecSpace::memory_space>(c, [&](const auto& scorer) { out = run_with<S>(c, scorer, mode, split, record, exec); });
   return out;
 }
 
@@ -404,7 +411,7 @@ std::vector<kvmem_ref::EvictResult> reference(const EvictCase& c, long b) {
   return refs;
 }
 
-void check_reference(const EvictCase& c, const EvictOutput& got) {
+void check_reference(const EvictCase& c, const EvictOutput& got, double tol = tolerance) {
   for (long b = 0; b < c.B; ++b) {
     const auto refs = reference(c, b);
     for (long h = 0; h < c.Hkv; ++h) {
@@ -425,7 +432,7 @@ void check_reference(const EvictCase& c, const EvictOutput& got) {
       for (long g = 0; g < c.G(); ++g)
         for (long t = 0; t < n; ++t)
           for (long d = 0; d < c.Dv; ++d) y.push_back(got.y[((b * c.Hq + h * c.G() + g) * c.T + t) * c.Dv + d]);
-      CHECK(relative_error(y, ref.y) <= tolerance);
+      CHECK(relative_error(y, ref.y) <= tol);
     }
   }
   for (long b = 0; b < c.B; ++b)
@@ -1094,4 +1101,42 @@ TEST_CASE("eviction: missing and misshapen mLSTM weights are named", "[eviction]
   throws([&] { kvmem::training::eviction_masks(host_exec(), other, MLstm(w), view4<host_mem>("k", 1, 2, 3, 8),
                                                view4<host_mem>("v", 1, 2, 3, 8)); },
          {"mLSTM weight 'w_q' shape"});
+}
+
+// ---------------------------------------------------------------------------------------------------
+// Storage types: the cache holds bfloat16 / float16 keys and values as the input gave them
+
+TEMPLATE_TEST_CASE("eviction over bfloat16 / float16 tokens: the reference's cache, y within the storage bound",
+                   "[eviction][dtype]", kvmem::bfloat16, kvmem::float16) {
+  // Inputs rounded to the storage type reach the reference as they reach the memory, and the cache holds
+  // them unrounded further: scores (float64 from the widened keys) and so every eviction are the
+  // reference's, and y differs only by float32 arithmetic and its own rounding, u relative (the bound of
+  // docs/numerics.md with exact keys and values, |v| <= 1 <= the error's scale).
+  using S = TestType;
+  for (Kind kind : {Kind::streaming, Kind::knorm, Kind::h2o, Kind::tova, Kind::tova_layer, Kind::kvpop}) {
+    for (int variant = 0; variant < 2; ++variant) {
+      EvictCase c;
+      c.kind = kind;
+      c.seed = static_cast<unsigned>(700 + 10 * static_cast<int>(kind) + variant);
+      if (variant == 1) c.T = 60, c.Hq = 4, c.Hkv = 2, c.sinks = 1, c.top_k = 4, c.B = 2, c.lengths = {60, 33};
+      c.generate();
+      for (auto* x : {&c.q, &c.k, &c.v})
+        for (auto& e : *x) e = kvmem::to_float(kvmem::from_float<S>(e));
+      INFO(c.describe());
+      const auto whole = run_evict<host_exec, S>(c, Mode::prefill);
+      check_reference(c, whole, tolerance + kvmem::unit_roundoff<S>);
+      const auto decoded = run_evict<host_exec, S>(c, Mode::decode);
+      require_same_bits(whole, decoded);
+    }
+  }
+}
+
+TEST_CASE("eviction: a bfloat16 cache holds half the bytes of a float32 one", "[eviction][dtype][budget]") {
+  EvictCase c;
+  c.generate();
+  kvmem::EvictionMemory<host_exec, kvmem::score::AccumulatedAttention> f32(c.config(), 2);
+  kvmem::EvictionMemory<host_exec, kvmem::score::AccumulatedAttention, kvmem::bfloat16> bf16(c.config(), 2);
+  CHECK(2 * bf16.held_bytes() == f32.held_bytes());
+  CHECK(f32.allocated_bytes() - bf16.allocated_bytes() ==
+        static_cast<long>(f32.cache().keys.span() + f32.cache().values.span()) * 2);
 }

@@ -1,11 +1,14 @@
 // The OVQ memory (KMeansCount x Novelty, one window chunk, no sinks) against the naive float64 reference
 // (tests/reference/ovq_reference.hpp) over the spec's edge cases, prefill == decode, and thread counts.
+#include <catch2/catch_template_test_macros.hpp>
 #include <catch2/catch_test_macros.hpp>
 #include <random>
 
 #include <kvmem/kvmem.hpp>
 
 #include "../reference/ovq_reference.hpp"
+#include "float_bits.hpp"
+#include "storage_bound.hpp"
 
 namespace {
 
@@ -22,6 +25,12 @@ struct OvqCase {
   std::vector<float> q, k, v, beta;
 
   long length(long b) const { return lengths.empty() ? T : lengths[b]; }
+  /// Rounds q, k and v to the storage type S, as a memory of that type receives them.
+  template <kvmem::StorageType S>
+  void round_inputs() {
+    for (auto* x : {&q, &k, &v})
+      for (auto& e : *x) e = kvmem::to_float(kvmem::from_float<S>(e));
+  }
   void generate() {
     std::mt19937 rng(seed);
     std::normal_distribution<float> normal;
@@ -67,8 +76,10 @@ struct OvqOutput {
   std::vector<std::vector<float>> keys, values, counts;
 };
 
-template <class Budget, class Exec>
+/// The OVQ memory over case c with tokens in the storage type S (outputs widened back to float).
+template <kvmem::StorageType S = float, class Budget, class Exec>
 OvqOutput run_with(const OvqCase& c, const Budget& budget, bool decode, const Exec& ex) {
+  using view4 = Kokkos::View<S****, Kokkos::LayoutRight, space>;
   kvmem::MemoryConfig cfg;
   cfg.head_dim = static_cast<int>(c.D);
   cfg.value_dim = static_cast<int>(c.Dv);
@@ -81,15 +92,17 @@ OvqOutput run_with(const OvqCase& c, const Budget& budget, bool decode, const Ex
   cfg.normalize_rows = c.normalize;
   auto to4 = [&](const std::vector<float>& x, long d) {
     view4 out("x", c.B, c.H, c.T, d);
-    Kokkos::deep_copy(out, Kokkos::View<const float****, Kokkos::LayoutRight, Kokkos::HostSpace, Kokkos::MemoryUnmanaged>(
-                               x.data(), c.B, c.H, c.T, d));
+    std::vector<S> xs(x.size());
+    for (std::size_t i = 0; i < x.size(); ++i) xs[i] = kvmem::from_float<S>(x[i]);
+    Kokkos::deep_copy(out, Kokkos::View<const S****, Kokkos::LayoutRight, Kokkos::HostSpace, Kokkos::MemoryUnmanaged>(
+                               xs.data(), c.B, c.H, c.T, d));
     return out;
   };
   const view4 q = to4(c.q, c.D), k = to4(c.k, c.D), v = to4(c.v, c.Dv);
   view4 y("y", c.B, c.H, c.T, c.Dv);
   Kokkos::View<float*, space> beta("beta", c.H);
   for (long h = 0; h < c.H; ++h) beta(h) = c.beta[h];
-  kvmem::OvqMemory<Exec, Budget> mem(cfg, budget, {{}, {}, beta, beta}, static_cast<int>(c.B), ex);
+  kvmem::OvqMemory<Exec, Budget, S> mem(cfg, budget, {{}, {}, beta, beta}, static_cast<int>(c.B), ex);
   std::vector<long> len(c.B);
   for (long b = 0; b < c.B; ++b) len[b] = c.length(b);
   if (!decode) {
@@ -104,7 +117,7 @@ OvqOutput run_with(const OvqCase& c, const Budget& budget, bool decode, const Ex
     }
   }
   OvqOutput out;
-  out.y.assign(y.data(), y.data() + y.size());
+  for (std::size_t i = 0; i < y.size(); ++i) out.y.push_back(kvmem::to_float(y.data()[i]));
   const auto& st = mem.rows();
   for (long b = 0; b < c.B; ++b) {
     const long m = mem.cursor(b).rows;
@@ -122,12 +135,12 @@ OvqOutput run_with(const OvqCase& c, const Budget& budget, bool decode, const Ex
   return out;
 }
 
-template <class Exec = exec>
+template <class Exec = exec, kvmem::StorageType S = float>
 OvqOutput run(const OvqCase& c, bool decode, const Exec& ex = Exec()) {
   switch (c.budget) {
-    case OvqCase::Budget::linear: return run_with(c, kvmem::budget::Linear{}, decode, ex);
-    case OvqCase::Budget::power_law: return run_with(c, kvmem::budget::PowerLaw{-1, 2.0, 0.5, 1}, decode, ex);
-    default: return run_with(c, kvmem::budget::Plateau{static_cast<double>(c.N)}, decode, ex);
+    case OvqCase::Budget::linear: return run_with<S>(c, kvmem::budget::Linear{}, decode, ex);
+    case OvqCase::Budget::power_law: return run_with<S>(c, kvmem::budget::PowerLaw{-1, 2.0, 0.5, 1}, decode, ex);
+    default: return run_with<S>(c, kvmem::budget::Plateau{static_cast<double>(c.N)}, decode, ex);
   }
 }
 
@@ -198,4 +211,55 @@ TEST_CASE("ovq prefill and decode give the same bits; so do 1 and all OpenMP thr
   REQUIRE(one.y == all.y);
   REQUIRE(one.keys == all.keys);
 #endif
+}
+
+TEMPLATE_TEST_CASE("ovq over bfloat16 / float16 tokens stays within the storage bound of float64", "[ovq][dtype]",
+                   kvmem::bfloat16, kvmem::float16) {
+  // One centroid (linear growth capped at N = 1): every committed token joins row 0, so no decision can
+  // depend on rounding and the bound of docs/numerics.md covers every output. Normalized window keys and
+  // the centroid's read key and value are held in the storage type.
+  using S = TestType;
+  for (bool normalize : {false, true}) {
+    OvqCase c;
+    c.T = 30, c.B = 2, c.lengths = {30, 19}, c.N = 1, c.chunk = 4, c.normalize = normalize, c.seed = 12;
+    c.budget = OvqCase::Budget::linear;
+    c.generate();
+    c.round_inputs<S>();
+    double vmax = 0.0, beta = 0.0;
+    for (float x : c.v) vmax = std::max(vmax, std::abs(double(x)));
+    for (float x : c.beta) beta = std::max(beta, double(x));
+    if (normalize) vmax = std::max(vmax, 1.0);  // a normalized centroid value has elements up to 1
+    // logit = beta sqrt(D) qhat . key + log(count), |qhat . key| <= ||key|| <= 1 for every key read.
+    const double u = kvmem::unit_roundoff<S>;
+    const kvmem_test::StorageBound bound{u, u, u, double(c.D + c.T), double(c.T + 1), beta * std::sqrt(double(c.D)), vmax};
+    for (bool decode : {false, true}) {
+      INFO("normalize=" << normalize << " decode=" << decode);
+      const auto got = run<exec, S>(c, decode);
+      for (long b = 0; b < c.B; ++b) {
+        const auto ref = kvmem_ref::ovq_prefill(c.sequence(b), c.params());
+        REQUIRE(got.rows[b] == ref.rows);
+        double worst = 0.0;
+        for (long h = 0; h < c.H; ++h)
+          for (long t = 0; t < c.length(b); ++t)
+            for (long d = 0; d < c.Dv; ++d)
+              worst = std::max(worst, std::abs(got.y[((b * c.H + h) * c.T + t) * c.Dv + d] - ref.y[(h * c.length(b) + t) * c.Dv + d]));
+        CHECK(worst <= bound.value());
+        CHECK(rel(got.counts[b], ref.counts) == 0.0);
+      }
+    }
+  }
+}
+
+TEMPLATE_TEST_CASE("ovq in bfloat16 / float16: prefill and decode give the same bits", "[ovq][dtype][modes]",
+                   kvmem::bfloat16, kvmem::float16) {
+  OvqCase c;
+  c.T = 61, c.B = 2, c.lengths = {61, 40}, c.N = 12, c.chunk = 4;
+  c.generate();
+  const auto a = run<exec, TestType>(c, false), b = run<exec, TestType>(c, true);
+  REQUIRE(a.rows == b.rows);
+  long differ = 0;
+  for (std::size_t i = 0; i < a.y.size(); ++i) differ += !kvmem_test::same_bits(a.y[i], b.y[i]);
+  CHECK(differ == 0);
+  REQUIRE(a.keys == b.keys);
+  REQUIRE(a.counts == b.counts);
 }

@@ -2,6 +2,7 @@
 // the naive float64 reference (tests/reference/trellis_reference.hpp) over every phi x f, chunk boundaries
 // and the spec's edge cases, prefill/decode continuation, the spec's worked example, bad inputs, and the
 // same bits on one and on many threads.
+#include <catch2/catch_template_test_macros.hpp>
 #include <catch2/catch_test_macros.hpp>
 #include <catch2/matchers/catch_matchers_string.hpp>
 
@@ -59,6 +60,12 @@ struct TrellisCase {
 
   [[nodiscard]] long length(long b) const { return lengths.empty() ? T : lengths[b]; }
 
+  /// Rounds the token inputs and gates to the storage type S, as a memory of that type receives them.
+  template <kvmem::StorageType S>
+  void round_inputs() {
+    for (auto* x : {&q, &k, &v, &alpha, &beta1, &gamma1, &beta2, &gamma2})
+      for (auto& e : *x) e = kvmem::to_float(kvmem::from_float<S>(e));
+  }
   void generate() {
     std::mt19937 rng(seed);
     std::normal_distribution<float> normal;
@@ -161,38 +168,45 @@ enum class Mode {
   prefill_then_decode,  ///< prefill [0, split), then decode token by token
 };
 
-template <class MemorySpace, int R>
+/// x on the device as a rank-R view of the storage type S (rounded by kvmem::from_float).
+template <class MemorySpace, int R, kvmem::StorageType S = float>
 auto device_copy(const std::vector<float>& x, const std::array<long, R>& ext, const std::string& name) {
-  using data_t = std::conditional_t<R == 3, float***, float****>;
+  using data_t = std::conditional_t<R == 3, S***, S****>;
   Kokkos::View<data_t, Kokkos::LayoutRight, MemorySpace> v;
+  std::vector<S> xs(x.size());
+  for (std::size_t i = 0; i < x.size(); ++i) xs[i] = kvmem::from_float<S>(x[i]);
   if constexpr (R == 3) {
     v = decltype(v)(name, ext[0], ext[1], ext[2]);
-    Kokkos::deep_copy(v, Kokkos::View<const float***, Kokkos::LayoutRight, Kokkos::HostSpace, Kokkos::MemoryUnmanaged>(
-                             x.data(), ext[0], ext[1], ext[2]));
+    Kokkos::deep_copy(v, Kokkos::View<const S***, Kokkos::LayoutRight, Kokkos::HostSpace, Kokkos::MemoryUnmanaged>(
+                             xs.data(), ext[0], ext[1], ext[2]));
   } else {
     v = decltype(v)(name, ext[0], ext[1], ext[2], ext[3]);
-    Kokkos::deep_copy(v, Kokkos::View<const float****, Kokkos::LayoutRight, Kokkos::HostSpace, Kokkos::MemoryUnmanaged>(
-                             x.data(), ext[0], ext[1], ext[2], ext[3]));
+    Kokkos::deep_copy(v, Kokkos::View<const S****, Kokkos::LayoutRight, Kokkos::HostSpace, Kokkos::MemoryUnmanaged>(
+                             xs.data(), ext[0], ext[1], ext[2], ext[3]));
   }
   return v;
 }
 
+/// The elements of v widened to float.
 template <class View>
 std::vector<float> host_copy(const View& v) {
   auto h = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), v);
-  return {h.data(), h.data() + h.size()};
+  std::vector<float> out(h.size());
+  for (std::size_t i = 0; i < h.size(); ++i) out[i] = kvmem::to_float(h.data()[i]);
+  return out;
 }
 
-/// Runs TrellisMemory<ExecSpace> over case `c` in `mode` (`split` for the split modes).
-template <class ExecSpace>
+/// Runs TrellisMemory<ExecSpace, S> over case `c` in `mode` (`split` for the split modes); inputs rounded
+/// to the storage type S.
+template <class ExecSpace, kvmem::StorageType S = float>
 Output run_trellis(const TrellisCase& c, Mode mode, long split = 0, const ExecSpace& exec = ExecSpace()) {
   using space = typename ExecSpace::memory_space;
   const long B = c.B, H = c.H, T = c.T;
-  const auto q = device_copy<space, 4>(c.q, {B, H, T, c.D}, "q"), k = device_copy<space, 4>(c.k, {B, H, T, c.D}, "k");
-  const auto v = device_copy<space, 4>(c.v, {B, H, T, c.Dv}, "v"), a = device_copy<space, 4>(c.alpha, {B, H, T, c.m}, "alpha");
-  const auto b1 = device_copy<space, 3>(c.beta1, {B, H, T}, "beta1"), g1 = device_copy<space, 3>(c.gamma1, {B, H, T}, "gamma1");
-  const auto b2 = device_copy<space, 3>(c.beta2, {B, H, T}, "beta2"), g2 = device_copy<space, 3>(c.gamma2, {B, H, T}, "gamma2");
-  Kokkos::View<float****, Kokkos::LayoutRight, space> y("y", B, H, T, c.Dv);
+  const auto q = device_copy<space, 4, S>(c.q, {B, H, T, c.D}, "q"), k = device_copy<space, 4, S>(c.k, {B, H, T, c.D}, "k");
+  const auto v = device_copy<space, 4, S>(c.v, {B, H, T, c.Dv}, "v"), a = device_copy<space, 4, S>(c.alpha, {B, H, T, c.m}, "alpha");
+  const auto b1 = device_copy<space, 3, S>(c.beta1, {B, H, T}, "beta1"), g1 = device_copy<space, 3, S>(c.gamma1, {B, H, T}, "gamma1");
+  const auto b2 = device_copy<space, 3, S>(c.beta2, {B, H, T}, "beta2"), g2 = device_copy<space, 3, S>(c.gamma2, {B, H, T}, "gamma2");
+  Kokkos::View<S****, Kokkos::LayoutRight, space> y("y", B, H, T, c.Dv);
   kvmem::TrellisWeights<space> w;
   if (c.affine) {
     Kokkos::View<float*, space> lw("ln_weight", c.m), lb("ln_bias", c.m);
@@ -201,7 +215,7 @@ Output run_trellis(const TrellisCase& c, Mode mode, long split = 0, const ExecSp
     w.ln_weight = lw;
     w.ln_bias = lb;
   }
-  kvmem::TrellisMemory<ExecSpace> mem(c.config(), w, static_cast<int>(B), exec);
+  kvmem::TrellisMemory<ExecSpace, S> mem(c.config(), w, static_cast<int>(B), exec);
   if (c.initial_state)
     mem.set_state(device_copy<space, 4>(c.m1, {B, H, c.m, c.D}, "m1"), device_copy<space, 4>(c.m2, {B, H, c.m, c.Dv}, "m2"));
   std::vector<long> len(B);
@@ -780,4 +794,30 @@ TEST_CASE("trellis: bad Trellis shapes, lengths, gates, weights and states are n
   mem.reset();
   for (float x : host_copy(mem.m1())) REQUIRE(x == 0.0f);
   REQUIRE(mem.tokens(0) == 0);
+}
+
+// ---------------------------------------------------------------------------------------------------
+// Storage types: inputs and outputs in bfloat16 / float16, the state and every sum float32
+
+TEMPLATE_TEST_CASE("trellis over bfloat16 / float16 tokens matches the reference up to the output's rounding",
+                   "[trellis][dtype]", kvmem::bfloat16, kvmem::float16) {
+  // The inputs, rounded to the storage type, reach the reference as they reach the memory; the slots M1,
+  // M2 and every sum are float32, so the state matches as closely as a float32 memory's does and y differs
+  // further only by its own rounding, u relative (docs/numerics.md).
+  using S = TestType;
+  unsigned seed = 900;
+  for (auto phi : {kvmem::merge::Phi::silu, kvmem::merge::Phi::softmax})
+    for (long C : {1L, 4L}) {
+      TrellisCase c;
+      c.phi = phi, c.chunk = C, c.seed = ++seed, c.B = 2, c.lengths = {c.T, c.T / 2};
+      c.f = phi == kvmem::merge::Phi::softmax ? kvmem::merge::Activation::l2_silu : kvmem::merge::Activation::ln_silu;
+      c.generate();
+      c.round_inputs<S>();
+      INFO(describe(c));
+      const double tol = tolerance + kvmem::unit_roundoff<S>;
+      check_close(run_trellis<host_exec, S>(c, Mode::prefill), reference(c, ref::Form::stale_gradient, c.T, ref::Form::stale_gradient), tol);
+      const auto decoded = run_trellis<host_exec, S>(c, Mode::decode);
+      check_close(decoded, reference(c, ref::Form::recurrent, c.T, ref::Form::recurrent), tol);
+      if (C == 1) require_same_bits(run_trellis<host_exec, S>(c, Mode::prefill), decoded);
+    }
 }

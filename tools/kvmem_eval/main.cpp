@@ -152,7 +152,7 @@ inline nlohmann::json evaluate(const Options& o) {
   }
 
   const auto file = io::SafetensorsFile::read(o.input);
-  const auto in = Inputs::load(file);
+  const auto in = Inputs::load(file, TokenDtype::of(file, "f32"));  // float32 memories: any float dtype, widened
   require(o.sizing.rope_dims >= 0 && o.sizing.rope_dims <= in.D, "--rope-dims", o.sizing.rope_dims,
           "must be in [0, head_dim = " + std::to_string(in.D) + "]");
   require_finite(in.q, "q");

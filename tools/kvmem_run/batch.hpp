@@ -6,6 +6,7 @@
 #include <string>
 #include <vector>
 
+#include <kvmem/dtype.hpp>
 #include <kvmem/errors.hpp>
 #include <kvmem/io/safetensors.hpp>
 
@@ -13,22 +14,26 @@
 
 namespace kvmem::tools {
 
-/// Device views of one batch: q [B, Hq, T, D], k [B, Hkv, T, D], v [B, Hkv, T, Dv], gate [B, Hkv, T] (may
-/// be empty: z = 0) and the sequence lengths.
-template <class MemorySpace>
+/// Device views of one batch in the run's storage type Storage (float, kvmem::bfloat16 or kvmem::float16):
+/// q [B, Hq, T, D], k [B, Hkv, T, D], v [B, Hkv, T, Dv], gate [B, Hkv, T] (may be empty: z = 0) and the
+/// sequence lengths.
+template <class MemorySpace, StorageType Storage = float>
 struct Batch {
-  Kokkos::View<float****, Kokkos::LayoutRight, MemorySpace> q, k, v;
-  Kokkos::View<float***, Kokkos::LayoutRight, MemorySpace> gate;
+  using storage_type = Storage;
+  Kokkos::View<Storage****, Kokkos::LayoutRight, MemorySpace> q, k, v;
+  Kokkos::View<Storage***, Kokkos::LayoutRight, MemorySpace> gate;
   std::vector<long> lengths;
   long B = 0, Hq = 0, Hkv = 0, T = 0, D = 0, Dv = 0;
+  TokenDtype dtype;  ///< the run's dtype, of Storage (dtype.name == kvmem::dtype_name<Storage>)
 
-  /// Reads q, k, v and the optional lengths [B] of `f` (no gate): Hq a positive multiple of Hkv (GQA),
-  /// B >= 1. Throws kvmem::invalid_argument naming the first bad tensor.
-  static Batch load_qkv(const io::SafetensorsFile& f) {
+  /// Reads q, k, v and the optional lengths [B] of `f` (no gate) as `dtype` (token_tensor): Hq a positive
+  /// multiple of Hkv (GQA), B >= 1. Throws kvmem::invalid_argument naming the first bad tensor.
+  static Batch load_qkv(const io::SafetensorsFile& f, const TokenDtype& dtype) {
     Batch in;
-    const auto& q = float_tensor(f, "q", 4, "[B, Hq, T, D]");
-    const auto& k = float_tensor(f, "k", 4, "[B, Hkv, T, D]");
-    const auto& v = float_tensor(f, "v", 4, "[B, Hkv, T, Dv]");
+    in.dtype = dtype;
+    const auto& q = token_tensor(f, "q", 4, "[B, Hq, T, D]", dtype);
+    const auto& k = token_tensor(f, "k", 4, "[B, Hkv, T, D]", dtype);
+    const auto& v = token_tensor(f, "v", 4, "[B, Hkv, T, Dv]", dtype);
     require_token_fits(f, q, "q", 2);
     require_token_fits(f, k, "k", 2);
     require_token_fits(f, v, "v", 2);
@@ -45,9 +50,9 @@ struct Batch {
             "query heads Hq = " + std::to_string(in.Hq) + " must be a positive multiple of the kv-heads Hkv = " +
                 std::to_string(in.Hkv) + " of tensor 'k'");
     in.lengths = load_lengths(f, in.B, in.T);
-    in.q = to_view<4, MemorySpace>(q, "q");
-    in.k = to_view<4, MemorySpace>(k, "k");
-    in.v = to_view<4, MemorySpace>(v, "v");
+    in.q = to_view<4, MemorySpace, Storage>(q, "q");
+    in.k = to_view<4, MemorySpace, Storage>(k, "k");
+    in.v = to_view<4, MemorySpace, Storage>(v, "v");
     return in;
   }
 };

@@ -24,7 +24,7 @@ namespace kvmem::tools {
 
 /// Command-line options of `kvmem-run evict` (defaults: 4 sinks, a 64-token window, top 448: 516 rows).
 struct EvictOptions {
-  std::string input, output, mode = "prefill", scorer = "h2o", weights, normalizer = "xlstm";
+  std::string input, output, mode = "prefill", scorer = "h2o", weights, normalizer = "xlstm", dtype;
   int sinks = 4, window = 64, top_k = 448, decay_interval = 1;
   bool h2o_normalize = false, tova_layer_mean = false, mask = false;
 };
@@ -37,6 +37,7 @@ inline CLI::App* add_evict_command(CLI::App& app, EvictOptions& o) {
   cmd->add_option("--output", o.output, "output safetensors: y, kept_positions, kept_rows [, mask]")->required();
   cmd->add_option("--mode", o.mode, "prefill or decode (token by token); the same results")
       ->check(CLI::IsMember({"prefill", "decode"}));
+  add_dtype_option(cmd, o.dtype);
   cmd->add_option("--sinks", o.sinks, "s: first tokens never evicted")->capture_default_str();
   cmd->add_option("--window", o.window, "w: protected recent tokens, the current one included (SnapKV: W_obs)")->capture_default_str();
   cmd->add_option("--top-k", o.top_k, "k: retained tokens that left the window (SnapKV: C_max - W_obs)")->capture_default_str();
@@ -57,10 +58,10 @@ inline CLI::App* add_evict_command(CLI::App& app, EvictOptions& o) {
 
 namespace detail {
 
-/// Writes y [B, Hq, T, Dv], kept_positions [B, Hkv, K] and kept_rows [B, Hkv] (int64; K = the largest row
-/// count) and the optional mask, then prints the summary.
-template <class MemorySpace, class Positions, class Rows, class Y>
-void write_evict_output(const EvictOptions& o, const Batch<MemorySpace>& in, const Y& y, const Positions& positions,
+/// Writes y [B, Hq, T, Dv] (in the run's dtype, Storage), kept_positions [B, Hkv, K] and kept_rows [B, Hkv]
+/// (int64; K = the largest row count) and the optional mask, then prints the summary.
+template <class MemorySpace, StorageType Storage, class Positions, class Rows, class Y>
+void write_evict_output(const EvictOptions& o, const Batch<MemorySpace, Storage>& in, const Y& y, const Positions& positions,
                         const Rows& rows, const std::vector<unsigned char>& mask, long budget, double seconds) {
   auto yh = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), y);
   auto ph = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), positions);
@@ -86,25 +87,26 @@ void write_evict_output(const EvictOptions& o, const Batch<MemorySpace>& in, con
   out.metadata["scorer"] = o.scorer;
   out.metadata["mode"] = o.mode;
   out.write(o.output);
-  const long row_bytes = in.Hkv * (in.D + in.Dv) * static_cast<long>(sizeof(float));
+  const long row_bytes = in.Hkv * (in.D + in.Dv) * static_cast<long>(sizeof(Storage));
   const long longest = *std::max_element(in.lengths.begin(), in.lengths.end());
-  std::printf("kvmem-run evict  scorer=%s  mode=%s  backend=%s (%d threads)\n", o.scorer.c_str(), o.mode.c_str(),
-              Kokkos::DefaultExecutionSpace().name(), Kokkos::DefaultExecutionSpace().concurrency());
-  std::printf("  input         %s\n", o.input.c_str());
+  std::printf("kvmem-run evict  scorer=%s  mode=%s  dtype=%s  backend=%s (%d threads)\n", o.scorer.c_str(),
+              o.mode.c_str(), in.dtype.flag().c_str(), Kokkos::DefaultExecutionSpace().name(),
+              Kokkos::DefaultExecutionSpace().concurrency());
+  std::printf("  input         %s%s\n", o.input.c_str(), in.dtype.conversion().c_str());
   std::printf("  shape         B=%ld  Hq=%ld  Hkv=%ld  T=%ld  D=%ld  Dv=%ld  (%ld tokens in all)\n", in.B, in.Hq, in.Hkv,
               in.T, in.D, in.Dv, tokens);
   std::printf("  policy        sinks=%d  window=%d  top-k=%d  (budget %ld rows per kv-head)\n", o.sinks, o.window,
               o.top_k, budget);
   std::printf("  kept rows     %ld..%ld per kv-head (largest sequence: %ld tokens)\n", min_rows, K, longest);
-  std::printf("  memory held   %.3f MiB (budget rows, float32) vs full KV cache %.3f MiB\n",
-              in.B * std::min(budget, longest) * row_bytes / 1048576.0, tokens * row_bytes / 1048576.0);
+  print_memory_held<Storage>(in.B * std::min(budget, longest) * row_bytes, "budget rows " + in.dtype.flag(), tokens,
+                             in.Hkv, in.D + in.Dv);
   std::printf("  wall time     %.3f s  (%.0f tokens/s)\n", seconds, seconds > 0 ? tokens / seconds : 0.0);
   std::printf("  output        %s\n", o.output.c_str());
 }
 
 /// The dense mask [B, Hkv, T, T] (U8) of the policy with a static scorer (kvmem::training::eviction_masks).
-template <class Scorer, class MemorySpace>
-std::vector<unsigned char> dense_mask(const EvictionConfig& cfg, const Scorer& scorer, const Batch<MemorySpace>& in) {
+template <class Scorer, class MemorySpace, StorageType Storage>
+std::vector<unsigned char> dense_mask(const EvictionConfig& cfg, const Scorer& scorer, const Batch<MemorySpace, Storage>& in) {
   const auto masks = training::eviction_masks(Kokkos::DefaultExecutionSpace(), cfg, scorer, in.k, in.v, in.lengths);
   std::vector<unsigned char> mask(in.B * in.Hkv * in.T * in.T, 0);
   for (long b = 0; b < in.B; ++b)
@@ -117,16 +119,18 @@ std::vector<unsigned char> dense_mask(const EvictionConfig& cfg, const Scorer& s
   return mask;
 }
 
-/// Runs an EvictionMemory with `scorer` over `in` in the chosen mode and writes the outputs.
-template <class Scorer, class MemorySpace>
-void run_eviction(const EvictOptions& o, const EvictionConfig& cfg, const Scorer& scorer, const Batch<MemorySpace>& in) {
+/// Runs an EvictionMemory of the batch's storage type with `scorer` over `in` in the chosen mode and writes
+/// the outputs.
+template <class Scorer, class MemorySpace, StorageType Storage>
+void run_eviction(const EvictOptions& o, const EvictionConfig& cfg, const Scorer& scorer,
+                  const Batch<MemorySpace, Storage>& in) {
   using exec = Kokkos::DefaultExecutionSpace;
   std::vector<unsigned char> mask;
   if constexpr (!Scorer::needs_probabilities) {
     if (o.mask) mask = dense_mask(cfg, scorer, in);
   }
-  EvictionMemory<exec, Scorer> mem(cfg, static_cast<int>(in.B), scorer);
-  Kokkos::View<float****, Kokkos::LayoutRight, MemorySpace> y("y", in.B, in.Hq, in.T, in.Dv);
+  EvictionMemory<exec, Scorer, Storage> mem(cfg, static_cast<int>(in.B), scorer);
+  Kokkos::View<Storage****, Kokkos::LayoutRight, MemorySpace> y("y", in.B, in.Hq, in.T, in.Dv);
   const auto start = std::chrono::steady_clock::now();
   if (o.mode == "prefill") {
     mem.prefill(in.q, in.k, in.v, y, in.lengths);
@@ -147,11 +151,28 @@ void run_eviction(const EvictOptions& o, const EvictionConfig& cfg, const Scorer
   write_evict_output(o, in, y, positions, rows, mask, cfg.budget(), seconds);
 }
 
-/// SnapKV (spec §6): y = exact causal attention for every query, then the one-shot selection.
-template <class MemorySpace>
-void run_snapkv(const EvictOptions& o, const Batch<MemorySpace>& in) {
+/// A float32 copy of the LayoutRight token view `x` (exact: every bfloat16 and float16 value is a float32
+/// value); `x` itself when it already holds float.
+template <class View>
+auto widened(const View& x) {
+  if constexpr (std::is_same_v<typename View::value_type, float>) {
+    return x;
+  } else {
+    Kokkos::View<float****, Kokkos::LayoutRight, typename View::memory_space> w(
+        Kokkos::view_alloc(Kokkos::WithoutInitializing, x.label() + " (float32)"), x.extent(0), x.extent(1),
+        x.extent(2), x.extent(3));
+    Kokkos::parallel_for("kvmem_run::widen", Kokkos::RangePolicy<typename View::execution_space>(0, x.span()),
+                         KOKKOS_LAMBDA(std::size_t i) { w.data()[i] = to_float(x.data()[i]); });
+    return w;
+  }
+}
+
+/// SnapKV (spec §6): y = exact causal attention for every query (in the batch's storage type), then the
+/// one-shot selection (float64 arithmetic on q and k widened to float32, which is exact).
+template <class MemorySpace, StorageType Storage>
+void run_snapkv(const EvictOptions& o, const Batch<MemorySpace, Storage>& in) {
   using exec = Kokkos::DefaultExecutionSpace;
-  Kokkos::View<float****, Kokkos::LayoutRight, MemorySpace> y("y", in.B, in.Hq, in.T, in.Dv);
+  Kokkos::View<Storage****, Kokkos::LayoutRight, MemorySpace> y("y", in.B, in.Hq, in.T, in.Dv);
   const auto start = std::chrono::steady_clock::now();
   kernels::exact_causal_attention(exec(), in.q, in.k, in.v, y);
   Kokkos::View<long*, MemorySpace> lengths("lengths", in.B);
@@ -164,7 +185,7 @@ void run_snapkv(const EvictOptions& o, const Batch<MemorySpace>& in) {
   const long K = std::min<long>(in.T, static_cast<long>(o.window) + o.top_k);
   Kokkos::View<long***, Kokkos::LayoutRight, MemorySpace> positions("kept_positions", in.B, in.Hkv, K);
   Kokkos::View<long**, Kokkos::LayoutRight, MemorySpace> rows("kept_rows", in.B, in.Hkv);
-  kernels::snapkv_keep(exec(), in.q, in.k, lengths, o.window, o.top_k, scratch, positions, rows);
+  kernels::snapkv_keep(exec(), widened(in.q), widened(in.k), lengths, o.window, o.top_k, scratch, positions, rows);
   Kokkos::fence();
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   write_evict_output(o, in, y, positions, rows, {}, static_cast<long>(o.window) + o.top_k, seconds);
@@ -172,9 +193,12 @@ void run_snapkv(const EvictOptions& o, const Batch<MemorySpace>& in) {
 
 }  // namespace detail
 
-/// `kvmem-run evict`: reads q, k, v [, lengths], runs the eviction policy with the chosen scorer and writes
-/// y, kept_positions, kept_rows [, mask]. Throws kvmem::invalid_argument naming the flag or tensor for bad input.
-inline void run_evict(const EvictOptions& o) {
+/// `kvmem-run evict`: reads q, k, v [, lengths] of `file` (read from o.input) as `dtype`, of storage type
+/// Storage, runs the eviction policy with the chosen scorer and writes y (Storage), kept_positions, kept_rows
+/// [, mask]. Throws kvmem::invalid_argument naming the flag or tensor for bad input. One instantiation per
+/// storage type, each in its own translation unit (commands.hpp).
+template <StorageType Storage>
+void run_evict(const EvictOptions& o, const io::SafetensorsFile& file, const TokenDtype& dtype) {
   using exec = Kokkos::DefaultExecutionSpace;
   using mem_space = exec::memory_space;
   require(o.window >= 1, "--window", o.window, "must be >= 1 (the window holds the current token)");
@@ -192,8 +216,7 @@ inline void run_evict(const EvictOptions& o) {
           "masks need --decay-interval 1 (spec EVICTION.md §4)");
   require(o.scorer != "snapkv" || o.sinks == 0, "--sinks", o.sinks, "must be 0 for snapkv (SnapKV keeps no sinks)");
   require(o.scorer != "kvpop" || !o.weights.empty(), "--weights", "(none)", "the kvpop scorer needs its learned weights");
-  const auto file = io::SafetensorsFile::read(o.input);
-  const auto in = Batch<mem_space>::load_qkv(file);
+  const auto in = Batch<mem_space, Storage>::load_qkv(file, dtype);
   if (o.scorer == "snapkv") return detail::run_snapkv(o, in);
   EvictionConfig cfg;
   cfg.head_dim = static_cast<int>(in.D);

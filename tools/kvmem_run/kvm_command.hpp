@@ -21,7 +21,7 @@ namespace kvmem::tools {
 
 /// Command-line options of `kvmem-run kvm`; defaults are the KVM code defaults (spec KVM.md §1).
 struct KvmOptions {
-  std::string input, output, mode = "prefill";
+  std::string input, output, mode = "prefill", dtype;
   int chunk = 256, window_chunks = 2, rope_dims = 64, sinks = 1;
   long max_chunks = 1, evict_rows_above = 0;
   BudgetOptions budget{.kind = "fixed"};
@@ -35,6 +35,7 @@ inline CLI::App* add_kvm_command(CLI::App& app, KvmOptions& o) {
   cmd->add_option("--output", o.output, "output safetensors: y, state_keys, state_values, state_radius, state_rows")->required();
   cmd->add_option("--mode", o.mode, "prefill (chunk-parallel) or decode (token by token)")
       ->check(CLI::IsMember({"prefill", "decode"}));
+  add_dtype_option(cmd, o.dtype);
   cmd->add_option("--chunk", o.chunk, "C: tokens per chunk")->capture_default_str();
   cmd->add_option("--window-chunks", o.window_chunks, "n_b: chunks in the block sliding window")->capture_default_str();
   cmd->add_option("--rope-dims", o.rope_dims, "r: key channels zeroed before the memory LayerNorm")->capture_default_str();
@@ -47,16 +48,18 @@ inline CLI::App* add_kvm_command(CLI::App& app, KvmOptions& o) {
   return cmd;
 }
 
-/// The inputs of `kvmem-run kvm` checked against each other, as device views.
-template <class MemorySpace>
-struct KvmInputs : Batch<MemorySpace> {
+/// The inputs of `kvmem-run kvm` checked against each other, as device views: tokens (q, k, v, gate) of
+/// Storage, layer weights float32.
+template <class MemorySpace, StorageType Storage = float>
+struct KvmInputs : Batch<MemorySpace, Storage> {
   LayerWeights<MemorySpace> weights;
 
-  /// Reads and checks every tensor; throws kvmem::invalid_argument naming the first bad one.
-  static KvmInputs load(const io::SafetensorsFile& f) {
+  /// Reads and checks every tensor, the tokens as `dtype`; throws kvmem::invalid_argument naming the first
+  /// bad one.
+  static KvmInputs load(const io::SafetensorsFile& f, const TokenDtype& dtype) {
     KvmInputs in;
-    static_cast<Batch<MemorySpace>&>(in) = Batch<MemorySpace>::load_qkv(f);
-    const auto& g = float_tensor(f, "gate", 3, "[B, Hkv, T]");
+    static_cast<Batch<MemorySpace, Storage>&>(in) = Batch<MemorySpace, Storage>::load_qkv(f, dtype);
+    const auto& g = token_tensor(f, "gate", 3, "[B, Hkv, T]", dtype);
     const auto& lw = float_tensor(f, "ln_weight", 1, "[D]");
     const auto& lb = float_tensor(f, "ln_bias", 1, "[D]");
     const auto& ts = float_tensor(f, "tau_state", 1, "[Hq]");
@@ -69,20 +72,21 @@ struct KvmInputs : Batch<MemorySpace> {
     expect_dim(lb, "ln_bias", 0, in.D, "D (from q)");
     expect_dim(ts, "tau_state", 0, in.Hq, "Hq (from q)");
     expect_dim(tb, "tau_bswa", 0, in.Hq, "Hq (from q)");
-    in.gate = to_view<3, MemorySpace>(g, "gate");
+    in.gate = to_view<3, MemorySpace, Storage>(g, "gate");
     in.weights = {to_view<1, MemorySpace>(lw, "ln_weight"), to_view<1, MemorySpace>(lb, "ln_bias"),
                   to_view<1, MemorySpace>(ts, "tau_state"), to_view<1, MemorySpace>(tb, "tau_bswa")};
     return in;
   }
 };
 
-/// `kvmem-run kvm`: builds the KVM memory the options describe and runs it. Throws kvmem::invalid_argument
-/// for bad options or inputs.
-inline void run_kvm(const KvmOptions& o) {
+/// `kvmem-run kvm`: builds the KVM memory the options describe, of storage type Storage (the run's dtype
+/// `dtype`, TokenDtype::of), and runs it over `file` (read from o.input). Throws kvmem::invalid_argument for
+/// bad options or inputs. Instantiated once per storage type, each in its own translation unit (commands.hpp).
+template <StorageType Storage>
+void run_kvm(const KvmOptions& o, const io::SafetensorsFile& file, const TokenDtype& dtype) {
   using exec = Kokkos::DefaultExecutionSpace;
   using mem_space = exec::memory_space;
-  const auto file = io::SafetensorsFile::read(o.input);
-  const auto in = KvmInputs<mem_space>::load(file);
+  const auto in = KvmInputs<mem_space, Storage>::load(file, dtype);
   MemoryConfig cfg;
   cfg.head_dim = static_cast<int>(in.D);
   cfg.value_dim = static_cast<int>(in.Dv);
@@ -107,10 +111,10 @@ inline void run_kvm(const KvmOptions& o) {
     const StateNames names{"kvm", "state_keys", "state_values", "state_radius", "state_rows", false};
     using budget_t = std::remove_cvref_t<decltype(b)>;
     if (o.evict_rows_above == 0) {
-      KvmMemory<exec, budget_t> mem(cfg, b, in.weights, static_cast<int>(in.B));
+      KvmMemory<exec, budget_t, Storage> mem(cfg, b, in.weights, static_cast<int>(in.B));
       run_memory(mem, in, o.mode, names, o.input, o.output, details);
     } else {
-      KvmMemoryWithRowEviction<exec, budget_t, score::RowAccumulatedAttention> mem(
+      KvmMemoryWithRowEviction<exec, budget_t, score::RowAccumulatedAttention, Storage> mem(
           cfg, b, in.weights, static_cast<int>(in.B), score::RowAccumulatedAttention{.max_rows = o.evict_rows_above});
       run_memory(mem, in, o.mode, names, o.input, o.output,
                  details + "  rows evicted by h2o above " + std::to_string(o.evict_rows_above));

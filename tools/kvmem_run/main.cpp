@@ -1,17 +1,15 @@
 /// \file main.cpp
 /// kvmem-run: runs a kvmem memory over one captured attention layer (safetensors in, safetensors out).
 /// Exit status: 0 on success, 2 for bad options or inputs (the message names the parameter and value),
-/// 1 for any other failure.
+/// 1 for any other failure. Tokens run in the input's dtype (F32, BF16 or F16; --dtype converts): the
+/// commands for each storage type are compiled in their own translation unit (commands.hpp).
 
 #include <CLI/CLI.hpp>
 #include <Kokkos_Core.hpp>
 #include <cstdio>
 #include <exception>
 
-#include "evict_command.hpp"
-#include "kvm_command.hpp"
-#include "ovq_command.hpp"
-#include "trellis_command.hpp"
+#include "commands.hpp"
 
 int main(int argc, char** argv) {
   CLI::App app{"kvmem-run: run a kvmem attention memory over a captured layer"};
@@ -31,10 +29,12 @@ int main(int argc, char** argv) {
   }
   Kokkos::ScopeGuard guard;
   try {
-    if (kvm_cmd->parsed()) kvmem::tools::run_kvm(kvm);
-    if (ovq_cmd->parsed()) kvmem::tools::run_ovq(ovq);
-    if (trellis_cmd->parsed()) kvmem::tools::run_trellis(trellis);
-    if (evict_cmd->parsed()) kvmem::tools::run_evict(evict);
+    using namespace kvmem;
+    using namespace kvmem::tools;
+    if (kvm_cmd->parsed()) run_command(kvm, run_kvm<float>, run_kvm<bfloat16>, run_kvm<float16>);
+    if (ovq_cmd->parsed()) run_command(ovq, run_ovq<float>, run_ovq<bfloat16>, run_ovq<float16>);
+    if (trellis_cmd->parsed()) run_command(trellis, run_trellis<float>, run_trellis<bfloat16>, run_trellis<float16>);
+    if (evict_cmd->parsed()) run_command(evict, run_evict<float>, run_evict<bfloat16>, run_evict<float16>);
   } catch (const kvmem::invalid_argument& e) {
     std::fprintf(stderr, "kvmem-run: error: %s\n", e.what());
     return 2;

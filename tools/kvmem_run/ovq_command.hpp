@@ -17,7 +17,7 @@ namespace kvmem::tools {
 
 /// Options of `kvmem-run ovq`; defaults are the OVQ code defaults (spec OVQ.md §1).
 struct OvqOptions {
-  std::string input, output, mode = "prefill";
+  std::string input, output, mode = "prefill", dtype;
   int chunk = 128;
   long max_centroids = 2048;
   bool normalize_centroids = false;
@@ -33,6 +33,7 @@ inline CLI::App* add_ovq_command(CLI::App& app, OvqOptions& o) {
       ->required();
   cmd->add_option("--mode", o.mode, "prefill (chunk-parallel) or decode (token by token)")
       ->check(CLI::IsMember({"prefill", "decode"}));
+  add_dtype_option(cmd, o.dtype);
   cmd->add_option("--chunk", o.chunk, "C: tokens per chunk")->capture_default_str();
   cmd->add_option("--max-centroids", o.max_centroids, "N: centroid cap and plateau parameter")->capture_default_str();
   cmd->add_flag("--normalize-centroids", o.normalize_centroids, "L2-normalize centroids after every commit");
@@ -40,28 +41,30 @@ inline CLI::App* add_ovq_command(CLI::App& app, OvqOptions& o) {
   return cmd;
 }
 
-/// `kvmem-run ovq`: reads q, k [B, H, T, D], v [B, H, T, Dv], beta [H] and optional lengths [B], runs an
-/// OvqMemory (window of one chunk, no sinks, row cap N, tau = beta) under the chosen budget schedule and
-/// writes y [B, H, T, Dv], centroid_keys [B, H, M, D], centroid_values [B, H, M, Dv], counts [B, H, M],
-/// centroid_rows [B, H]. Throws kvmem::invalid_argument naming the tensor or flag for bad input.
-inline void run_ovq(const OvqOptions& o) {
+/// `kvmem-run ovq`: reads q, k [B, H, T, D], v [B, H, T, Dv] (as `dtype`, of storage type Storage), beta [H]
+/// and optional lengths [B] of `f`, runs an OvqMemory (window of one chunk, no sinks, row cap N, tau = beta)
+/// under the chosen budget schedule and writes y [B, H, T, Dv] (Storage), centroid_keys [B, H, M, D],
+/// centroid_values [B, H, M, Dv], counts [B, H, M] (float32), centroid_rows [B, H]. Throws
+/// kvmem::invalid_argument naming the tensor or flag for bad input. One instantiation per storage type.
+template <StorageType Storage>
+void run_ovq(const OvqOptions& o, const io::SafetensorsFile& f, const TokenDtype& dtype) {
   using exec = Kokkos::DefaultExecutionSpace;
   using mem_space = exec::memory_space;
-  const auto f = io::SafetensorsFile::read(o.input);
-  const auto& q = float_tensor(f, "q", 4, "[B, H, T, D]");
-  const auto& k = float_tensor(f, "k", 4, "[B, H, T, D]");
-  const auto& v = float_tensor(f, "v", 4, "[B, H, T, Dv]");
+  const auto& q = token_tensor(f, "q", 4, "[B, H, T, D]", dtype);
+  const auto& k = token_tensor(f, "k", 4, "[B, H, T, D]", dtype);
+  const auto& v = token_tensor(f, "v", 4, "[B, H, T, Dv]", dtype);
   const auto& beta = float_tensor(f, "beta", 1, "[H]");
-  Batch<mem_space> in;
+  Batch<mem_space, Storage> in;
+  in.dtype = dtype;
   in.B = q.shape[0], in.Hq = in.Hkv = q.shape[1], in.T = q.shape[2], in.D = q.shape[3], in.Dv = v.shape[3];
   for (std::size_t axis = 0; axis < 4; ++axis) expect_dim(k, "k", axis, q.shape[axis], "the same dimension of q");
   for (std::size_t axis = 0; axis < 3; ++axis) expect_dim(v, "v", axis, q.shape[axis], "the same dimension of q");
   expect_dim(beta, "beta", 0, in.Hq, "H (from q)");
   require(in.B >= 1 && in.Hq >= 1, "tensor 'q' shape", shape_string(q.shape), "needs B >= 1 and H >= 1");
   in.lengths = load_lengths(f, in.B, in.T);
-  in.q = to_view<4, mem_space>(q, "q");
-  in.k = to_view<4, mem_space>(k, "k");
-  in.v = to_view<4, mem_space>(v, "v");
+  in.q = to_view<4, mem_space, Storage>(q, "q");
+  in.k = to_view<4, mem_space, Storage>(k, "k");
+  in.v = to_view<4, mem_space, Storage>(v, "v");
   const auto betas = to_view<1, mem_space>(beta, "beta");
   const LayerWeights<mem_space> weights{{}, {}, betas, betas};
 
@@ -81,7 +84,7 @@ inline void run_ovq(const OvqOptions& o) {
   const std::string details = "chunk=" + std::to_string(o.chunk) + "  max_centroids=" + std::to_string(o.max_centroids) +
                               (o.normalize_centroids ? "  normalized centroids" : "");
   with_budget(budget, cfg, *std::max_element(in.lengths.begin(), in.lengths.end()), [&](const auto& b) {
-    OvqMemory<exec, std::remove_cvref_t<decltype(b)>> mem(cfg, b, weights, static_cast<int>(in.B));
+    OvqMemory<exec, std::remove_cvref_t<decltype(b)>, Storage> mem(cfg, b, weights, static_cast<int>(in.B));
     run_memory(mem, in, o.mode, {"ovq", "centroid_keys", "centroid_values", "counts", "centroid_rows", true}, o.input,
                o.output, details);
   });

@@ -15,6 +15,7 @@
 #include <kvmem/kvmem.hpp>
 
 #include "batch.hpp"
+#include "tensors.hpp"
 
 namespace kvmem::tools {
 
@@ -25,12 +26,15 @@ struct StateNames {
   bool scalar_is_count = false;
 };
 
-/// Runs `mem` over `in` ("prefill" or "decode"), writes y and the final state (padded with zeros to the
-/// largest row count M) to `output` with `names`, and prints a summary including `details`.
+/// Runs `mem` over `in` ("prefill" or "decode"), writes y (in the run's dtype, Memory's storage type) and
+/// the final state (float32, padded with zeros to the largest row count M) to `output` with `names`, and
+/// prints a summary including `details`.
 template <class Memory, class MemorySpace>
-void run_memory(Memory& mem, const Batch<MemorySpace>& in, const std::string& mode, const StateNames& names,
-                const std::string& input, const std::string& output, const std::string& details) {
-  Kokkos::View<float****, Kokkos::LayoutRight, MemorySpace> y("y", in.B, in.Hq, in.T, in.Dv);
+void run_memory(Memory& mem, const Batch<MemorySpace, typename Memory::storage_type>& in, const std::string& mode,
+                const StateNames& names, const std::string& input, const std::string& output,
+                const std::string& details) {
+  using storage = typename Memory::storage_type;
+  Kokkos::View<storage****, Kokkos::LayoutRight, MemorySpace> y("y", in.B, in.Hq, in.T, in.Dv);
   const auto start = std::chrono::steady_clock::now();
   if (mode == "prefill") {
     mem.prefill(in.q, in.k, in.v, in.gate, y, in.lengths);
@@ -82,19 +86,18 @@ void run_memory(Memory& mem, const Batch<MemorySpace>& in, const std::string& mo
   out.metadata["budget"] = std::string(Memory::budget_type::name);
   out.write(output);
 
-  const long full = tokens * in.Hkv * (in.D + in.Dv) * static_cast<long>(sizeof(float));
-  const long held = mem.held_bytes();
   using exec = typename Memory::execution_space;
-  std::printf("kvmem-run %s  mode=%s  budget=%s  backend=%s (%d threads)\n", names.memory.c_str(), mode.c_str(),
-              std::string(Memory::budget_type::name).c_str(), exec().name(), exec().concurrency());
-  std::printf("  input         %s\n", input.c_str());
+  std::printf("kvmem-run %s  mode=%s  dtype=%s  budget=%s  backend=%s (%d threads)\n", names.memory.c_str(),
+              mode.c_str(), in.dtype.flag().c_str(), std::string(Memory::budget_type::name).c_str(), exec().name(),
+              exec().concurrency());
+  std::printf("  input         %s%s\n", input.c_str(), in.dtype.conversion().c_str());
   std::printf("  shape         B=%ld  Hq=%ld  Hkv=%ld  T=%ld  D=%ld  Dv=%ld  (%ld tokens in all)\n", in.B, in.Hq, in.Hkv,
               in.T, in.D, in.Dv, tokens);
   std::printf("  memory        %s\n", details.c_str());
   std::printf("  state rows    %ld..%ld per kv-head (largest sequence: %ld tokens)\n", min_rows, M,
               *std::max_element(in.lengths.begin(), in.lengths.end()));
-  std::printf("  memory held   %.3f MiB (state rows + window, float32) vs full KV cache %.3f MiB: %.1f%%\n",
-              held / 1048576.0, full / 1048576.0, full ? 100.0 * held / full : 0.0);
+  print_memory_held<storage>(mem.held_bytes(), "state rows float32 + window " + in.dtype.flag(), tokens, in.Hkv,
+                             in.D + in.Dv);
   std::printf("  wall time     %.3f s  (%.0f tokens/s)\n", seconds, seconds > 0 ? tokens / seconds : 0.0);
   std::printf("  output        %s\n", output.c_str());
 }

@@ -22,7 +22,7 @@ namespace kvmem::tools {
 /// Command-line options of `kvmem-run trellis`; defaults are the spec's recommendations (TRELLIS.md §7:
 /// phi = silu (A1), f = ln-silu (A7), chunk 16 (A8)).
 struct TrellisOptions {
-  std::string input, output, mode = "prefill", phi = "silu", f = "ln-silu";
+  std::string input, output, mode = "prefill", phi = "silu", f = "ln-silu", dtype;
   int slots = 0, chunk = 16;
 };
 
@@ -36,27 +36,31 @@ inline CLI::App* add_trellis_command(CLI::App& app, TrellisOptions& o) {
   cmd->add_option("--mode", o.mode, "prefill (chunkwise stale gradients, chunk C) or decode (exact recurrence, C = 1)")
       ->check(CLI::IsMember({"prefill", "decode"}));
   cmd->add_option("--slots", o.slots, "m: memory slots per head (the last dimension of alpha)")->required();
+  add_dtype_option(cmd, o.dtype);
   cmd->add_option("--chunk", o.chunk, "C: tokens per prefill chunk (decode ignores it)")->capture_default_str();
   cmd->add_option("--phi", o.phi, "inner-loss nonlinearity: identity, silu, softmax, tanh, sigmoid")->capture_default_str();
   cmd->add_option("--f", o.f, "intermediate activation: ln-silu, l2-silu (also softmax, identity)")->capture_default_str();
   return cmd;
 }
 
-/// The inputs of `kvmem-run trellis` checked against each other, as device views.
-template <class MemorySpace>
+/// The inputs of `kvmem-run trellis` checked against each other, as device views of the run's storage type
+/// Storage: q [B, H, T, D], k [B, H, T, D], v [B, H, T, Dv], alpha [B, H, T, m], the gates beta1, gamma1,
+/// beta2, gamma2 [B, H, T].
+template <class MemorySpace, StorageType Storage>
 struct TrellisInputFiles {
-  Kokkos::View<float****, Kokkos::LayoutRight, MemorySpace> q, k, v, alpha;
-  Kokkos::View<float***, Kokkos::LayoutRight, MemorySpace> beta1, gamma1, beta2, gamma2;
+  Kokkos::View<Storage****, Kokkos::LayoutRight, MemorySpace> q, k, v, alpha;
+  Kokkos::View<Storage***, Kokkos::LayoutRight, MemorySpace> beta1, gamma1, beta2, gamma2;
   std::vector<long> lengths;
   long B = 0, H = 0, T = 0, D = 0, Dv = 0, m = 0;
 
-  /// Reads and checks every tensor; throws kvmem::invalid_argument naming the first bad one.
-  static TrellisInputFiles load(const io::SafetensorsFile& f, long slots) {
+  /// Reads and checks every tensor, each as `dtype` (token_tensor); throws kvmem::invalid_argument naming the
+  /// first bad one.
+  static TrellisInputFiles load(const io::SafetensorsFile& f, long slots, const TokenDtype& dtype) {
     TrellisInputFiles in;
-    const auto& q = float_tensor(f, "q", 4, "[B, H, T, D]");
-    const auto& k = float_tensor(f, "k", 4, "[B, H, T, D]");
-    const auto& v = float_tensor(f, "v", 4, "[B, H, T, Dv]");
-    const auto& a = float_tensor(f, "alpha", 4, "[B, H, T, m]");
+    const auto& q = token_tensor(f, "q", 4, "[B, H, T, D]", dtype);
+    const auto& k = token_tensor(f, "k", 4, "[B, H, T, D]", dtype);
+    const auto& v = token_tensor(f, "v", 4, "[B, H, T, Dv]", dtype);
+    const auto& a = token_tensor(f, "alpha", 4, "[B, H, T, m]", dtype);
     in.B = q.shape[0], in.H = q.shape[1], in.T = q.shape[2], in.D = q.shape[3], in.Dv = v.shape[3], in.m = slots;
     for (const auto* name : {"k", "v", "alpha"}) {
       const auto& t = f.at(name);
@@ -68,7 +72,7 @@ struct TrellisInputFiles {
     expect_dim(a, "alpha", 3, slots, "--slots");
     const char* gate_names[] = {"beta1", "gamma1", "beta2", "gamma2"};
     for (const auto* name : gate_names) {
-      const auto& g = float_tensor(f, name, 3, "[B, H, T]");
+      const auto& g = token_tensor(f, name, 3, "[B, H, T]", dtype);
       expect_dim(g, name, 0, in.B, "B (from q)");
       expect_dim(g, name, 1, in.H, "H (from q)");
       expect_dim(g, name, 2, in.T, "T (from q)");
@@ -77,27 +81,15 @@ struct TrellisInputFiles {
     require(in.H >= 1, "tensor 'q' shape", shape_string(q.shape), "needs at least one head (H >= 1)");
     require(in.D >= 1, "tensor 'q' shape", shape_string(q.shape), "needs at least one channel (D >= 1)");
     require(in.Dv >= 1, "tensor 'v' shape", shape_string(v.shape), "needs at least one channel (Dv >= 1)");
-    in.lengths.assign(in.B, in.T);
-    if (f.has("lengths")) {
-      const auto& l = f.at("lengths");
-      require(l.dtype == "I64" || l.dtype == "I32", "tensor 'lengths' dtype", l.dtype, "must be I64 (or I32)");
-      require(l.shape.size() == 1 && l.shape[0] == in.B, "tensor 'lengths' shape", shape_string(l.shape),
-              "must be [B] with B = " + std::to_string(in.B));
-      const auto vals = io::to_double(l, "lengths");
-      for (long b = 0; b < in.B; ++b) {
-        require(vals[b] >= 0 && vals[b] <= static_cast<double>(in.T), "lengths[" + std::to_string(b) + "]", vals[b],
-                "must be in [0, T = " + std::to_string(in.T) + "]");
-        in.lengths[b] = static_cast<long>(vals[b]);
-      }
-    }
-    in.q = to_view<4, MemorySpace>(q, "q");
-    in.k = to_view<4, MemorySpace>(k, "k");
-    in.v = to_view<4, MemorySpace>(v, "v");
-    in.alpha = to_view<4, MemorySpace>(a, "alpha");
-    in.beta1 = to_view<3, MemorySpace>(f.at("beta1"), "beta1");
-    in.gamma1 = to_view<3, MemorySpace>(f.at("gamma1"), "gamma1");
-    in.beta2 = to_view<3, MemorySpace>(f.at("beta2"), "beta2");
-    in.gamma2 = to_view<3, MemorySpace>(f.at("gamma2"), "gamma2");
+    in.lengths = load_lengths(f, in.B, in.T);
+    in.q = to_view<4, MemorySpace, Storage>(q, "q");
+    in.k = to_view<4, MemorySpace, Storage>(k, "k");
+    in.v = to_view<4, MemorySpace, Storage>(v, "v");
+    in.alpha = to_view<4, MemorySpace, Storage>(a, "alpha");
+    in.beta1 = to_view<3, MemorySpace, Storage>(f.at("beta1"), "beta1");
+    in.gamma1 = to_view<3, MemorySpace, Storage>(f.at("gamma1"), "gamma1");
+    in.beta2 = to_view<3, MemorySpace, Storage>(f.at("beta2"), "beta2");
+    in.gamma2 = to_view<3, MemorySpace, Storage>(f.at("gamma2"), "gamma2");
     return in;
   }
 };
@@ -115,9 +107,12 @@ struct TrellisInputFiles {
   throw e;
 }
 
-/// `kvmem-run trellis`: runs the Trellis memory the options describe over the input file, writes y, m1, m2
-/// (float32) and prints a summary. Throws kvmem::invalid_argument for bad options or inputs.
-inline void run_trellis(const TrellisOptions& o) {
+/// `kvmem-run trellis`: runs the Trellis memory the options describe, of storage type Storage (the run's
+/// dtype `dtype`), over `file` (read from o.input), writes y (Storage), m1, m2 (float32) and prints a
+/// summary. Throws kvmem::invalid_argument for bad options or inputs. One instantiation per storage type,
+/// each in its own translation unit (commands.hpp).
+template <StorageType Storage>
+void run_trellis(const TrellisOptions& o, const io::SafetensorsFile& file, const TokenDtype& dtype) {
   using exec = Kokkos::DefaultExecutionSpace;
   using mem_space = exec::memory_space;
   TrellisConfig cfg;
@@ -129,8 +124,7 @@ inline void run_trellis(const TrellisOptions& o) {
   } catch (const invalid_argument& e) {
     rethrow_trellis_flag(e);
   }
-  const auto file = io::SafetensorsFile::read(o.input);
-  const auto in = TrellisInputFiles<mem_space>::load(file, o.slots);
+  const auto in = TrellisInputFiles<mem_space, Storage>::load(file, o.slots, dtype);
   cfg.slots = o.slots;
   cfg.head_dim = static_cast<int>(in.D);
   cfg.value_dim = static_cast<int>(in.Dv);
@@ -142,8 +136,8 @@ inline void run_trellis(const TrellisOptions& o) {
   } catch (const invalid_argument& e) {
     rethrow_trellis_flag(e);
   }
-  TrellisMemory<exec> mem(cfg, static_cast<int>(in.B));
-  Kokkos::View<float****, Kokkos::LayoutRight, mem_space> y("y", in.B, in.H, in.T, in.Dv);
+  TrellisMemory<exec, Storage> mem(cfg, static_cast<int>(in.B));
+  Kokkos::View<Storage****, Kokkos::LayoutRight, mem_space> y("y", in.B, in.H, in.T, in.Dv);
 
   const auto start = std::chrono::steady_clock::now();
   if (o.mode == "prefill") {
@@ -179,19 +173,16 @@ inline void run_trellis(const TrellisOptions& o) {
 
   long tokens = 0;
   for (long n : in.lengths) tokens += n;
-  const long full = tokens * in.H * (in.D + in.Dv) * static_cast<long>(sizeof(float));
-  const long held = mem.held_bytes();
-  std::printf("kvmem-run trellis  mode=%s  phi=%s  f=%s  backend=%s (%d threads)\n", o.mode.c_str(), o.phi.c_str(),
-              o.f.c_str(), exec().name(), exec().concurrency());
-  std::printf("  input         %s\n", o.input.c_str());
+  std::printf("kvmem-run trellis  mode=%s  dtype=%s  phi=%s  f=%s  backend=%s (%d threads)\n", o.mode.c_str(),
+              dtype.flag().c_str(), o.phi.c_str(), o.f.c_str(), exec().name(), exec().concurrency());
+  std::printf("  input         %s%s\n", o.input.c_str(), dtype.conversion().c_str());
   std::printf("  shape         B=%ld  H=%ld  T=%ld  D=%ld  Dv=%ld  (%ld tokens in all)\n", in.B, in.H, in.T, in.D, in.Dv,
               tokens);
   if (o.mode == "prefill")
     std::printf("  memory        slots=%d  chunk=%d (stale gradients per chunk)  readout2_phi=on\n", o.slots, o.chunk);
   else
     std::printf("  memory        slots=%d  chunk=1 (exact recurrence; --chunk ignored)  readout2_phi=on\n", o.slots);
-  std::printf("  memory held   %.3f MiB (M1 + M2, float32) vs full KV cache %.3f MiB: %.1f%%\n", held / 1048576.0,
-              full / 1048576.0, full ? 100.0 * held / full : 0.0);
+  print_memory_held<Storage>(mem.held_bytes(), "M1 + M2 float32", tokens, in.H, in.D + in.Dv);
   std::printf("  wall time     %.3f s  (%.0f tokens/s)\n", seconds, seconds > 0 ? tokens / seconds : 0.0);
   std::printf("  output        %s\n", o.output.c_str());
 }

@@ -16,6 +16,11 @@
 /// its capacity under a growing budget), and Kokkos may allocate only state rows.
 /// Exit status 0 when every check of every memory passed, 1 otherwise, 2 for bad arguments.
 ///
+/// The "-bf16" memories hold their tokens in bfloat16 and decode beside a float32 twin on the same stream;
+/// at every checkpoint the mean relative difference of their outputs since the last one is reported, and
+/// a difference that grows along the stream (the last third of it above 1.25 x the middle third, plus 2^-8)
+/// fails the run (docs/numerics.md).
+///
 /// Adding a memory: one entry in soak_cases() below (a name, a factory, the rows the schedule promises
 /// after n tokens and their upper bound); a memory whose decode() takes other inputs than kvmem::Memory's
 /// also gets a subject (see TrellisSubject).
@@ -34,6 +39,7 @@
 #include <random>
 #include <sstream>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include <kvmem/kvmem.hpp>
@@ -101,6 +107,7 @@ struct Options {
 struct Checkpoint {
   long tokens, rows, expected_rows, held_bytes, allocated_bytes, rss, kokkos_allocations, heap_allocations;
   double seconds;
+  double drift = -1.0;  ///< paired subjects: mean of ||y16 - y32|| / ||y32|| over the tokens since the last checkpoint
 };
 
 struct Result {
@@ -109,10 +116,17 @@ struct Result {
   long row_mismatches = 0, nonfinite_state = 0, max_rows = 0, max_held = 0, max_bound = 0;
   long rss_drift = 0, other_kokkos_allocations = 0;
   double seconds = 0, heap_allocations_per_token = 0;
+  /// Paired subjects (a 16-bit memory against its float32 twin): the mean relative output difference over
+  /// the middle third of the checkpoint intervals and over the last third; -1 otherwise.
+  double middle_drift = -1.0, last_drift = -1.0;
   std::vector<Checkpoint> checkpoints;
+  /// The 16-bit memory drifts when its difference from float32 grows along the stream: the last third of
+  /// the intervals above 1.25 x the middle third plus 2^-8 (one bfloat16 rounding), as a 16-bit merge sum
+  /// that stalls would make it. The first third is the warm-up (the state still filling).
+  [[nodiscard]] bool drifted() const { return last_drift > 1.25 * middle_drift + 0x1p-8; }
   [[nodiscard]] bool passed() const {
     return nonfinite_outputs == 0 && bound_violations == 0 && row_mismatches == 0 && nonfinite_state == 0 &&
-           rss_drift <= (1L << 20) && other_kokkos_allocations == 0;
+           rss_drift <= (1L << 20) && other_kokkos_allocations == 0 && !drifted();
   }
 };
 
@@ -163,9 +177,9 @@ long nonfinite_rows(const View& view, long rows) {
   for (std::size_t head = 0; head < h.extent(1); ++head)
     for (long i = 0; i < rows; ++i) {
       if constexpr (View::rank() == 4) {
-        for (std::size_t c = 0; c < h.extent(3); ++c) bad += std::isfinite(h(0, head, i, c)) ? 0 : 1;
+        for (std::size_t c = 0; c < h.extent(3); ++c) bad += std::isfinite(kvmem::to_float(h(0, head, i, c))) ? 0 : 1;
       } else {
-        bad += std::isfinite(h(0, head, i)) ? 0 : 1;
+        bad += std::isfinite(kvmem::to_float(h(0, head, i))) ? 0 : 1;
       }
     }
   return bad;
@@ -177,7 +191,7 @@ long nonfinite_y(const View& y, const Mirror& hy) {
   Kokkos::deep_copy(hy, y);
   long bad = 0;
   for (std::size_t h = 0; h < hy.extent(1); ++h)
-    for (std::size_t c = 0; c < hy.extent(3); ++c) bad += std::isfinite(hy(0, h, 0, c)) ? 0 : 1;
+    for (std::size_t c = 0; c < hy.extent(3); ++c) bad += std::isfinite(kvmem::to_float(hy(0, h, 0, c))) ? 0 : 1;
   return bad;
 }
 
@@ -194,20 +208,25 @@ void unit_gaussian(Rng& rng, std::normal_distribution<float>& normal, float* x, 
   for (int c = 0; c < dim; ++c) x[c] *= inv;
 }
 
-using view4 = Kokkos::View<float****, Kokkos::LayoutRight, Kokkos::DefaultExecutionSpace::memory_space>;
-using view3 = Kokkos::View<float***, Kokkos::LayoutRight, Kokkos::DefaultExecutionSpace::memory_space>;
+template <class S = float>
+using view4 = Kokkos::View<S****, Kokkos::LayoutRight, Kokkos::DefaultExecutionSpace::memory_space>;
+template <class S = float>
+using view3 = Kokkos::View<S***, Kokkos::LayoutRight, Kokkos::DefaultExecutionSpace::memory_space>;
 
-/// A kvmem::Memory (KVM, OVQ, any merge x budget x scorer) under soak: one sequence, decode(q, k, v, gate, y).
-/// Inputs: Gaussian q, k, v, gate pre-activation uniform in [-2, 2]; a spike token has k and v x100 and
-/// gate +8. Rows: cursor(0).rows; held bound: (rows + window) x (D + Dv + 1) x 4 B per kv-head.
+/// A kvmem::Memory (KVM, OVQ, any merge x budget x scorer) or EvictionMemory under soak: one sequence,
+/// decode(q, k, v, gate, y), tokens in the memory's storage type. Inputs: Gaussian q, k, v, gate
+/// pre-activation uniform in [-2, 2], rounded to the storage type; a spike token has k and v x100 and gate
+/// +8. Rows: cursor(0).rows; held bound: (rows + window) x (D + Dv + 1) x 4 B per kv-head (float32: a
+/// 16-bit window holds less).
 template <class Memory>
 struct AttentionSubject {
+  using S = typename Memory::storage_type;
   Memory& mem;
   int Hq, Hkv, D, Dv;
-  view4 q, k, v, y;
-  view3 gate;
-  typename view4::host_mirror_type hq, hk, hv, hy;
-  typename view3::host_mirror_type hg;
+  view4<S> q, k, v, y;
+  view3<S> gate;
+  typename view4<S>::host_mirror_type hq, hk, hv, hy;
+  typename view3<S>::host_mirror_type hg;
   std::normal_distribution<float> normal;
   std::uniform_real_distribution<float> uniform{-2.0f, 2.0f};
 
@@ -221,11 +240,11 @@ struct AttentionSubject {
   void next(Rng& rng, bool spike) {
     const float scale = spike ? 100.0f : 1.0f;
     for (int h = 0; h < Hq; ++h)
-      for (int c = 0; c < D; ++c) hq(0, h, 0, c) = normal(rng);
+      for (int c = 0; c < D; ++c) hq(0, h, 0, c) = kvmem::from_float<S>(normal(rng));
     for (int h = 0; h < Hkv; ++h) {
-      for (int c = 0; c < D; ++c) hk(0, h, 0, c) = scale * normal(rng);
-      for (int c = 0; c < Dv; ++c) hv(0, h, 0, c) = scale * normal(rng);
-      hg(0, h, 0) = spike ? 8.0f : uniform(rng);
+      for (int c = 0; c < D; ++c) hk(0, h, 0, c) = kvmem::from_float<S>(scale * normal(rng));
+      for (int c = 0; c < Dv; ++c) hv(0, h, 0, c) = kvmem::from_float<S>(scale * normal(rng));
+      hg(0, h, 0) = kvmem::from_float<S>(spike ? 8.0f : uniform(rng));
     }
     Kokkos::deep_copy(q, hq);
     Kokkos::deep_copy(k, hk);
@@ -257,10 +276,10 @@ template <class Memory>
 struct TrellisSubject {
   Memory& mem;
   int H, D, Dv, m;
-  view4 q, k, v, alpha, y;
-  view3 beta1, gamma1, beta2, gamma2;
-  typename view4::host_mirror_type hq, hk, hv, ha, hy;
-  typename view3::host_mirror_type hb1, hg1, hb2, hg2;
+  view4<> q, k, v, alpha, y;
+  view3<> beta1, gamma1, beta2, gamma2;
+  typename view4<>::host_mirror_type hq, hk, hv, ha, hy;
+  typename view3<>::host_mirror_type hb1, hg1, hb2, hg2;
   std::normal_distribution<float> normal;
   std::uniform_real_distribution<float> forget{0.6f, 1.0f}, step{0.05f, 0.6f};
 
@@ -330,6 +349,48 @@ struct EvictionSubject : AttentionSubject<Memory> {
   }
 };
 
+/// A memory holding its tokens in a 16-bit storage type next to its float32 twin, both decoding the same
+/// stream: the 16-bit subject's tokens (rounded), widened exactly for the twin, so the two differ only by
+/// what the 16-bit memory stores. The 16-bit memory is the one checked (rows, bounds, finiteness, memory);
+/// drift() compares the outputs of the token just decoded (docs/numerics.md: the merge sums are float32,
+/// so the 16-bit memory's error must stay at its storage rounding, not grow with the stream).
+template <class Memory16, class Memory32>
+struct PairedSubject : AttentionSubject<Memory16> {
+  AttentionSubject<Memory32> twin;
+  PairedSubject(Memory16& m16, Memory32& m32) : AttentionSubject<Memory16>(m16), twin(m32) {}
+
+  template <class Rng>
+  void next(Rng& rng, bool spike) {
+    AttentionSubject<Memory16>::next(rng, spike);
+    auto widen = [](const auto& from, const auto& to, const auto& device) {
+      for (std::size_t i = 0; i < from.span(); ++i) to.data()[i] = kvmem::to_float(from.data()[i]);
+      Kokkos::deep_copy(device, to);
+    };
+    widen(this->hq, twin.hq, twin.q);
+    widen(this->hk, twin.hk, twin.k);
+    widen(this->hv, twin.hv, twin.v);
+    widen(this->hg, twin.hg, twin.gate);
+  }
+  void decode() {
+    AttentionSubject<Memory16>::decode();
+    twin.decode();
+  }
+  /// ||y16 - y32|| / ||y32|| of the token just decoded (after nonfinite_output(), which brought y16 to
+  /// the host; 0 for a zero y32).
+  double drift() {
+    Kokkos::deep_copy(twin.hy, twin.y);
+    double err = 0.0, ref = 0.0;
+    for (std::size_t i = 0; i < twin.hy.span(); ++i) {
+      const double y32 = twin.hy.data()[i], d = kvmem::to_float(this->hy.data()[i]) - y32;
+      err += d * d;
+      ref += y32 * y32;
+    }
+    return ref > 0.0 ? std::sqrt(err / ref) : 0.0;
+  }
+  /// Both memories' allocations: the twin's state grows too, and the RSS check counts it.
+  [[nodiscard]] long allocated_bytes() const { return this->mem.allocated_bytes() + twin.mem.allocated_bytes(); }
+};
+
 /// Random mLSTM weights [1 kv-head] for the soak of score::MLstm: N(0, 0.3^2) projections and gates.
 template <class Space>
 kvmem::score::MLstmWeights<Space> soak_mlstm_weights(unsigned seed) {
@@ -366,8 +427,11 @@ Result soak(Subject& subject, const std::string& name, const Options& o, const s
   const auto start = std::chrono::steady_clock::now();
   long rss_warm = -1, allocated_warm = 0, decode_heap = 0, heap_last = 0, kokkos_last = g_kokkos_allocations;
   long other_warm = 0;
-  std::printf("%-14s %9s %7s %7s %12s %12s %10s %8s %10s %8s\n", name.c_str(), "tokens", "rows", "expect", "held B",
-              "allocated B", "RSS MiB", "kokkos+", "heap+/tok", "seconds");
+  constexpr bool paired = requires { subject.drift(); };
+  double drift_sum = 0.0;  // relative output differences since the last checkpoint (paired subjects)
+  long drift_tokens = 0;
+  std::printf("%-14s %9s %7s %7s %12s %12s %10s %8s %10s %8s%s\n", name.c_str(), "tokens", "rows", "expect", "held B",
+              "allocated B", "RSS MiB", "kokkos+", "heap+/tok", "seconds", paired ? "  drift vs f32" : "");
   for (long n = 1; n <= o.tokens; ++n) {
     subject.next(rng, o.spike_every > 0 && n % o.spike_every == 0);
     const long heap_before = g_heap_allocations.load(std::memory_order_relaxed);
@@ -376,6 +440,10 @@ Result soak(Subject& subject, const std::string& name, const Options& o, const s
     if (const long bad = subject.nonfinite_output(); bad > 0) {
       if (r.first_nonfinite < 0) r.first_nonfinite = n;
       r.nonfinite_outputs += bad;
+    }
+    if constexpr (paired) {
+      drift_sum += subject.drift();
+      ++drift_tokens;
     }
     const long rows = subject.rows(), held = subject.held_bytes(), rows_bound = bound(n);
     const long held_bound = subject.held_bound(rows_bound);
@@ -399,6 +467,10 @@ Result soak(Subject& subject, const std::string& name, const Options& o, const s
       heap_last = decode_heap;
       kokkos_last = g_kokkos_allocations;
       c.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+      if constexpr (paired) {
+        c.drift = drift_sum / static_cast<double>(drift_tokens);
+        drift_sum = 0.0, drift_tokens = 0;
+      }
       if (c.rows != c.expected_rows) ++r.row_mismatches;
       r.nonfinite_state += subject.nonfinite_state(rows);
       if (rss_warm < 0) {  // the first checkpoint ends the warm-up
@@ -408,9 +480,11 @@ Result soak(Subject& subject, const std::string& name, const Options& o, const s
       } else {
         r.rss_drift = std::max(r.rss_drift, (c.rss - rss_warm) - (c.allocated_bytes - allocated_warm));
       }
-      std::printf("%-14s %9ld %7ld %7ld %12ld %12ld %10.1f %8ld %10.2f %8.1f%s\n", "", c.tokens, c.rows,
+      char drift[32] = "";
+      if (paired) std::snprintf(drift, sizeof drift, "  %12.3e", c.drift);
+      std::printf("%-14s %9ld %7ld %7ld %12ld %12ld %10.1f %8ld %10.2f %8.1f%s%s\n", "", c.tokens, c.rows,
                   c.expected_rows, c.held_bytes, c.allocated_bytes, c.rss / 1048576.0, c.kokkos_allocations,
-                  static_cast<double>(c.heap_allocations) / o.every, c.seconds,
+                  static_cast<double>(c.heap_allocations) / o.every, c.seconds, drift,
                   c.rows != c.expected_rows ? "  ROWS MISMATCH" : "");
       std::fflush(stdout);
       r.checkpoints.push_back(c);
@@ -419,11 +493,37 @@ Result soak(Subject& subject, const std::string& name, const Options& o, const s
   r.tokens = o.tokens;
   r.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   r.other_kokkos_allocations = g_kokkos_other_allocations - other_warm;
+  if constexpr (paired) {  // the mean differences of the middle and the last third of the intervals
+    const std::size_t n = r.checkpoints.size(), third = std::max<std::size_t>(n / 3, 1);
+    auto mean = [&](std::size_t from, std::size_t to) {
+      double s = 0.0;
+      for (std::size_t i = from; i < to; ++i) s += r.checkpoints[i].drift;
+      return to > from ? s / static_cast<double>(to - from) : 0.0;
+    };
+    r.middle_drift = mean(std::min(third, n - 1), std::max(n - third, std::min(third, n - 1) + 1));
+    r.last_drift = mean(n - third, n);
+  }
   const long counted = r.checkpoints.size() > 1 ? o.tokens - r.checkpoints.front().tokens : 0;
   long heap_after_warm = 0;
   for (std::size_t i = 1; i < r.checkpoints.size(); ++i) heap_after_warm += r.checkpoints[i].heap_allocations;
   r.heap_allocations_per_token = counted ? static_cast<double>(heap_after_warm) / counted : 0.0;
   return r;
+}
+
+/// Soaks the memory make(std::type_identity<S>{}) builds: a float32 memory alone (AttentionSubject), a
+/// 16-bit one beside the float32 memory make(std::type_identity<float>{}) builds (PairedSubject).
+template <class S, class Make>
+Result soak_memory(const std::string& name, const Options& o, Make make, const std::function<long(long)>& expected,
+                   const std::function<long(long)>& bound) {
+  auto mem = make(std::type_identity<S>{});
+  if constexpr (std::is_same_v<S, float>) {
+    AttentionSubject subject(mem);
+    return soak(subject, name, o, expected, bound);
+  } else {
+    auto twin = make(std::type_identity<float>{});
+    PairedSubject subject(mem, twin);
+    return soak(subject, name, o, expected, bound);
+  }
 }
 
 /// OVQ's dictionary size once the chunks before token n are committed: sizes[c] of spec OVQ.md §3 (plateau
@@ -438,29 +538,66 @@ std::vector<SoakCase> soak_cases() {
   using exec = Kokkos::DefaultExecutionSpace;
   using space = exec::memory_space;
   std::vector<SoakCase> cases;
-  // KVM, fixed budget of 256 rows (= one chunk; kvm-paper "fixed-256").
-  cases.push_back({"kvm-fixed256", "KVM, budget::Fixed{256}, max_rows 256, C 256, window 2 x 256", [](const Options& o) {
-                     const auto cfg = soak_config(256);
-                     const kvmem::budget::Fixed budget{256};
-                     kvmem::KvmMemory<exec, kvmem::budget::Fixed> mem(cfg, budget, soak_weights<space>(o.seed), 1);
-                     AttentionSubject subject(mem);
-                     return soak(
-                         subject, "kvm-fixed256", o, [&](long n) { return kvmem::state::final_rows(cfg, budget, n); },
-                         [&](long n) { return std::min(n, 256L); });
-                   }});
-  // KVM, power-law budget 16 * sqrt(ctx) (kvm-paper "16 sqrt(N)"), no cap below the budget.
-  cases.push_back({"kvm-sqrt16", "KVM, budget::PowerLaw{256, 16, 0.5}, max_rows 2^40, C 256, window 2 x 256",
-                   [](const Options& o) {
-                     const auto cfg = soak_config(1L << 40);
-                     const kvmem::budget::PowerLaw budget{256, 16.0, 0.5, 1};
-                     kvmem::KvmMemory<exec, kvmem::budget::PowerLaw> mem(cfg, budget, soak_weights<space>(o.seed), 1);
-                     AttentionSubject subject(mem);
-                     // ctx of an update is L + its first token < L + n; rows never exceed the budget there.
-                     const long L = cfg.window(), C = cfg.chunk;
-                     return soak(
-                         subject, "kvm-sqrt16", o, [&](long n) { return kvmem::state::final_rows(cfg, budget, n); },
-                         [&, L, C](long n) { return std::max(std::min(n, C), budget.rows(L + n)); });
-                   }});
+  // KVM fixed-256, KVM 16 sqrt(N) and OVQ, with tokens in float32 and in bfloat16 (the latter next to a
+  // float32 twin on the same stream: the output's drift against float32, docs/numerics.md).
+  const auto merging = [&cases]<class S>(std::type_identity<S>) {
+    const std::string suffix = std::is_same_v<S, float> ? "" : "-bf16";
+    const std::string stored = std::is_same_v<S, float> ? "" : "; tokens in bfloat16, beside a float32 twin";
+    // KVM, fixed budget of 256 rows (= one chunk; kvm-paper "fixed-256").
+    cases.push_back({"kvm-fixed256" + suffix, "KVM, budget::Fixed{256}, max_rows 256, C 256, window 2 x 256" + stored,
+                     [suffix](const Options& o) {
+                       const auto cfg = soak_config(256);
+                       const kvmem::budget::Fixed budget{256};
+                       const auto weights = soak_weights<space>(o.seed);
+                       return soak_memory<S>(
+                           "kvm-fixed256" + suffix, o,
+                           [&]<class T>(std::type_identity<T>) {
+                             return kvmem::KvmMemory<exec, kvmem::budget::Fixed, T>(cfg, budget, weights, 1);
+                           },
+                           [&](long n) { return kvmem::state::final_rows(cfg, budget, n); },
+                           [&](long n) { return std::min(n, 256L); });
+                     }});
+    // KVM, power-law budget 16 * sqrt(ctx) (kvm-paper "16 sqrt(N)"), no cap below the budget.
+    cases.push_back({"kvm-sqrt16" + suffix, "KVM, budget::PowerLaw{256, 16, 0.5}, max_rows 2^40, C 256, window 2 x 256" + stored,
+                     [suffix](const Options& o) {
+                       const auto cfg = soak_config(1L << 40);
+                       const kvmem::budget::PowerLaw budget{256, 16.0, 0.5, 1};
+                       const auto weights = soak_weights<space>(o.seed);
+                       // ctx of an update is L + its first token < L + n; rows never exceed the budget there.
+                       const long L = cfg.window(), C = cfg.chunk;
+                       return soak_memory<S>(
+                           "kvm-sqrt16" + suffix, o,
+                           [&]<class T>(std::type_identity<T>) {
+                             return kvmem::KvmMemory<exec, kvmem::budget::PowerLaw, T>(cfg, budget, weights, 1);
+                           },
+                           [&](long n) { return kvmem::state::final_rows(cfg, budget, n); },
+                           [&, L, C](long n) { return std::max(std::min(n, C), budget.rows(L + n)); });
+                     }});
+    // OVQ with the OVQ code defaults (kvmem-run ovq): C 128, N 2048 centroids, plateau tN/(t+N), window of
+    // one chunk, no sinks, no RoPE split, beta 1.
+    cases.push_back({"ovq" + suffix, "OVQ, budget::Plateau{2048}, max_rows 2048, C 128, window 1 x 128, beta 1" + stored,
+                     [suffix](const Options& o) {
+                       constexpr long N = 2048;
+                       auto cfg = soak_config(N);
+                       cfg.chunk = 128;
+                       cfg.window_chunks = 1;
+                       cfg.rope_dims = 0;
+                       cfg.sinks = 0;
+                       const kvmem::budget::Plateau budget{static_cast<double>(N)};
+                       Kokkos::View<float*, space> beta("beta", 1);
+                       Kokkos::deep_copy(beta, 1.0f);
+                       const long C = cfg.chunk;
+                       return soak_memory<S>(
+                           "ovq" + suffix, o,
+                           [&]<class T>(std::type_identity<T>) {
+                             return kvmem::OvqMemory<exec, kvmem::budget::Plateau, T>(cfg, budget, {{}, {}, beta, beta}, 1);
+                           },
+                           [C](long n) { return ovq_plateau_rows(n, C, N); },
+                           [&](long n) { return std::min(budget.rows(n), N); });
+                     }});
+  };
+  merging(std::type_identity<float>{});
+  merging(std::type_identity<kvmem::bfloat16>{});
   // KVM 16 sqrt(ctx) whose state rows are also evicted by H2O above 256 (kvmem::KvmMemoryWithRowEviction):
   // rows = the schedule's grant, capped at 256.
   cases.push_back({"kvm-sqrt16-h2o256", "KVM, budget::PowerLaw{256, 16, 0.5}, H2O row eviction above 256 rows, C 256",
@@ -473,25 +610,6 @@ std::vector<SoakCase> soak_cases() {
                      AttentionSubject subject(mem);
                      auto rows = [&](long n) { return std::min(kvmem::state::final_rows(cfg, budget, n), cap); };
                      return soak(subject, "kvm-sqrt16-h2o256", o, rows, rows);
-                   }});
-  // OVQ with the OVQ code defaults (kvmem-run ovq): C 128, N 2048 centroids, plateau tN/(t+N), window of one
-  // chunk, no sinks, no RoPE split, beta 1.
-  cases.push_back({"ovq", "OVQ, budget::Plateau{2048}, max_rows 2048, C 128, window 1 x 128, beta 1", [](const Options& o) {
-                     constexpr long N = 2048;
-                     auto cfg = soak_config(N);
-                     cfg.chunk = 128;
-                     cfg.window_chunks = 1;
-                     cfg.rope_dims = 0;
-                     cfg.sinks = 0;
-                     const kvmem::budget::Plateau budget{static_cast<double>(N)};
-                     Kokkos::View<float*, space> beta("beta", 1);
-                     Kokkos::deep_copy(beta, 1.0f);
-                     kvmem::OvqMemory<exec, kvmem::budget::Plateau> mem(cfg, budget, {{}, {}, beta, beta}, 1);
-                     AttentionSubject subject(mem);
-                     const long C = cfg.chunk;
-                     return soak(
-                         subject, "ovq", o, [C](long n) { return ovq_plateau_rows(n, C, N); },
-                         [&](long n) { return std::min(budget.rows(n), N); });
                    }});
   // Trellis with the paper's 64 slots and the spec's defaults (phi silu, f LN-SiLU, gates checked).
   cases.push_back({"trellis", "Trellis, 64 slots, phi silu, f ln-silu, one head", [](const Options& o) {
@@ -544,17 +662,18 @@ void write_json(const std::string& path, const std::vector<Result>& results, con
         << ", \"nonfinite_state\": " << r.nonfinite_state << ", \"max_rows\": " << r.max_rows
         << ", \"max_held_bytes\": " << r.max_held << ", \"max_held_bound\": " << r.max_bound
         << ", \"rss_drift_bytes\": " << r.rss_drift << ", \"other_kokkos_allocations\": " << r.other_kokkos_allocations
-        << ", \"heap_allocations_per_token\": " << r.heap_allocations_per_token << ",\n     \"checkpoints\": [";
+        << ", \"heap_allocations_per_token\": " << r.heap_allocations_per_token << ", \"middle_drift\": " << r.middle_drift
+        << ", \"last_drift\": " << r.last_drift << ",\n     \"checkpoints\": [";
     for (std::size_t j = 0; j < r.checkpoints.size(); ++j) {
       const auto& c = r.checkpoints[j];
       out << (j ? ", " : "") << "[" << c.tokens << ", " << c.rows << ", " << c.expected_rows << ", " << c.held_bytes << ", "
           << c.allocated_bytes << ", " << c.rss << ", " << c.kokkos_allocations << ", " << c.heap_allocations << ", "
-          << c.seconds << "]";
+          << c.seconds << ", " << c.drift << "]";
     }
     out << "]}" << (i + 1 < results.size() ? "," : "") << "\n";
   }
   out << "  ],\n  \"checkpoint_fields\": [\"tokens\", \"rows\", \"expected_rows\", \"held_bytes\", \"allocated_bytes\", "
-         "\"rss_bytes\", \"kokkos_allocations\", \"heap_allocations\", \"seconds\"]\n}\n";
+         "\"rss_bytes\", \"kokkos_allocations\", \"heap_allocations\", \"seconds\", \"drift\"]\n}\n";
 }
 
 int usage(const char* why) {
@@ -627,6 +746,10 @@ int main(int argc, char** argv) {
                 r.name.c_str(), r.passed() ? "PASS" : "FAIL", r.tokens, r.seconds, r.nonfinite_outputs, r.first_nonfinite,
                 r.bound_violations, r.first_bound_violation, r.row_mismatches, r.nonfinite_state, r.max_rows, r.max_held,
                 r.max_bound, r.rss_drift, r.other_kokkos_allocations, r.heap_allocations_per_token);
+    if (r.middle_drift >= 0)
+      std::printf("  output against the float32 twin: mean ||y - y32|| / ||y32|| %.3e over the middle third of the stream, "
+                  "%.3e over the last third%s\n",
+                  r.middle_drift, r.last_drift, r.drifted() ? "  DRIFTS" : "");
     std::fflush(stdout);
   }
   if (!o.json.empty()) write_json(o.json, results, o);

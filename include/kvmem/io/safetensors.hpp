@@ -21,13 +21,15 @@
 #include <string>
 #include <vector>
 
+#include "../dtype.hpp"
 #include "../errors.hpp"
 
 namespace kvmem::io {
 
 static_assert(std::endian::native == std::endian::little, "kvmem::io assumes a little-endian host");
 
-/// One tensor: dtype name as in safetensors ("F32", "F64", "I64", "I32", ...), shape, raw bytes.
+/// One tensor: dtype name as in safetensors ("F32", "F64", "BF16", "F16", "I64", "I32", ...), shape, raw
+/// little-endian bytes (numel() times dtype_size(dtype)).
 struct Tensor {
   std::string dtype;
   std::vector<std::int64_t> shape;
@@ -185,13 +187,15 @@ struct SafetensorsFile {
   }
   [[nodiscard]] bool has(const std::string& name) const { return tensors.count(name) != 0; }
 
-  /// Adds a tensor from host data of type T (float -> F32, double -> F64, int64 -> I64, int32 -> I32,
-  /// unsigned char -> U8).
+  /// Adds (or replaces) the tensor `name` of shape `shape` from numel(shape) elements of host data of type
+  /// T, copied bit for bit: float -> F32, double -> F64, kvmem::bfloat16 -> BF16, kvmem::float16 -> F16,
+  /// int64 -> I64, int32 -> I32, unsigned char -> U8. Another T does not compile.
   template <class T>
   void put(const std::string& name, std::vector<std::int64_t> shape, const T* data) {
     Tensor t;
     if constexpr (std::is_same_v<T, float>) t.dtype = "F32";
     else if constexpr (std::is_same_v<T, double>) t.dtype = "F64";
+    else if constexpr (std::is_same_v<T, bfloat16> || std::is_same_v<T, float16>) t.dtype = dtype_name<T>;
     else if constexpr (std::is_same_v<T, std::int64_t>) t.dtype = "I64";
     else if constexpr (std::is_same_v<T, std::int32_t>) t.dtype = "I32";
     else if constexpr (std::is_same_v<T, unsigned char>) t.dtype = "U8";
@@ -233,8 +237,10 @@ struct SafetensorsFile {
   }
 };
 
-/// The elements of `t` converted to float64 (from F32, F64, I64 or I32); throws kvmem::invalid_argument
-/// naming `name` for another dtype.
+/// The elements of `t` (numel() of them, in its row-major order) converted to float64, exactly: from F32,
+/// F64, BF16, F16 (every bfloat16 and float16 value is a float32 value, kvmem::to_float), I64 (exact up to
+/// 2^53) or I32. Throws kvmem::invalid_argument naming the tensor `name` and its dtype for another dtype
+/// (I16, I8, U8, BOOL).
 [[nodiscard]] inline std::vector<double> to_double(const Tensor& t, const std::string& name) {
   const std::size_t n = static_cast<std::size_t>(t.numel());
   std::vector<double> out(n);
@@ -243,14 +249,19 @@ struct SafetensorsFile {
     for (std::size_t i = 0; i < n; ++i) {
       T x;
       std::memcpy(&x, t.bytes.data() + i * sizeof(T), sizeof(T));
-      out[i] = static_cast<double>(x);
+      if constexpr (std::is_same_v<T, bfloat16> || std::is_same_v<T, float16>) out[i] = static_cast<double>(to_float(x));
+      else out[i] = static_cast<double>(x);
     }
   };
   if (t.dtype == "F32") convert(float{});
   else if (t.dtype == "F64") convert(double{});
+  else if (t.dtype == "BF16") convert(bfloat16{});
+  else if (t.dtype == "F16") convert(float16{});
   else if (t.dtype == "I64") convert(std::int64_t{});
   else if (t.dtype == "I32") convert(std::int32_t{});
-  else throw invalid_argument("tensor '" + name + "' dtype = " + t.dtype + ": unsupported (use F32, F64, I64 or I32)");
+  else
+    throw invalid_argument("tensor '" + name + "' dtype = " + t.dtype +
+                           ": unsupported (use F32, F64, BF16, F16, I64 or I32)");
   return out;
 }
 

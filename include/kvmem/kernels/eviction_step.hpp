@@ -6,6 +6,7 @@
 /// through eviction_tokens(), one step after the other, so they compute the same bits.
 
 #include <Kokkos_Core.hpp>
+#include <type_traits>
 
 #include "../eviction_config.hpp"
 #include "../policy/score/eviction_scorer.hpp"
@@ -47,10 +48,11 @@ KOKKOS_INLINE_FUNCTION double effective_score(const Scorer& scorer, const Evicti
 /// Steps 1-2 of step q on (b, h): token q (key [D], value [Dv]) enters the first free slot at the end of the
 /// position order (one exists: at most B rows are cached before a step, B + 1 slots), the scorer absorbs it,
 /// and a delayed scorer scores u = q - w + 1, the oldest token of the window (the live - w-th entry; spec §2).
-template <class Team, class Scorer, class Cache>
+/// key and value are of the cache's storage type.
+template <class Team, class Scorer, class Cache, class T>
 KOKKOS_INLINE_FUNCTION void eviction_append(const Team& team, const EvictionParams& p, const Cache& c,
-                                            const Scorer& scorer, long b, int h, long q, const float* key,
-                                            const float* value) {
+                                            const Scorer& scorer, long b, int h, long q, const T* key,
+                                            const T* value) {
   const long slots = static_cast<long>(c.positions.extent(2));
   long slot = slots;
   Kokkos::parallel_reduce(
@@ -160,7 +162,8 @@ KOKKOS_INLINE_FUNCTION Value ordered_sum(const Team& team, long n, const Term& x
 /// softmax_exp as the other readouts); then, for scorers that need them, the float64 probabilities summed
 /// over the group go to Scorer::attended. Logits and exponentials are computed per row across the team,
 /// the normalizer by one thread in row order, each output channel by one thread in row order (a thread owns
-/// a contiguous range of channels).
+/// a contiguous range of channels, summed in float32 registers and stored once, rounded to out's storage
+/// type).
 template <class Team, class Scorer, class Cache, class QueryOf, class OutOf>
 KOKKOS_INLINE_FUNCTION void eviction_attend(const Team& team, const EvictionParams& p, const Cache& c,
                                             const Scorer& scorer, long b, int h, const QueryOf& query_of,
@@ -168,8 +171,9 @@ KOKKOS_INLINE_FUNCTION void eviction_attend(const Team& team, const EvictionPara
   const int D = p.head_dim, Dv = p.value_dim;
   const long live = c.live(b, h);
   for (int g = 0; g < p.group; ++g) {
-    const float* qv = query_of(g);
-    float* y = out_of(g);
+    const auto* qv = query_of(g);
+    auto* y = out_of(g);
+    using out_t = std::remove_cv_t<std::remove_pointer_t<decltype(y)>>;
     float max_logit = neg_inf();
     Kokkos::parallel_reduce(
         Kokkos::TeamThreadRange(team, live),
@@ -189,13 +193,18 @@ KOKKOS_INLINE_FUNCTION void eviction_attend(const Team& team, const EvictionPara
     const int per_thread = (Dv + team.team_size() - 1) / team.team_size();
     Kokkos::parallel_for(Kokkos::TeamThreadRange(team, team.team_size()), [&](int t) {
       const int ch0 = t * per_thread, ch1 = ch0 + per_thread < Dv ? ch0 + per_thread : Dv;
-      for (int ch = ch0; ch < ch1; ++ch) y[ch] = 0.0f;
-      for (long i = 0; i < live; ++i) {
-        const float e = c.logits(b, h, i);
-        const float* v = &c.values(b, h, c.order(b, h, i), 0);
-        for (int ch = ch0; ch < ch1; ++ch) y[ch] = mul_add(e, v[ch], y[ch]);
+      constexpr int CW = 32;  // output channels held in registers across the rows
+      for (int cb = ch0; cb < ch1; cb += CW) {
+        const int n = ch1 - cb < CW ? ch1 - cb : CW;
+        float acc[CW];
+        for (int ch = 0; ch < CW; ++ch) acc[ch] = 0.0f;
+        for (long i = 0; i < live; ++i) {
+          const float e = c.logits(b, h, i);
+          const auto* v = &c.values(b, h, c.order(b, h, i), cb);
+          for (int ch = 0; ch < n; ++ch) acc[ch] = mul_add(e, to_float(v[ch]), acc[ch]);
+        }
+        for (int ch = 0; ch < n; ++ch) y[cb + ch] = from_float<out_t>(acc[ch] * inv);
       }
-      for (int ch = ch0; ch < ch1; ++ch) y[ch] *= inv;
     });
     // The probabilities the scorer reads, in float64 (spec §6 "needs P"): only for scorers that ask.
     if constexpr (Scorer::needs_probabilities) {
@@ -204,9 +213,9 @@ KOKKOS_INLINE_FUNCTION void eviction_attend(const Team& team, const EvictionPara
       Kokkos::parallel_reduce(
           Kokkos::TeamThreadRange(team, live),
           [&](long i, double& m) {
-            const float* kk = &c.keys(b, h, c.order(b, h, i), 0);
+            const auto* kk = &c.keys(b, h, c.order(b, h, i), 0);
             double s = 0.0;
-            for (int ch = 0; ch < D; ++ch) s += static_cast<double>(qv[ch]) * kk[ch];
+            for (int ch = 0; ch < D; ++ch) s += static_cast<double>(to_float(qv[ch])) * to_float(kk[ch]);
             s *= scale_d;
             c.logits64(b, h, i) = s;
             m = s > m ? s : m;
@@ -234,10 +243,10 @@ KOKKOS_INLINE_FUNCTION void eviction_attend(const Team& team, const EvictionPara
 
 /// Step q of (b, h) (spec EVICTION.md §1 steps 1-5): append, evict the worst retained rows while |R| > k,
 /// attend, update attention statistics. One team; every sum in a fixed order.
-template <class Team, class Scorer, class Cache, class QueryOf, class OutOf>
+template <class Team, class Scorer, class Cache, class T, class QueryOf, class OutOf>
 KOKKOS_INLINE_FUNCTION void eviction_step(const Team& team, const EvictionParams& p, const Cache& c,
-                                          const Scorer& scorer, long b, int h, long q, const float* key,
-                                          const float* value, const QueryOf& query_of, const OutOf& out_of) {
+                                          const Scorer& scorer, long b, int h, long q, const T* key,
+                                          const T* value, const QueryOf& query_of, const OutOf& out_of) {
   eviction_append(team, p, c, scorer, b, h, q, key, value);
   for (RetainedRange r(p, c.live(b, h), q); r.end - r.begin > p.top_k; r = RetainedRange(p, c.live(b, h), q)) {
     eviction_remove(team, c, b, h, eviction_worst(team, p, c, scorer, b, h, h + 1, q, r));

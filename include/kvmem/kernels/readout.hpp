@@ -69,14 +69,16 @@ struct OnlineSoftmax {
     value_dim = dim;
     for (int c = 0; c < dim; ++c) acc[c] = 0.0f;
   }
-  /// Writes acc / normalizer to out [value_dim].
-  KOKKOS_INLINE_FUNCTION void finish(float* out) const {
+  /// Writes acc / normalizer to out [value_dim], rounded to out's storage type.
+  template <class Out>
+  KOKKOS_INLINE_FUNCTION void finish(Out* out) const {
     const float inv = 1.0f / normalizer;
-    for (int c = 0; c < value_dim; ++c) out[c] = acc[c] * inv;
+    for (int c = 0; c < value_dim; ++c) out[c] = from_float<Out>(acc[c] * inv);
   }
 
   /// Folds n >= 1 logits and their values in: rescale by exp(old max - new max), then add
-  /// p_j = exp(logit_j - new max) to the normalizer and p_j * v_j to acc, in key order.
+  /// p_j = exp(logit_j - new max) to the normalizer and p_j * v_j to acc, in key order. value_of(j) points
+  /// to the value of key j in any storage type (read through to_float).
   template <class ValueOf>
   KOKKOS_INLINE_FUNCTION void add_tile(const float* logits, int n, ValueOf value_of) {
     float tile_max = neg_inf();
@@ -87,8 +89,8 @@ struct OnlineSoftmax {
     for (int j = 0; j < n; ++j) {
       const float pj = softmax_exp(logits[j] - new_max);
       normalizer = j == 0 ? mul_add(normalizer, correction, pj) : normalizer + pj;
-      const float* vj = value_of(j);
-      for (int c = 0; c < value_dim; ++c) acc[c] = mul_add(pj, vj[c], acc[c]);
+      const auto* vj = value_of(j);
+      for (int c = 0; c < value_dim; ++c) acc[c] = mul_add(pj, to_float(vj[c]), acc[c]);
     }
     max_logit = new_max;
   }
@@ -153,23 +155,26 @@ struct QueryBlock {
     logits = acc + long(lanes) * dv;
     probs = logits + lanes * tile;
   }
-  /// Lane u: query q (null for a padding lane) and an empty softmax.
-  KOKKOS_INLINE_FUNCTION void load(int u, const float* q) const {
-    for (int c = 0; c < dim; ++c) qt[long(c) * lanes + u] = q ? q[c] : 0.0f;
+  /// Lane u: query q (null for a padding lane; any storage type, widened to float32) and an empty softmax.
+  template <class Q>
+  KOKKOS_INLINE_FUNCTION void load(int u, const Q* q) const {
+    for (int c = 0; c < dim; ++c) qt[long(c) * lanes + u] = q ? to_float(q[c]) : 0.0f;
     max_logit[u] = neg_inf();
     normalizer[u] = 0.0f;
     for (int c = 0; c < value_dim; ++c) acc[long(u) * value_dim + c] = 0.0f;
   }
-  /// y_u = acc_u / normalizer_u into out [value_dim].
-  KOKKOS_INLINE_FUNCTION void finish(int u, float* out) const {
+  /// y_u = acc_u / normalizer_u into out [value_dim], rounded to out's storage type.
+  template <class Out>
+  KOKKOS_INLINE_FUNCTION void finish(int u, Out* out) const {
     const float inv = 1.0f / normalizer[u];
-    for (int c = 0; c < value_dim; ++c) out[c] = acc[long(u) * value_dim + c] * inv;
+    for (int c = 0; c < value_dim; ++c) out[c] = from_float<Out>(acc[long(u) * value_dim + c] * inv);
   }
 
   /// logits[j + jj][u] for all lanes u and NK keys; scale [lanes]. A register tile of NK keys x the
   /// lanes' register vectors: per channel, one load of the lanes' query channel and one broadcast per key.
-  template <int NK, class BiasOf>
-  KOKKOS_INLINE_FUNCTION void logits_lanes(const float* const* keys, const float* scale, int j, long j_abs,
+  /// Keys of any storage type K (widened as they are read).
+  template <int NK, class K, class BiasOf>
+  KOKKOS_INLINE_FUNCTION void logits_lanes(const K* const* keys, const float* scale, int j, long j_abs,
                                            BiasOf bias_of) const {
     constexpr int W = simd::width;
     float bias[NK];
@@ -181,8 +186,8 @@ struct QueryBlock {
   }
   /// logits[j + jj][0] of lane 0 alone (one live query: decode) for NK keys: NK = simd::width keys
   /// transposed in registers, their chains in vector lanes (simd::row_dots), or NK scalar chains.
-  template <int NK, class BiasOf>
-  KOKKOS_INLINE_FUNCTION void logits_one(const float* const* keys, const float* scale, int j, long j_abs,
+  template <int NK, class K, class BiasOf>
+  KOKKOS_INLINE_FUNCTION void logits_one(const K* const* keys, const float* scale, int j, long j_abs,
                                          BiasOf bias_of) const {
     float s[NK];
     if constexpr (NK == simd::width) {
@@ -191,7 +196,7 @@ struct QueryBlock {
       for (int jj = 0; jj < NK; ++jj) s[jj] = 0.0f;
       for (int c = 0; c < dim; ++c) {
         const float qc = qt[long(c) * lanes];
-        for (int jj = 0; jj < NK; ++jj) s[jj] = mul_add(qc, keys[jj][c], s[jj]);
+        for (int jj = 0; jj < NK; ++jj) s[jj] = mul_add(qc, to_float(keys[jj][c]), s[jj]);
       }
     }
     for (int jj = 0; jj < NK; ++jj) logits[(j + jj) * lanes] = mul_add(s[jj], scale[0], bias_of(j_abs + jj));
@@ -264,7 +269,7 @@ struct QueryBlock {
           for (int x = 0; x < CV; ++x) r[i][x] = simd::mul(simd::load(a[i] + c0 + x * W), corr);
         }
         for (int j = 0; j < common; ++j) {
-          const float* vj = value_of(j) + c0;
+          const auto* vj = value_of(j) + c0;
           simd::vec v[CV];
           for (int x = 0; x < CV; ++x) v[x] = simd::load(vj + x * W);
           for (int i = 0; i < UQ; ++i) {
@@ -274,7 +279,7 @@ struct QueryBlock {
         }
         for (int i = 0; i < UQ; ++i) {
           for (int j = common; j < n[i0 + i]; ++j) {
-            const float* vj = value_of(j) + c0;
+            const auto* vj = value_of(j) + c0;
             const simd::vec pj = simd::broadcast(pr[i][j * lanes]);
             for (int x = 0; x < CV; ++x) r[i][x] = simd::fma(pj, simd::load(vj + x * W), r[i][x]);
           }
@@ -285,7 +290,7 @@ struct QueryBlock {
         const float corr = corrections[lane[i0 + i]];
         for (int c = c0; c < value_dim; ++c) {
           float r = a[i][c] * corr;
-          for (int j = 0; j < n[i0 + i]; ++j) r = mul_add(pr[i][j * lanes], value_of(j)[c], r);
+          for (int j = 0; j < n[i0 + i]; ++j) r = mul_add(pr[i][j * lanes], to_float(value_of(j)[c]), r);
           a[i][c] = r;
         }
       }
@@ -303,15 +308,15 @@ struct QueryBlock {
       float r[CW];
       for (int c = 0; c < CW; ++c) r[c] = a[c0 + c] * correction;
       for (int j = 0; j < n; ++j) {
-        const float* vj = value_of(j) + c0;
+        const auto* vj = value_of(j) + c0;
         const float pj = probs[j * lanes + u];
-        for (int c = 0; c < CW; ++c) r[c] = mul_add(pj, vj[c], r[c]);
+        for (int c = 0; c < CW; ++c) r[c] = mul_add(pj, to_float(vj[c]), r[c]);
       }
       for (int c = 0; c < CW; ++c) a[c0 + c] = r[c];
     }
     for (int c = c0; c < value_dim; ++c) {
       float r = a[c] * correction;
-      for (int j = 0; j < n; ++j) r = mul_add(probs[j * lanes + u], value_of(j)[c], r);
+      for (int j = 0; j < n; ++j) r = mul_add(probs[j * lanes + u], to_float(value_of(j)[c]), r);
       a[c] = r;
     }
   }
@@ -319,11 +324,13 @@ struct QueryBlock {
 
 /// Folds keys [0, count(u)) into lane u of `blk` for every live lane, tile by tile from key 0 (the tiles
 /// of attend): logit = q_u · key_of(j) * scale[u] + bias_of(j), values value_of(j). `max_count` is the
-/// largest count(u). Collective over `team`; ends with a team barrier.
+/// largest count(u). key_of/value_of return pointers to elements of one storage type (float, bfloat16 or
+/// float16), widened to float32 in registers. Collective over `team`; ends with a team barrier.
 template <class Member, class CountOf, class KeyOf, class ValueOf, class BiasOf>
 KOKKOS_INLINE_FUNCTION void attend_block(const Member& team, const QueryBlock& blk, const float* scale, long max_count,
                                          CountOf count_of, KeyOf key_of, ValueOf value_of, BiasOf bias_of) {
   constexpr int KT = readout_key_tile;
+  using key_ptr = decltype(key_of(0L));
   long lane_count[QueryBlock::lanes];  // count_of once per lane, not once per tile
   for (int u = 0; u < QueryBlock::lanes; ++u) lane_count[u] = u < blk.queries ? count_of(u) : 0;
   for (long j0 = 0; j0 < max_count; j0 += KT) {
@@ -333,12 +340,12 @@ KOKKOS_INLINE_FUNCTION void attend_block(const Member& team, const QueryBlock& b
       Kokkos::parallel_for(Kokkos::TeamThreadRange(team, (n + NK - 1) / NK), [&](int g) {
         const int j = g * NK;
         if (j + NK <= n) {
-          const float* keys[NK];
+          key_ptr keys[NK];
           for (int jj = 0; jj < NK; ++jj) keys[jj] = key_of(j0 + j + jj);
           blk.logits_one<NK>(keys, scale, j, j0 + j, bias_of);
         } else {
           for (int jj = j; jj < n; ++jj) {
-            const float* key[1] = {key_of(j0 + jj)};
+            key_ptr key[1] = {key_of(j0 + jj)};
             blk.logits_one<1>(key, scale, jj, j0 + jj, bias_of);
           }
         }
@@ -348,12 +355,12 @@ KOKKOS_INLINE_FUNCTION void attend_block(const Member& team, const QueryBlock& b
       Kokkos::parallel_for(Kokkos::TeamThreadRange(team, (n + NK - 1) / NK), [&](int g) {
         const int j = g * NK;
         if (j + NK <= n) {
-          const float* keys[NK];
+          key_ptr keys[NK];
           for (int jj = 0; jj < NK; ++jj) keys[jj] = key_of(j0 + j + jj);
           blk.logits_lanes<NK>(keys, scale, j, j0 + j, bias_of);
         } else {
           for (int jj = j; jj < n; ++jj) {
-            const float* key[1] = {key_of(j0 + jj)};
+            key_ptr key[1] = {key_of(j0 + jj)};
             blk.logits_lanes<1>(key, scale, jj, j0 + jj, bias_of);
           }
         }
@@ -444,17 +451,19 @@ struct GroupLanes {
 ///                 window_begin <= p <= u (k_p as Merge::window_key stored it),
 ///   y_u = softmax(logits) · [read_values ; v].
 /// q [B, Hq, T, D] and y [B, Hq, T, Dv] are indexed by position - input_offset and need unit channel
-/// stride. Query head hq reads kv-head hq / G (GQA). `max_queries` bounds query_end - query_begin.
+/// stride; their element type, that of the state's read caches and of the window (the storage type T) may
+/// be float, bfloat16 or float16, read as float32, with float32 logits, softmax and sums (docs/numerics.md).
+/// Query head hq reads kv-head hq / G (GQA). `max_queries` bounds query_end - query_begin.
 /// A team computes a block of readout_query_block queries of one kv-head's group (GroupLanes: the query
 /// heads that share the kv-head, at consecutive positions; QueryBlock, attend_block), in a fixed order: the
 /// same bits on every run of a backend, for any block layout and on any thread count.
 /// When `lse` [B, Hq, >= max_queries] is not empty, lse(b, hq, u - query_begin) also receives each query's
 /// log-sum-exp max + log(normalizer) (for row eviction, score::RowEviction); otherwise nothing is paid.
-template <class Merge, class ExecSpace, class QueriesIn, class Out,
+template <class Merge, class ExecSpace, StorageType T, class QueriesIn, class Out,
           class Lse = Kokkos::View<float***, Kokkos::LayoutRight, typename ExecSpace::memory_space>>
 void readout(const ExecSpace& exec, const MemoryConfig& cfg, const LayerWeightsRef& w,
-             const state::StateRows<typename ExecSpace::memory_space>& rows,
-             const state::WindowRing<typename ExecSpace::memory_space>& ring,
+             const state::StateRows<typename ExecSpace::memory_space, T>& rows,
+             const state::WindowRing<typename ExecSpace::memory_space, T>& ring,
              const StepPlan<typename ExecSpace::memory_space>& plan, const QueriesIn& q, const Out& y,
              long max_queries, const Lse& lse = Lse{}) {
   const long B = static_cast<long>(plan.device.extent(0));
@@ -486,7 +495,7 @@ void readout(const ExecSpace& exec, const MemoryConfig& cfg, const LayerWeightsR
         blk.carve(scratch.data(), static_cast<int>((last - first) * n), D, Dv);
         Kokkos::parallel_for(Kokkos::TeamThreadRange(team, QB), [&](int u) {
           const long hq = t.first_head + u % n;
-          const float* qu = u < blk.queries ? &q(b, hq, first + u / n - off, 0) : nullptr;
+          const typename QueriesIn::value_type* qu = u < blk.queries ? &q(b, hq, first + u / n - off, 0) : nullptr;
           blk.load(u, qu);
           blk.scales[u] = qu ? Merge::logit_scale(w.tau_state[hq], qu, D) : 0.0f;
           blk.scales[QB + u] = qu ? Merge::logit_scale(w.tau_window[hq], qu, D) : 0.0f;

@@ -20,9 +20,9 @@ namespace kvmem::kernels {
 /// exp(logit(u, i) - lse(b, hq, u - query_begin)), logit as in readout() (Merge::logit_scale and
 /// Merge::row_bias), lse [B, Hq, max_queries] the log-sum-exp the readout wrote. float64 sums in a fixed
 /// order, so prefill (many queries per step) and decode (one) give the same bits.
-template <class Merge, class Policy, class ExecSpace, class QueriesIn, class Lse>
+template <class Merge, class Policy, class ExecSpace, StorageType T, class QueriesIn, class Lse>
 void accumulate_row_attention(const ExecSpace& exec, const MemoryConfig& cfg, const LayerWeightsRef& w,
-                              const state::StateRows<typename ExecSpace::memory_space>& rows,
+                              const state::StateRows<typename ExecSpace::memory_space, T>& rows,
                               const StepPlan<typename ExecSpace::memory_space>& plan, const QueriesIn& q,
                               const Lse& lse, const Policy& policy, long max_rows) {
   const long B = static_cast<long>(rows.keys.extent(0)), H = static_cast<long>(rows.keys.extent(1));
@@ -40,7 +40,7 @@ void accumulate_row_attention(const ExecSpace& exec, const MemoryConfig& cfg, co
           double mass = 0.0;
           for (int g = 0; g < G; ++g) {
             const long hq = h * G + g;
-            const float* qu = &q(b, hq, u - off, 0);
+            const auto* qu = &q(b, hq, u - off, 0);
             const float logit = mul_add(dot(qu, &rows.read_keys(b, h, i, 0), D),
                                         Merge::logit_scale(w.tau_state[hq], qu, D), bias);
             mass += Kokkos::exp(static_cast<double>(logit) - static_cast<double>(lse(b, hq, u - first)));
@@ -56,8 +56,9 @@ void accumulate_row_attention(const ExecSpace& exec, const MemoryConfig& cfg, co
 /// fold, then (only if those run out) among the fold's fresh rows; never one of the first cfg.sinks rows.
 /// Compacts the rest in their order (keys, values, read caches, radius, counts, statistics). New rows of
 /// this fold start at statistic 0 (set here). One thread per (sequence, kv-head).
-template <class ExecSpace>
-void evict_rows(const ExecSpace& exec, const MemoryConfig& cfg, const state::StateRows<typename ExecSpace::memory_space>& rows,
+template <class ExecSpace, StorageType T>
+void evict_rows(const ExecSpace& exec, const MemoryConfig& cfg,
+                const state::StateRows<typename ExecSpace::memory_space, T>& rows,
                 const StepPlan<typename ExecSpace::memory_space>& plan) {
   const long B = static_cast<long>(rows.keys.extent(0)), H = static_cast<long>(rows.keys.extent(1));
   const int D = cfg.head_dim, Dv = cfg.value_dim;
@@ -92,6 +93,8 @@ void evict_rows(const ExecSpace& exec, const MemoryConfig& cfg, const state::Sta
           if (out != i) {
             for (int c = 0; c < D; ++c) rows.keys(b, h, out, c) = rows.keys(b, h, i, c);
             for (int c = 0; c < D; ++c) rows.read_keys(b, h, out, c) = rows.read_keys(b, h, i, c);
+            if (rows.decision_keys.data() != nullptr)
+              for (int c = 0; c < D; ++c) rows.decision_keys(b, h, out, c) = rows.decision_keys(b, h, i, c);
             for (int c = 0; c < Dv; ++c) rows.values(b, h, out, c) = rows.values(b, h, i, c);
             for (int c = 0; c < Dv; ++c) rows.read_values(b, h, out, c) = rows.read_values(b, h, i, c);
             rows.radius(b, h, out) = rows.radius(b, h, i);

@@ -14,6 +14,7 @@
 #include <Kokkos_Core.hpp>
 #include <utility>
 
+#include "../dtype.hpp"
 #include "vector_ops.hpp"
 
 #if defined(__GNUC__) && !defined(__CUDACC__) && !defined(__HIPCC__) && !defined(__SYCL_DEVICE_ONLY__) && \
@@ -46,6 +47,32 @@ KOKKOS_INLINE_FUNCTION vec load(const float* p) {
 }
 /// Stores v to p [width] (no alignment needed).
 KOKKOS_INLINE_FUNCTION void store(float* p, const vec& v) { __builtin_memcpy(p, &v, sizeof v); }
+/// Loads width bfloat16 values from p as float32 (exact): each widened into a float's high 16 bits.
+KOKKOS_INLINE_FUNCTION vec load(const bfloat16* p) {
+  typedef unsigned short halves __attribute__((vector_size(width * sizeof(short))));
+  typedef unsigned int words __attribute__((vector_size(width * sizeof(int))));
+  halves h;
+  __builtin_memcpy(&h, p, sizeof h);
+  const words u = __builtin_convertvector(h, words) << 16;
+  vec v;
+  __builtin_memcpy(&v, &u, sizeof v);
+  return v;
+}
+/// Loads width float16 values from p as float32 (exact): the CPU's conversion instruction where it has
+/// one (x86 F16C), to_float per lane otherwise; both give the same bits.
+KOKKOS_INLINE_FUNCTION vec load(const float16* p) {
+#if defined(__F16C__) && defined(__AVX512F__)
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+#elif defined(__F16C__) && defined(__AVX__)
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+#elif defined(__F16C__)
+  return _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+#else
+  vec v;
+  for (int i = 0; i < width; ++i) v[i] = to_float(p[i]);
+  return v;
+#endif
+}
 /// Every lane x.
 KOKKOS_INLINE_FUNCTION vec broadcast(float x) {
 #if defined(__AVX512F__)
@@ -123,9 +150,11 @@ inline constexpr int width = 8;
 struct vec {
   float lane[width];
 };
-KOKKOS_INLINE_FUNCTION vec load(const float* p) {
+/// Loads width elements of a storage type from p as float32 (to_float per lane).
+template <StorageType T>
+KOKKOS_INLINE_FUNCTION vec load(const T* p) {
   vec v;
-  for (int i = 0; i < width; ++i) v.lane[i] = p[i];
+  for (int i = 0; i < width; ++i) v.lane[i] = to_float(p[i]);
   return v;
 }
 KOKKOS_INLINE_FUNCTION void store(float* p, const vec& v) {
@@ -187,9 +216,9 @@ KOKKOS_INLINE_FUNCTION void transpose(vec* r) {
 /// fma a step: the register tile of a block of L vectors (queries or tokens, transposed: at is [dim][L])
 /// against K rows (keys), every product of the tile's lanes with a row's channel in one fma. Per (lane,
 /// row) the same chain as kernels::dot of the two vectors, so the same bits. `finish(k, x, s)` receives
-/// each accumulator vector.
-template <int L, int K, class Finish>
-KOKKOS_INLINE_FUNCTION void lane_dots(const float* at, int dim, const float* const* rows, Finish&& finish) {
+/// each accumulator vector. Rows of any storage type (converted by to_float as they are read).
+template <int L, int K, class Row, class Finish>
+KOKKOS_INLINE_FUNCTION void lane_dots(const float* at, int dim, const Row* const* rows, Finish&& finish) {
   static_assert(L % width == 0, "a lane block fills whole register vectors");
   constexpr int V = L / width;
   vec s[K][V];
@@ -199,7 +228,7 @@ KOKKOS_INLINE_FUNCTION void lane_dots(const float* at, int dim, const float* con
     vec a[V];
     for (int x = 0; x < V; ++x) a[x] = load(at + long(c) * L + x * width);
     for (int k = 0; k < K; ++k) {
-      const vec r = broadcast(rows[k][c]);
+      const vec r = broadcast(to_float(rows[k][c]));
       for (int x = 0; x < V; ++x) s[k][x] = fma(a[x], r, s[k][x]);
     }
   }
@@ -211,8 +240,10 @@ KOKKOS_INLINE_FUNCTION void lane_dots(const float* at, int dim, const float* con
 /// fma a step: per row the chain of kernels::dot (the same bits), advanced in vector lanes. One query
 /// against a register's width of rows (the readout's decode step): width channels of the rows are loaded
 /// as width vectors and transposed in registers, so each fma moves every row's chain on by one channel;
-/// channels past the last multiple of width continue the chains one row at a time. `out` [width].
-KOKKOS_INLINE_FUNCTION void row_dots(const float* q, long q_stride, int dim, const float* const* rows, float* out) {
+/// channels past the last multiple of width continue the chains one row at a time. `out` [width]. Rows
+/// of any storage type (converted as they are loaded).
+template <class Row>
+KOKKOS_INLINE_FUNCTION void row_dots(const float* q, long q_stride, int dim, const Row* const* rows, float* out) {
   vec s = broadcast(0.0f);
   int c0 = 0;
   for (; c0 + width <= dim; c0 += width) {
@@ -223,7 +254,7 @@ KOKKOS_INLINE_FUNCTION void row_dots(const float* q, long q_stride, int dim, con
   }
   store(out, s);
   for (int c = c0; c < dim; ++c)
-    for (int k = 0; k < width; ++k) out[k] = mul_add(q[c * q_stride], rows[k][c], out[k]);
+    for (int k = 0; k < width; ++k) out[k] = mul_add(q[c * q_stride], to_float(rows[k][c]), out[k]);
 }
 
 }  // namespace kvmem::kernels::simd

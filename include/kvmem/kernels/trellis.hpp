@@ -19,6 +19,7 @@
 
 #include <Kokkos_Core.hpp>
 #include <string>
+#include <type_traits>
 
 #include "../policy/merge/gradient_descent.hpp"
 #include "../trellis_config.hpp"
@@ -60,14 +61,16 @@ struct TrellisState {
 
 /// Per-chunk scratch, each [B, H, capacity, m] with capacity >= the tokens of a chunk: U1, U2 (loss
 /// gradients at the stale states), G1, G2 (the same rows scaled for the end state,
-/// g_i = gamma_i omega[L-1, i] u_i) and P (f of the pass-1 readout).
+/// g_i = gamma_i omega[L-1, i] u_i) and P (f of the pass-1 readout); Y [B, H, capacity, Dv], the float32
+/// readout of a chunk before it is rounded to an output of a 16-bit storage type (empty for float).
 template <class MemorySpace>
 struct TrellisScratch {
-  Kokkos::View<float****, Kokkos::LayoutRight, MemorySpace> u1, u2, g1, g2, p;
+  Kokkos::View<float****, Kokkos::LayoutRight, MemorySpace> u1, u2, g1, g2, p, y;
 
   [[nodiscard]] long capacity() const { return static_cast<long>(u1.extent(2)); }
-  /// Makes room for chunks of `tokens` tokens (reallocates only to grow; contents are not kept).
-  void reserve(long batch, long heads, long tokens, long slots) {
+  /// Makes room for chunks of `tokens` tokens (reallocates only to grow; contents are not kept), with Y
+  /// for `value_dim` channels (0: no Y).
+  void reserve(long batch, long heads, long tokens, long slots, long value_dim) {
     if (tokens <= capacity() && u1.data() != nullptr) return;
     const auto alloc = [](const char* n) { return Kokkos::view_alloc(Kokkos::WithoutInitializing, std::string(n)); };
     u1 = decltype(u1)(alloc("kvmem::trellis_u1"), batch, heads, tokens, slots);
@@ -75,11 +78,13 @@ struct TrellisScratch {
     g1 = decltype(g1)(alloc("kvmem::trellis_g1"), batch, heads, tokens, slots);
     g2 = decltype(g2)(alloc("kvmem::trellis_g2"), batch, heads, tokens, slots);
     p = decltype(p)(alloc("kvmem::trellis_p"), batch, heads, tokens, slots);
+    if (value_dim > 0) y = decltype(y)(alloc("kvmem::trellis_y"), batch, heads, tokens, value_dim);
   }
 };
 
 /// The runtime inputs of a call, in (sequence, head, token, channel) order with unit channel stride:
-/// q, k [B, H, T, D], v [B, H, T, Dv], alpha [B, H, T, m]; gates beta1, gamma1, beta2, gamma2 [B, H, T].
+/// q, k [B, H, T, D], v [B, H, T, Dv], alpha [B, H, T, m]; gates beta1, gamma1, beta2, gamma2 [B, H, T];
+/// all of one storage type (kvmem/dtype.hpp), read through to_float.
 template <class Tokens, class Gates>
 struct TrellisInputs {
   Tokens q, k, v, alpha;
@@ -109,13 +114,13 @@ void trellis_gradients(const ExecSpace& exec, const TrellisParams& prm,
         if (r >= L) return;
         const long t = first + r;
         float* u = pass == 0 ? &u1(b, h, r, 0) : &u2(b, h, r, 0);
-        const float* key = pass == 0 ? &in.k(b, h, t, 0) : &in.v(b, h, t, 0);
+        const auto* key = pass == 0 ? &in.k(b, h, t, 0) : &in.v(b, h, t, 0);
         const int dim = pass == 0 ? prm.D : prm.Dv;
         for (int s = 0; s < prm.m; ++s) u[s] = dot(pass == 0 ? &m1(b, h, s, 0) : &m2(b, h, s, 0), key, dim);
         merge::GradientDescent::loss_gradient(prm.phi, u, &in.alpha(b, h, t, 0), prm.m, prm.grad_scale);
         float w = 1.0f;  // omega[L-1, r]
-        for (long j = L - 1; j > r; --j) w *= pass == 0 ? in.beta1(b, h, first + j) : in.beta2(b, h, first + j);
-        const float c = (pass == 0 ? in.gamma1(b, h, t) : in.gamma2(b, h, t)) * w;
+        for (long j = L - 1; j > r; --j) w *= to_float(pass == 0 ? in.beta1(b, h, first + j) : in.beta2(b, h, first + j));
+        const float c = to_float(pass == 0 ? in.gamma1(b, h, t) : in.gamma2(b, h, t)) * w;
         float* g = pass == 0 ? &g1(b, h, r, 0) : &g2(b, h, r, 0);
         for (int s = 0; s < prm.m; ++s) g[s] = c * u[s];
       });
@@ -126,8 +131,8 @@ void trellis_gradients(const ExecSpace& exec, const TrellisParams& prm,
 ///   yhat_r = mu1_r (S1 q_r) - sum_{i<=r} gamma1_i omega1[r,i] (q_r . k_i) u1_i        [m]
 ///   p_r    = f(yhat_r)  (kept in scratch p)                                            [m]
 ///   y_r    = phi(mu2_r (S2^T p_r) - sum_{i<=r} gamma2_i omega2[r,i] (p_r . u2_i) v_i)  [Dv]
-/// (phi only if readout2_phi). y [B, H, T, Dv] is written at token first + r. `ln_weight`/`ln_bias` are
-/// [m] or empty.
+/// (phi only if readout2_phi). y [B, H, T, Dv] is written at token first + r, rounded once to its storage
+/// type (summed in scratch Y for a 16-bit one). `ln_weight`/`ln_bias` are [m] or empty.
 template <class ExecSpace, class Tokens, class Gates, class Lengths, class Out, class Weights>
 void trellis_readout(const ExecSpace& exec, const TrellisParams& prm,
                      const TrellisState<typename ExecSpace::memory_space>& st,
@@ -136,8 +141,9 @@ void trellis_readout(const ExecSpace& exec, const TrellisParams& prm,
                      long max_tokens) {
   const long B = static_cast<long>(lengths.extent(0)), H = prm.H, n = B * H * max_tokens;
   if (n == 0) return;
-  const auto m1 = st.m1, m2 = st.m2, u1 = sc.u1, u2 = sc.u2, pbuf = sc.p;
+  const auto m1 = st.m1, m2 = st.m2, u1 = sc.u1, u2 = sc.u2, pbuf = sc.p, ybuf = sc.y;
   const bool affine = ln_weight.data() != nullptr;
+  using out_t = typename Out::non_const_value_type;
   Kokkos::parallel_for(
       "kvmem::tr_read", Kokkos::RangePolicy<ExecSpace, Kokkos::IndexType<long>>(exec, 0, n),
       KOKKOS_LAMBDA(const long idx) {
@@ -147,27 +153,31 @@ void trellis_readout(const ExecSpace& exec, const TrellisParams& prm,
         const int m = prm.m, D = prm.D, Dv = prm.Dv;
         // Pass 1 (key memory): p <- yhat.
         float* p = &pbuf(b, h, r, 0);
-        const float* q = &in.q(b, h, t, 0);
+        const auto* q = &in.q(b, h, t, 0);
         for (int s = 0; s < m; ++s) p[s] = 0.0f;
         float w = 1.0f;  // omega1[r, i]
         for (long i = r; i >= 0; --i) {
-          const float c = in.gamma1(b, h, first + i) * w * dot(q, &in.k(b, h, first + i, 0), D);
+          const float c = to_float(in.gamma1(b, h, first + i)) * w * dot(q, &in.k(b, h, first + i, 0), D);
           const float* ui = &u1(b, h, i, 0);
           for (int s = 0; s < m; ++s) p[s] += c * ui[s];
-          w *= in.beta1(b, h, first + i);
+          w *= to_float(in.beta1(b, h, first + i));
         }
         for (int s = 0; s < m; ++s) p[s] = w * dot(&m1(b, h, s, 0), q, D) - p[s];  // w = mu1_r
         merge::GradientDescent::activate(prm.f, p, m, prm.ln_eps, prm.l2_eps, affine ? ln_weight.data() : nullptr,
                                          affine ? ln_bias.data() : nullptr);
         // Pass 2 (value memory), query p.
-        float* out = &y(b, h, t, 0);
+        float* out = nullptr;  // the float32 sums: y itself, or scratch Y for a 16-bit output
+        if constexpr (std::is_same_v<out_t, float>)
+          out = &y(b, h, t, 0);
+        else
+          out = &ybuf(b, h, r, 0);
         for (int c = 0; c < Dv; ++c) out[c] = 0.0f;
         w = 1.0f;  // omega2[r, i]
         for (long i = r; i >= 0; --i) {
-          const float c = in.gamma2(b, h, first + i) * w * dot(p, &u2(b, h, i, 0), m);
-          const float* vi = &in.v(b, h, first + i, 0);
-          for (int ch = 0; ch < Dv; ++ch) out[ch] += c * vi[ch];
-          w *= in.beta2(b, h, first + i);
+          const float c = to_float(in.gamma2(b, h, first + i)) * w * dot(p, &u2(b, h, i, 0), m);
+          const auto* vi = &in.v(b, h, first + i, 0);
+          for (int ch = 0; ch < Dv; ++ch) out[ch] += c * to_float(vi[ch]);
+          w *= to_float(in.beta2(b, h, first + i));
         }
         for (int ch = 0; ch < Dv; ++ch) {
           float sp = 0.0f;
@@ -175,6 +185,8 @@ void trellis_readout(const ExecSpace& exec, const TrellisParams& prm,
           out[ch] = w * sp - out[ch];  // w = mu2_r
         }
         if (prm.readout2_phi) merge::GradientDescent::apply_phi(prm.phi, out, Dv);
+        if constexpr (!std::is_same_v<out_t, float>)
+          for (int ch = 0; ch < Dv; ++ch) y(b, h, t, ch) = from_float<out_t>(out[ch]);
       });
 }
 
@@ -202,17 +214,17 @@ void trellis_state_update(const ExecSpace& exec, const TrellisParams& prm,
         if (L == 0) return;
         float mu1 = 1.0f, mu2 = 1.0f;
         for (long i = L - 1; i >= 0; --i) {
-          mu1 *= in.beta1(b, h, first + i);
-          mu2 *= in.beta2(b, h, first + i);
+          mu1 *= to_float(in.beta1(b, h, first + i));
+          mu2 *= to_float(in.beta2(b, h, first + i));
         }
         Kokkos::parallel_for(Kokkos::TeamThreadRange(team, prm.D), [&](const int c) {
           float acc = 0.0f;
-          for (long i = L - 1; i >= 0; --i) acc += g1(b, h, i, s) * in.k(b, h, first + i, c);
+          for (long i = L - 1; i >= 0; --i) acc += g1(b, h, i, s) * to_float(in.k(b, h, first + i, c));
           m1(b, h, s, c) = mu1 * m1(b, h, s, c) - acc;
         });
         Kokkos::parallel_for(Kokkos::TeamThreadRange(team, prm.Dv), [&](const int c) {
           float acc = 0.0f;
-          for (long i = L - 1; i >= 0; --i) acc += g2(b, h, i, s) * in.v(b, h, first + i, c);
+          for (long i = L - 1; i >= 0; --i) acc += g2(b, h, i, s) * to_float(in.v(b, h, first + i, c));
           m2(b, h, s, c) = mu2 * m2(b, h, s, c) - acc;
         });
       });
@@ -251,7 +263,7 @@ long trellis_first_bad_gate(const ExecSpace& exec, const TrellisInputs<Tokens, G
       KOKKOS_LAMBDA(const long idx) {
         const long t = idx % T, h = (idx / T) % H, b = (idx / (T * H)) % B, g = idx / (T * H * B);
         if (t >= lengths(b)) return;
-        const float x = g == 0 ? in.beta1(b, h, t) : g == 1 ? in.gamma1(b, h, t) : g == 2 ? in.beta2(b, h, t) : in.gamma2(b, h, t);
+        const float x = to_float(g == 0 ? in.beta1(b, h, t) : g == 1 ? in.gamma1(b, h, t) : g == 2 ? in.beta2(b, h, t) : in.gamma2(b, h, t));
         const bool ok = g % 2 == 0 ? (x >= 0.0f && x <= 1.0f) : (x >= 0.0f && Kokkos::isfinite(x));
         if (!ok) Kokkos::atomic_min(&first_bad(), idx);
       });

@@ -96,14 +96,15 @@ KOKKOS_INLINE_FUNCTION void token_rows_max(const float* at, int dim, long first,
     bv[x] = simd::select(m, sv, bv[x]);
     rv[x] = simd::select(m, simd::broadcast_int(static_cast<int>(row)), rv[x]);
   };
+  using row_ptr = decltype(row_of(first));
   long i = first;
   for (; i + K <= end; i += K) {
-    const float* rows[K];
+    row_ptr rows[K];
     for (int k = 0; k < K; ++k) rows[k] = row_of(i + k);
     simd::lane_dots<L, K>(at, dim, rows, [&](int k, int x, const simd::vec& sv) { keep(i + k, x, sv); });
   }
   for (; i < end; ++i) {
-    const float* rows[1] = {row_of(i)};
+    row_ptr rows[1] = {row_of(i)};
     simd::lane_dots<L, 1>(at, dim, rows, [&](int, int x, const simd::vec& sv) { keep(i, x, sv); });
   }
   for (int x = 0; x < V; ++x) simd::store(best + x * W, bv[x]), simd::store(best_row + x * W, rv[x]);
@@ -142,11 +143,14 @@ KOKKOS_INLINE_FUNCTION bool seeding(long rows_before) {
 /// Folds the block [block_begin, block_begin + block_count) of every plan row into that sequence's
 /// state (all kv-heads). `append_count` is the plan's growth M* - m (spec KVM.md §5.1, OVQ.md §3): that
 /// many tokens found rows, lowest Scorer score first (when seeding, row 0 is one of them). Plan rows with
-/// block_count == 0 are untouched. `max_block` bounds block_count over the batch (<= chunk).
-template <merge::MergePolicy Merge, score::AppendScorer Scorer, class ExecSpace>
+/// block_count == 0 are untouched. `max_block` bounds block_count over the batch (<= chunk). The window and
+/// the read caches are in the storage type T, read as float32; memory keys, scores and every merge sum are
+/// float32, and scores and routes compare with the rows' float32 decision keys (StateRows::decision_key),
+/// so a 16-bit memory takes the float32 memory's decisions on the same window keys (docs/numerics.md).
+template <merge::MergePolicy Merge, score::AppendScorer Scorer, class ExecSpace, StorageType T>
 void update_state(const ExecSpace& exec, const MemoryConfig& cfg, const LayerWeightsRef& w,
-                  const state::StateRows<typename ExecSpace::memory_space>& st,
-                  const state::WindowRing<typename ExecSpace::memory_space>& ring,
+                  const state::StateRows<typename ExecSpace::memory_space, T>& st,
+                  const state::WindowRing<typename ExecSpace::memory_space, T>& ring,
                   const UpdateScratch<typename ExecSpace::memory_space>& scratch,
                   const StepPlan<typename ExecSpace::memory_space>& plan, long max_block) {
   const long B = static_cast<long>(st.keys.extent(0)), H = static_cast<long>(st.keys.extent(1));
@@ -194,7 +198,7 @@ void update_state(const ExecSpace& exec, const MemoryConfig& cfg, const LayerWei
         for (int u = 0; u < L; ++u) at[c * L + u] = u < n ? keys(b, h, j0 + u, c) : 0.0f;
       float best[L];
       int row[L];
-      token_rows_max<L>(at, D, 0, m, false, [&](long i) { return &st.read_keys(b, h, i, 0); }, best, row);
+      token_rows_max<L>(at, D, 0, m, false, [&](long i) { return st.decision_key(b, h, i); }, best, row);
       for (int u = 0; u < n; ++u) scores(b, h, j0 + u) = best[u];
     });
   } else {
@@ -205,7 +209,7 @@ void update_state(const ExecSpace& exec, const MemoryConfig& cfg, const LayerWei
       if (seeding<Merge>(m))
         scores(b, h, j) = seed_score(b, h, j);
       else
-        scores(b, h, j) = Scorer::score(&keys(b, h, j, 0), &st.read_keys(b, h, 0, 0), m, D);
+        scores(b, h, j) = Scorer::score(&keys(b, h, j, 0), st.decision_key(b, h, 0), m, D);
     });
   }
   // 3. select: rank by (score asc, token index asc); the first `selected` found rows. NaN scores (from a
@@ -248,8 +252,7 @@ void update_state(const ExecSpace& exec, const MemoryConfig& cfg, const LayerWei
     new_rows(b, h, j) = row;
     const merge::Row r = st.row(b, h, row);
     Merge::new_row(cfg, r, &keys(b, h, j, 0), &ring.values(b, h, ring.slot(p(b, block_begin) + j), 0));
-    Merge::read_key(cfg, w, r, &st.read_keys(b, h, row, 0));
-    Merge::read_value(cfg, r, &st.read_values(b, h, row, 0));
+    st.template refresh<Merge>(cfg, w, b, h, row);
   });
   // 5. route the other tokens: seeding -> row 0; else argmax over the rows before or after the append,
   //    from the first non-sink row (spec KVM.md §5.5 and §9 #2-#3, OVQ.md §5.1).
@@ -288,7 +291,7 @@ void update_state(const ExecSpace& exec, const MemoryConfig& cfg, const LayerWei
       }
       float best[L];
       int row[L];
-      token_rows_max<L>(at, D, first, end, true, [&](long i) { return &st.read_keys(b, h, i, 0); }, best, row);
+      token_rows_max<L>(at, D, first, end, true, [&](long i) { return st.decision_key(b, h, i); }, best, row);
       for (int u = 0; u < n; ++u) routes(b, h, j0 + u) = routed(b, h, j0 + u) ? row[u] : no_route;
     });
   } else {
@@ -312,14 +315,14 @@ void update_state(const ExecSpace& exec, const MemoryConfig& cfg, const LayerWei
       // Each score is sum_c (g key[c]) khat[c] in channel order; eight rows are scored at a time as
       // independent chains (dot_rows), then compared in row order.
       constexpr int NR = 8;
-      const long stride = end - first > 1 ? &st.read_keys(b, h, first + 1, 0) - &st.read_keys(b, h, first, 0) : 0;
+      const long stride = end - first > 1 ? st.decision_key(b, h, first + 1) - st.decision_key(b, h, first) : 0;
       float s[NR];
       for (long i = first; i < end; i += NR) {
         const long n = Kokkos::min(static_cast<long>(NR), end - i);
         if (n == NR)
-          dot_rows<NR>(key, g, &st.read_keys(b, h, i, 0), stride, D, s);
+          dot_rows<NR>(key, g, st.decision_key(b, h, i), stride, D, s);
         else
-          for (long r = 0; r < n; ++r) dot_rows<1>(key, g, &st.read_keys(b, h, i + r, 0), 0, D, &s[r]);
+          for (long r = 0; r < n; ++r) dot_rows<1>(key, g, st.decision_key(b, h, i + r), 0, D, &s[r]);
         for (long r = 0; r < n; ++r)
           if (s[r] > best || i + r == first) {
             best = s[r];
@@ -357,8 +360,7 @@ void update_state(const ExecSpace& exec, const MemoryConfig& cfg, const LayerWei
       Merge::fold(cfg, r, &keys(b, h, j, 0), &ring.values(b, h, s, 0), Merge::gate(ring.gates(b, h, s)));
     }
     Merge::end_fold(cfg, r);
-    Merge::read_key(cfg, w, r, &st.read_keys(b, h, i, 0));
-    Merge::read_value(cfg, r, &st.read_values(b, h, i, 0));
+    st.template refresh<Merge>(cfg, w, b, h, i);
   });
 }
 

@@ -1,9 +1,13 @@
 #pragma once
 /// \file vector_ops.hpp
 /// Scalar building blocks called by one thread inside kvmem kernels: dot product, L2 norm, layer norm.
-/// Each sums in a fixed order, so a result has the same bits on every run of a backend.
+/// Each sums in a fixed order, so a result has the same bits on every run of a backend. Inputs may be of
+/// any storage type (float, bfloat16, float16: each element is read through to_float, exactly); every
+/// sum is float32, and a float input gives the bits it gave before storage types existed.
 
 #include <Kokkos_Core.hpp>
+
+#include "../dtype.hpp"
 
 namespace kvmem::kernels {
 
@@ -22,9 +26,10 @@ KOKKOS_INLINE_FUNCTION float mul_add(float a, float b, float c) {
 }
 
 /// sum_c a[c] * b[c] over n channels, float accumulation, increasing c (each step one mul_add).
-KOKKOS_INLINE_FUNCTION float dot(const float* a, const float* b, int n) {
+template <class A, class B>
+KOKKOS_INLINE_FUNCTION float dot(const A* a, const B* b, int n) {
   float s = 0.0f;
-  for (int c = 0; c < n; ++c) s = mul_add(a[c], b[c], s);
+  for (int c = 0; c < n; ++c) s = mul_add(to_float(a[c]), to_float(b[c]), s);
   return s;
 }
 
@@ -33,36 +38,43 @@ KOKKOS_INLINE_FUNCTION float dot(const float* a, const float* b, int n) {
 /// that row (g = 1 gives `dot`'s bits: g a[c] is exact). The NR chains are independent, so a thread
 /// keeps NR multiply-adds in flight instead of waiting on every add of one chain (routing and the
 /// novelty score read their rows this way; spec KVM.md §5.3, §5.5).
-template <int NR>
-KOKKOS_INLINE_FUNCTION void dot_rows(const float* a, float g, const float* rows, long stride, int n, float* s) {
+template <int NR, class Row>
+KOKKOS_INLINE_FUNCTION void dot_rows(const float* a, float g, const Row* rows, long stride, int n, float* s) {
   for (int r = 0; r < NR; ++r) s[r] = 0.0f;
   for (int c = 0; c < n; ++c) {
     const float ga = g * a[c];
-    for (int r = 0; r < NR; ++r) s[r] = mul_add(ga, rows[r * stride + c], s[r]);
+    for (int r = 0; r < NR; ++r) s[r] = mul_add(ga, to_float(rows[r * stride + c]), s[r]);
   }
 }
 
 /// ||a||_2 over n channels.
-KOKKOS_INLINE_FUNCTION float norm2(const float* a, int n) { return Kokkos::sqrt(dot(a, a, n)); }
+template <class A>
+KOKKOS_INLINE_FUNCTION float norm2(const A* a, int n) {
+  return Kokkos::sqrt(dot(a, a, n));
+}
 
 /// out = (x - mean(x)) / sqrt(var(x) + eps) * weight + bias over n channels, biased variance (÷ n),
-/// two-pass statistics; channels [0, zero_prefix) of x are read as 0 (kvm-paper Sec. 4 LN_s with the
-/// RoPE channels zeroed first, spec KVM.md §2). `out` may alias `x`.
-KOKKOS_INLINE_FUNCTION void layer_norm(const float* x, int n, int zero_prefix, const float* weight,
-                                       const float* bias, float eps, float* out) {
+/// two-pass statistics, every multiply-add one mul_add (so the bits do not depend on how the compiler
+/// vectorizes a caller: a 16-bit memory's LayerNorm of its widened keys is the float32 memory's, bit for
+/// bit); channels [0, zero_prefix) of x are read as 0 (kvm-paper Sec. 4 LN_s with the
+/// RoPE channels zeroed first, spec KVM.md §2). `out` may alias `x`; it receives the result rounded to its
+/// storage type (from_float).
+template <class In, class Out>
+KOKKOS_INLINE_FUNCTION void layer_norm(const In* x, int n, int zero_prefix, const float* weight, const float* bias,
+                                       float eps, Out* out) {
   float mean = 0.0f;
-  for (int c = zero_prefix; c < n; ++c) mean += x[c];
+  for (int c = zero_prefix; c < n; ++c) mean += to_float(x[c]);
   mean /= static_cast<float>(n);
   float var = 0.0f;
   for (int c = 0; c < n; ++c) {
-    const float d = (c < zero_prefix ? 0.0f : x[c]) - mean;
-    var += d * d;
+    const float d = (c < zero_prefix ? 0.0f : to_float(x[c])) - mean;
+    var = mul_add(d, d, var);
   }
   var /= static_cast<float>(n);
   const float inv = 1.0f / Kokkos::sqrt(var + eps);
   for (int c = 0; c < n; ++c) {
-    const float xc = c < zero_prefix ? 0.0f : x[c];
-    out[c] = (xc - mean) * inv * weight[c] + bias[c];
+    const float xc = c < zero_prefix ? 0.0f : to_float(x[c]);
+    out[c] = from_float<Out>(mul_add((xc - mean) * inv, weight[c], bias[c]));
   }
 }
 

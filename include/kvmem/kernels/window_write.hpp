@@ -13,10 +13,12 @@ namespace kvmem::kernels {
 /// For every sequence b and kv-head h, copies tokens at positions [write_begin, write_end) of plan row b
 /// from k [B, Hkv, T, D] (through Merge::window_key), v [B, Hkv, T, Dv] (input index = position -
 /// input_offset) and gate [B, Hkv, T] into ring slot position % slots. `max_tokens` bounds
-/// write_end - write_begin over the batch. An empty `gate` view writes z = 0.
-template <class Merge, class ExecSpace, class KeysIn, class GateIn>
+/// write_end - write_begin over the batch. An empty `gate` view writes z = 0. Keys and values are stored
+/// in the ring's storage type T (the inputs are of that type; window_key computes in float32 and rounds
+/// once), gates as float32.
+template <class Merge, class ExecSpace, StorageType T, class KeysIn, class GateIn>
 void write_window(const ExecSpace& exec, const MemoryConfig& cfg,
-                  const state::WindowRing<typename ExecSpace::memory_space>& ring,
+                  const state::WindowRing<typename ExecSpace::memory_space, T>& ring,
                   const StepPlan<typename ExecSpace::memory_space>& plan, const KeysIn& k, const KeysIn& v,
                   const GateIn& gate, long max_tokens) {
   const long B = static_cast<long>(ring.keys.extent(0)), H = static_cast<long>(ring.keys.extent(1));
@@ -34,7 +36,7 @@ void write_window(const ExecSpace& exec, const MemoryConfig& cfg,
         const long t = pos - p(b, input_offset), s = ring.slot(pos);
         Merge::window_key(cfg, &k(b, h, t, 0), &ring.keys(b, h, s, 0));
         for (int c = 0; c < Dv; ++c) ring.values(b, h, s, c) = v(b, h, t, c);
-        ring.gates(b, h, s) = has_gate ? gate(b, h, t) : 0.0f;
+        ring.gates(b, h, s) = has_gate ? to_float(gate(b, h, t)) : 0.0f;
       });
 }
 

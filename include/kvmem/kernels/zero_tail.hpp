@@ -18,7 +18,7 @@ void zero_tail(const ExecSpace& exec, const Out& y, const Lengths& lengths) {
       KOKKOS_LAMBDA(const long idx) {
         const long t = idx % T, h = (idx / T) % H, b = idx / (T * H);
         if (t < lengths(b)) return;
-        for (long c = 0; c < C; ++c) y(b, h, t, c) = 0.0f;
+        for (long c = 0; c < C; ++c) y(b, h, t, c) = typename Out::non_const_value_type{};  // +0 in any storage type
       });
 }
 

@@ -5,11 +5,14 @@
 
 #include <Kokkos_Core.hpp>
 
+#include "../dtype.hpp"
+
 namespace kvmem::state {
 
 /// The cache of a batch, LayoutRight. Per (sequence b, kv-head h), `slots` = budget + 1 rows (a step holds
 /// B + 1 tokens between its append and its eviction):
-/// - `keys` [B, Hkv, slots, D], `values` [B, Hkv, slots, Dv]: float32 key and value of the token in a slot;
+/// - `keys` [B, Hkv, slots, D], `values` [B, Hkv, slots, Dv]: key and value of the token in a slot, in the
+///   memory's storage type T (kvmem/dtype.hpp), as the input gave them;
 /// - `positions` [B, Hkv, slots]: its position (tokens since the start of the sequence), -1 for a free slot;
 /// - `stats` [B, Hkv, slots]: the scorer's float64 statistic of the token (score, accumulated attention);
 /// - `order` [B, Hkv, slots]: slots of the cached tokens in increasing position, entries [0, live);
@@ -17,9 +20,10 @@ namespace kvmem::state {
 /// - `logits` [B, Hkv, slots] float32, and `logits64`, `probabilities` [B, Hkv, slots] float64: per-step
 ///   scratch of the readout (the float64 ones only for scorers that need probabilities, else empty).
 /// A slot's row is written when its token enters and freed when it is evicted: nothing moves in between.
-template <class MemorySpace>
+template <class MemorySpace, StorageType T = float>
 struct EvictionCache {
-  Kokkos::View<float****, Kokkos::LayoutRight, MemorySpace> keys, values;
+  using storage_type = T;
+  Kokkos::View<T****, Kokkos::LayoutRight, MemorySpace> keys, values;
   Kokkos::View<long***, Kokkos::LayoutRight, MemorySpace> positions;
   Kokkos::View<double***, Kokkos::LayoutRight, MemorySpace> stats, probabilities, logits64;
   Kokkos::View<int***, Kokkos::LayoutRight, MemorySpace> order;

@@ -11,7 +11,7 @@
 
 namespace kvmem::merge {
 
-/// A merge policy is a stateless type of static hooks and traits (vectors are contiguous float32).
+/// A merge policy is a stateless type of static hooks and traits (vectors are contiguous; state rows float32).
 /// Derive from merge::Defaults and override what differs; see docs/writing-a-policy.md.
 ///
 /// Traits (static constexpr bool):
@@ -34,6 +34,11 @@ namespace kvmem::merge {
 /// - `new_row(cfg, row, key, value)`: a token founds a row;
 /// - `begin_fold(cfg, row)`, `fold(cfg, row, key, value, g)`, `end_fold(cfg, row)`: the tokens routed to a
 ///   row are folded in token order between begin_fold and end_fold.
+/// The concept checks the hooks with float32 tokens. A memory whose storage type T (kvmem/dtype.hpp) is
+/// bfloat16 or float16 passes T pointers where tokens are read or written (window_key's k and out,
+/// memory_key's window key, read_key's and read_value's out, logit_scale's q, new_row's and fold's value):
+/// a policy used with such a memory declares those hooks as templates over the element type, reads through
+/// kvmem::to_float and stores through kvmem::from_float, as merge::Defaults does.
 template <class M>
 concept MergePolicy = requires(const MemoryConfig& cfg, const LayerWeightsRef& w, const float* x, float* out,
                                const Row& row, float z, int n) {

@@ -13,6 +13,7 @@
 #include <string>
 #include <string_view>
 
+#include "../../dtype.hpp"
 #include "../../errors.hpp"
 
 namespace kvmem::merge {
@@ -164,35 +165,38 @@ struct GradientDescent {
   /// The inner-loss gradient with respect to z = M k (spec TRELLIS.md §2.2, trellis-paper eq. 6):
   ///   u = grad_scale * J_phi(z)^T (phi(z) - alpha),
   /// in place over the m slots: `zu` holds z on entry and u on return. grad_scale is 2 for the true
-  /// gradient of ||phi(z) - alpha||^2 (§7 A2). With phi = softmax and m = 1, u = 0 exactly.
-  KOKKOS_INLINE_FUNCTION static void loss_gradient(Phi phi, float* zu, const float* alpha, int m, float grad_scale) {
+  /// gradient of ||phi(z) - alpha||^2 (§7 A2). With phi = softmax and m = 1, u = 0 exactly. `alpha` [m] of
+  /// any storage type (read through to_float).
+  template <class A>
+  KOKKOS_INLINE_FUNCTION static void loss_gradient(Phi phi, float* zu, const A* alpha_in, int m, float grad_scale) {
+    auto alpha = [&](int i) { return to_float(alpha_in[i]); };
     switch (phi) {
       case Phi::identity:
-        for (int i = 0; i < m; ++i) zu[i] = grad_scale * (zu[i] - alpha[i]);
+        for (int i = 0; i < m; ++i) zu[i] = grad_scale * (zu[i] - alpha(i));
         break;
       case Phi::silu:
         for (int i = 0; i < m; ++i) {
           const float z = zu[i], s = sigmoid(z);
-          zu[i] = grad_scale * ((z * s - alpha[i]) * s * (1.0f + z * (1.0f - s)));
+          zu[i] = grad_scale * ((z * s - alpha(i)) * s * (1.0f + z * (1.0f - s)));
         }
         break;
       case Phi::tanh:
         for (int i = 0; i < m; ++i) {
           const float t = Kokkos::tanh(zu[i]);
-          zu[i] = grad_scale * ((t - alpha[i]) * (1.0f - t * t));
+          zu[i] = grad_scale * ((t - alpha(i)) * (1.0f - t * t));
         }
         break;
       case Phi::sigmoid:
         for (int i = 0; i < m; ++i) {
           const float s = sigmoid(zu[i]);
-          zu[i] = grad_scale * ((s - alpha[i]) * s * (1.0f - s));
+          zu[i] = grad_scale * ((s - alpha(i)) * s * (1.0f - s));
         }
         break;
       case Phi::softmax: {
         softmax(zu, m);  // zu = p
         float pe = 0.0f;
-        for (int i = 0; i < m; ++i) pe += zu[i] * (zu[i] - alpha[i]);
-        for (int i = 0; i < m; ++i) zu[i] = grad_scale * (zu[i] * ((zu[i] - alpha[i]) - pe));
+        for (int i = 0; i < m; ++i) pe += zu[i] * (zu[i] - alpha(i));
+        for (int i = 0; i < m; ++i) zu[i] = grad_scale * (zu[i] * ((zu[i] - alpha(i)) - pe));
         break;
       }
     }

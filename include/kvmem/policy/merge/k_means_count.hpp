@@ -21,12 +21,14 @@ struct KMeansCount : Defaults {
   static constexpr float key_eps = 1e-5f;  ///< spec OVQ.md §9 #6: x / (||x|| + 1e-5)
 
   /// khat = k / (||k||_2 + 1e-5), [D] (spec OVQ.md §2).
-  KOKKOS_INLINE_FUNCTION static void window_key(const MemoryConfig& cfg, const float* k, float* out) {
+  template <class In, class Out>
+  KOKKOS_INLINE_FUNCTION static void window_key(const MemoryConfig& cfg, const In* k, Out* out) {
     const float inv = 1.0f / (kernels::norm2(k, cfg.head_dim) + key_eps);
-    for (int c = 0; c < cfg.head_dim; ++c) out[c] = k[c] * inv;
+    for (int c = 0; c < cfg.head_dim; ++c) out[c] = from_float<Out>(to_float(k[c]) * inv);
   }
   /// beta * sqrt(D) / (||q|| + 1e-5): the logit is beta * sqrt(D) * qhat · key (spec OVQ.md §2, §4).
-  KOKKOS_INLINE_FUNCTION static float logit_scale(float beta, const float* q, int head_dim) {
+  template <class Q>
+  KOKKOS_INLINE_FUNCTION static float logit_scale(float beta, const Q* q, int head_dim) {
     return beta * Kokkos::sqrt(static_cast<float>(head_dim)) / (kernels::norm2(q, head_dim) + key_eps);
   }
   /// log(count): a centroid weighs as many tokens as it absorbed (spec OVQ.md §4).
@@ -44,8 +46,9 @@ struct KMeansCount : Defaults {
     if (cfg.normalize_rows) normalize(cfg, row);
   }
   /// A founding token's centroid is the token itself (normalized too when normalize_rows is on).
+  template <class V>
   KOKKOS_INLINE_FUNCTION static void new_row(const MemoryConfig& cfg, const Row& row, const float* key,
-                                             const float* value) {
+                                             const V* value) {
     Defaults::new_row(cfg, row, key, value);
     if (cfg.normalize_rows) normalize(cfg, row);
   }

@@ -7,6 +7,7 @@
 #include <concepts>
 #include <string_view>
 
+#include "../../dtype.hpp"
 #include "../../eviction_config.hpp"
 
 namespace kvmem::score {
@@ -26,6 +27,9 @@ namespace kvmem::score {
 /// Effective score of token t at step q (spec §4): base = `base_score(stat, t, q, G)`, then
 ///   n = 1: base - t * log_decay(h)  (q * log_decay(h) is the same for every token and is left out);
 ///   n > 1: base + floor((q - t) / n) * log_decay(h).
+/// Keys and values reach absorb and delayed_score as the memory caches them, in its storage type
+/// (kvmem/dtype.hpp; the concept checks float32): a scorer used with bfloat16 or float16 storage takes them
+/// as templates and reads them through kvmem::to_float, as the scorers here do.
 /// Higher is better. `bind` (host) is called once by the memory with its batch size and config, and may
 /// allocate state or throw kvmem::invalid_argument; `reset` (host) returns the state to that of an empty
 /// cache.
@@ -40,8 +44,14 @@ struct EvictionDefaults {
 
   void bind(long /*batch*/, const EvictionConfig& /*cfg*/) {}
   void reset() const {}
-  KOKKOS_INLINE_FUNCTION double absorb(long, int, long, const float*, const float*) const { return 0.0; }
-  KOKKOS_INLINE_FUNCTION double delayed_score(long, int, long, const float*, const float*) const { return 0.0; }
+  template <class K, class V>
+  KOKKOS_INLINE_FUNCTION double absorb(long, int, long, const K*, const V*) const {
+    return 0.0;
+  }
+  template <class K, class V>
+  KOKKOS_INLINE_FUNCTION double delayed_score(long, int, long, const K*, const V*) const {
+    return 0.0;
+  }
   KOKKOS_INLINE_FUNCTION double attended(double stat, double, int) const { return stat; }
   KOKKOS_INLINE_FUNCTION double base_score(double stat, long, long, int) const { return stat; }
   KOKKOS_INLINE_FUNCTION double log_decay(int) const { return log_gamma; }

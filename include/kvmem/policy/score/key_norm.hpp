@@ -14,9 +14,10 @@ struct KeyNorm : EvictionDefaults {
   static constexpr std::string_view name = "knorm";
   int head_dim = 0;
   void bind(long, const EvictionConfig& cfg) { head_dim = cfg.head_dim; }
-  KOKKOS_INLINE_FUNCTION double absorb(long, int, long, const float* key, const float*) const {
+  template <class K, class V>
+  KOKKOS_INLINE_FUNCTION double absorb(long, int, long, const K* key, const V*) const {
     double s = 0.0;
-    for (int c = 0; c < head_dim; ++c) s += static_cast<double>(key[c]) * key[c];
+    for (int c = 0; c < head_dim; ++c) s += static_cast<double>(to_float(key[c])) * to_float(key[c]);
     return -Kokkos::sqrt(s);
   }
 };

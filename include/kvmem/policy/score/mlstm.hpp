@@ -68,7 +68,8 @@ struct MLstm : EvictionDefaults {
   }
 
   /// Absorbs token t into the state of (b, h); returns 0 (the score comes later, delayed_score).
-  KOKKOS_INLINE_FUNCTION double absorb(long b, int h, long, const float* key, const float* value) const {
+  template <class K, class V>
+  KOKKOS_INLINE_FUNCTION double absorb(long b, int h, long, const K* key, const V* value) const {
     const int D = head_dim, hh = D / 2;
     double* kf = &work(b, h, 0);
     double* vf = &work(b, h, D);
@@ -90,7 +91,8 @@ struct MLstm : EvictionDefaults {
   }
 
   /// score_u of token u (key_u, value_u as cached) read from the current state of (b, h).
-  KOKKOS_INLINE_FUNCTION double delayed_score(long b, int h, long, const float* key, const float* value) const {
+  template <class K, class V>
+  KOKKOS_INLINE_FUNCTION double delayed_score(long b, int h, long, const K* key, const V* value) const {
     const int D = head_dim, hh = D / 2;
     double* qf = &work(b, h, 0);
     feature(weights.w_q, h, key, value, qf);
@@ -116,18 +118,19 @@ struct MLstm : EvictionDefaults {
 
  private:
   KOKKOS_INLINE_FUNCTION double cap(double z) const { return soft_cap > 0.0 ? soft_cap * Kokkos::tanh(z / soft_cap) : z; }
-  KOKKOS_INLINE_FUNCTION double x_at(const float* key, const float* value, int j) const {
-    return j < head_dim ? static_cast<double>(key[j]) : static_cast<double>(value[j - head_dim]);
+  template <class K, class V>
+  KOKKOS_INLINE_FUNCTION double x_at(const K* key, const V* value, int j) const {
+    return j < head_dim ? static_cast<double>(to_float(key[j])) : static_cast<double>(to_float(value[j - head_dim]));
   }
-  template <class W>
-  KOKKOS_INLINE_FUNCTION double dot_x(const W& w, int h, const float* key, const float* value) const {
+  template <class W, class K, class V>
+  KOKKOS_INLINE_FUNCTION double dot_x(const W& w, int h, const K* key, const V* value) const {
     double s = 0.0;
     for (int j = 0; j < head_dim + value_dim; ++j) s += x_at(key, value, j) * w(h, j);
     return s;
   }
   /// out[a] = sum_j x_j W[h, j, a], a < D / 2.
-  template <class W>
-  KOKKOS_INLINE_FUNCTION void project(const W& w, int h, const float* key, const float* value, double* out) const {
+  template <class W, class K, class V>
+  KOKKOS_INLINE_FUNCTION void project(const W& w, int h, const K* key, const V* value, double* out) const {
     const int hh = head_dim / 2;
     for (int a = 0; a < hh; ++a) out[a] = 0.0;
     for (int j = 0; j < head_dim + value_dim; ++j) {
@@ -136,8 +139,8 @@ struct MLstm : EvictionDefaults {
     }
   }
   /// out [D] = HH(x W[h]) = [softmax(y) ; softmax(-y)], y = x W[h] [D / 2].
-  template <class W>
-  KOKKOS_INLINE_FUNCTION void feature(const W& w, int h, const float* key, const float* value, double* out) const {
+  template <class W, class K, class V>
+  KOKKOS_INLINE_FUNCTION void feature(const W& w, int h, const K* key, const V* value, double* out) const {
     const int hh = head_dim / 2;
     project(w, h, key, value, out);
     double hi = out[0], lo = out[0];

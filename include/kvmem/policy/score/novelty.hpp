@@ -19,7 +19,9 @@ struct Novelty {
   static constexpr bool max_similarity = true;
   /// `rows_keys` [rows, dim], row-major. Eight rows are scored at a time as independent chains
   /// (kernels::dot_rows, the same bits as one `dot` per row), then compared in row order.
-  KOKKOS_INLINE_FUNCTION static float score(const float* key, const float* rows_keys, long rows, int dim) {
+  /// The rows' read keys may be of any storage type (read through to_float).
+  template <class Row>
+  KOKKOS_INLINE_FUNCTION static float score(const float* key, const Row* rows_keys, long rows, int dim) {
     constexpr int NR = 8;
     float best = -Kokkos::Experimental::infinity_v<float>;
     float s[NR];

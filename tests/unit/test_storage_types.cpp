@@ -1,0 +1,391 @@
+// Storage types (kvmem/dtype.hpp): bfloat16 and float16 conversions against their definition, the SIMD
+// loads against the scalar conversion, and exact attention and the KVM memory holding their tokens in
+// bfloat16 / float16 against the float64 reference within the bound of docs/numerics.md, with prefill ==
+// decode bit for bit inside one storage type.
+#include <Kokkos_Core.hpp>
+#include <catch2/catch_template_test_macros.hpp>
+#include <catch2/catch_test_macros.hpp>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <random>
+#include <vector>
+
+#include <kvmem/kernels/exact_attention.hpp>
+#include <kvmem/io/safetensors.hpp>
+#include <kvmem/kernels/simd.hpp>
+
+#include "float_bits.hpp"
+#include "kvm_harness.hpp"
+#include "storage_bound.hpp"
+
+using kvmem::bfloat16;
+using kvmem::float16;
+using exec = Kokkos::DefaultHostExecutionSpace;
+
+namespace {
+
+template <class S>
+S from_bits(std::uint16_t b) {
+  S s;
+  s.bits = b;
+  return s;
+}
+template <class S>
+constexpr std::uint16_t largest_finite = std::is_same_v<S, bfloat16> ? 0x7f7f : 0x7bff;
+
+/// Whether `r` is x rounded to nearest, ties to even, among the finite values of S (x inside S's range).
+template <class S>
+bool nearest_even(float x, S r) {
+  const double want = x, got = kvmem::to_float(r);
+  for (int step : {-1, 1}) {
+    const std::uint16_t nb = static_cast<std::uint16_t>(r.bits + step);
+    if ((nb & 0x7fff) > largest_finite<S> || ((nb ^ r.bits) & 0x8000)) continue;  // past Inf or the sign
+    const double other = kvmem::to_float(from_bits<S>(nb));
+    if (std::abs(want - other) < std::abs(want - got)) return false;
+    if (std::abs(want - other) == std::abs(want - got) && (r.bits & 1)) return false;  // a tie goes to even
+  }
+  return true;
+}
+
+}  // namespace
+
+TEMPLATE_TEST_CASE("a 16-bit storage type widens exactly and rounds to nearest even", "[dtype]", bfloat16, float16) {
+  using S = TestType;
+  // Every bit pattern: widening is exact, so rounding the widened value gives the pattern back.
+  long mismatches = 0;
+  for (std::uint32_t b = 0; b < 65536; ++b) {
+    const S s = from_bits<S>(static_cast<std::uint16_t>(b));
+    const float x = kvmem::to_float(s);
+    const S back = kvmem::from_float<S>(x);
+    if (std::isnan(x))
+      mismatches += !std::isnan(kvmem::to_float(back));
+    else
+      mismatches += back.bits != s.bits;
+  }
+  CHECK(mismatches == 0);
+  // Random float32 values over S's whole range, and the midpoints between neighbours (exact ties).
+  std::mt19937 rng(7);
+  std::uniform_int_distribution<std::uint32_t> bits;
+  const float top = kvmem::to_float(from_bits<S>(largest_finite<S>));
+  long wrong = 0;
+  for (int i = 0; i < 200000; ++i) {
+    const float x = Kokkos::bit_cast<float>(bits(rng));
+    if (!std::isfinite(x) || std::abs(x) > top) continue;
+    wrong += !nearest_even(x, kvmem::from_float<S>(x));
+  }
+  for (std::uint32_t b = 0; b + 1 < largest_finite<S>; b += 7) {
+    const double lo = kvmem::to_float(from_bits<S>(static_cast<std::uint16_t>(b)));
+    const double hi = kvmem::to_float(from_bits<S>(static_cast<std::uint16_t>(b + 1)));
+    const float mid = static_cast<float>((lo + hi) / 2);  // exact in float32
+    const S r = kvmem::from_float<S>(mid);
+    wrong += (r.bits & 1) != 0 || (r.bits != b && r.bits != b + 1);
+  }
+  CHECK(wrong == 0);
+}
+
+TEMPLATE_TEST_CASE("a 16-bit storage type saturates finite values and keeps Inf and NaN", "[dtype]", bfloat16, float16) {
+  using S = TestType;
+  const float big = std::numeric_limits<float>::max(), inf = std::numeric_limits<float>::infinity();
+  CHECK(kvmem::from_float<S>(big).bits == largest_finite<S>);
+  CHECK(kvmem::from_float<S>(-big).bits == (largest_finite<S> | 0x8000));
+  CHECK(std::isinf(kvmem::to_float(kvmem::from_float<S>(inf))));
+  CHECK(kvmem::to_float(kvmem::from_float<S>(-inf)) == -inf);
+  CHECK(std::isnan(kvmem::to_float(kvmem::from_float<S>(std::numeric_limits<float>::quiet_NaN()))));
+  CHECK(kvmem::from_float<S>(-0.0f).bits == 0x8000);
+  if constexpr (std::is_same_v<S, float16>) {
+    CHECK(kvmem::to_float(kvmem::from_float<S>(65504.0f)) == 65504.0f);
+    CHECK(kvmem::from_float<S>(65519.0f).bits == 0x7bff);  // rounds down to 65,504
+    CHECK(kvmem::from_float<S>(65520.0f).bits == 0x7bff);  // would round to Inf: saturates
+    CHECK(kvmem::from_float<S>(1e9f).bits == 0x7bff);
+    CHECK(kvmem::from_float<S>(0x1p-24f).bits == 0x0001);      // smallest subnormal
+    CHECK(kvmem::from_float<S>(0x1p-25f).bits == 0x0000);      // a tie: to even (zero)
+    CHECK(kvmem::from_float<S>(0x1.8p-24f).bits == 0x0002);    // a tie: to even (two)
+    CHECK(kvmem::from_float<S>(0x1.ff8p-15f).bits == 0x03ff);  // the largest subnormal
+    CHECK(kvmem::from_float<S>(0x1.ffcp-15f).bits == 0x0400);  // a tie: up to even, the smallest normal
+  } else {
+    CHECK(kvmem::to_float(kvmem::from_float<S>(1.0f + 0x1p-8f)) == 1.0f);  // a tie: to even
+    CHECK(kvmem::to_float(kvmem::from_float<S>(1.0f + 0x1.8p-8f)) == 1.0f + 0x1p-7f);
+  }
+}
+
+TEMPLATE_TEST_CASE("the SIMD load of a storage type widens as the scalar conversion does", "[dtype][simd]", bfloat16,
+                   float16) {
+  using S = TestType;
+  constexpr int W = kvmem::kernels::simd::width;
+  std::vector<S> all(65536);
+  for (std::uint32_t b = 0; b < 65536; ++b) all[b] = from_bits<S>(static_cast<std::uint16_t>(b));
+  long differ = 0;
+  float lanes[W];
+  for (std::uint32_t b = 0; b < 65536; b += W) {
+    kvmem::kernels::simd::store(lanes, kvmem::kernels::simd::load(&all[b]));
+    for (int i = 0; i < W; ++i) {
+      const float want = kvmem::to_float(all[b + i]);
+      differ += std::isnan(want) ? !std::isnan(lanes[i]) : !kvmem_test::same_bits(lanes[i], want);
+    }
+  }
+  CHECK(differ == 0);
+}
+
+namespace {
+
+/// Exact attention with q, k, v, y of the storage type S against a float64 softmax of the same (rounded)
+/// inputs: y [B, Hq, T, Dv] widened to float, and the bound's check.
+/// q [B, Hq, T, D], k [B, Hkv, T, D], v [B, Hkv, T, Dv] row-major, rounded here.
+template <class S>
+void exact_attention_within_bound(long B, long Hq, long Hkv, long T, long D, long Dv, std::vector<float> q,
+                                  std::vector<float> k, std::vector<float> v) {
+  for (auto* x : {&q, &k, &v})
+    for (auto& e : *x) e = kvmem::to_float(kvmem::from_float<S>(e));
+  const auto qs = kvmem_test::stored_as<S>(q), ks = kvmem_test::stored_as<S>(k), vs = kvmem_test::stored_as<S>(v);
+  using cview = Kokkos::View<const S****, Kokkos::LayoutRight, Kokkos::HostSpace, Kokkos::MemoryUnmanaged>;
+  Kokkos::View<S****, Kokkos::LayoutRight, Kokkos::HostSpace> y("y", B, Hq, T, Dv);
+  kvmem::kernels::exact_causal_attention(exec(), cview(qs.data(), B, Hq, T, D), cview(ks.data(), B, Hkv, T, D),
+                                         cview(vs.data(), B, Hkv, T, Dv), y);
+  // One decode step at the last position gives that row of the prompt bit for bit.
+  Kokkos::View<S****, Kokkos::LayoutRight, Kokkos::HostSpace> y1("y1", B, Hq, 1, Dv);
+  std::vector<S> q_last(B * Hq * D);
+  for (long bh = 0; bh < B * Hq; ++bh)
+    for (long c = 0; c < D; ++c) q_last[bh * D + c] = qs[(bh * T + T - 1) * D + c];
+  kvmem::kernels::exact_causal_attention(exec(), cview(q_last.data(), B, Hq, 1, D), cview(ks.data(), B, Hkv, T, D),
+                                         cview(vs.data(), B, Hkv, T, Dv), y1, nullptr, T - 1);
+  double worst_excess = -1.0;
+  long differ = 0;
+  const long G = Hq / Hkv;
+  for (long b = 0; b < B; ++b)
+    for (long hq = 0; hq < Hq; ++hq)
+      for (long u = 0; u < T; ++u) {
+        const long h = hq / G;
+        std::vector<double> logit(u + 1);
+        double top = -INFINITY, sum = 0.0, logit_abs = 0.0, vmax = 0.0;
+        for (long p = 0; p <= u; ++p) {
+          double s = 0.0, a = 0.0;
+          for (long c = 0; c < D; ++c) {
+            const double prod = double(q[((b * Hq + hq) * T + u) * D + c]) * k[((b * Hkv + h) * T + p) * D + c];
+            s += prod, a += std::abs(prod);
+          }
+          logit[p] = s / std::sqrt(double(D));
+          logit_abs = std::max(logit_abs, a / std::sqrt(double(D)));
+          top = std::max(top, logit[p]);
+          for (long c = 0; c < Dv; ++c) vmax = std::max(vmax, std::abs(double(v[((b * Hkv + h) * T + p) * Dv + c])));
+        }
+        std::vector<double> ref(Dv, 0.0);
+        for (long p = 0; p <= u; ++p) {
+          const double e = std::exp(logit[p] - top);
+          sum += e;
+          for (long c = 0; c < Dv; ++c) ref[c] += e * v[((b * Hkv + h) * T + p) * Dv + c];
+        }
+        // Exact attention holds nothing of its own: keys and values are the inputs, only y is rounded.
+        const kvmem_test::StorageBound bound{kvmem::unit_roundoff<S>, 0.0, 0.0, double(D), double(u + 1), logit_abs, vmax};
+        for (long c = 0; c < Dv; ++c)
+          worst_excess = std::max(worst_excess, std::abs(kvmem::to_float(y(b, hq, u, c)) - ref[c] / sum) - bound.value());
+        if (u == T - 1)
+          for (long c = 0; c < Dv; ++c) differ += y1(b, hq, 0, c).bits != y(b, hq, u, c).bits;
+      }
+  CHECK(worst_excess <= 0.0);
+  CHECK(differ == 0);
+}
+
+}  // namespace
+
+TEMPLATE_TEST_CASE("exact attention over bfloat16 / float16 tokens stays within the storage bound", "[dtype][exact]",
+                   bfloat16, float16) {
+  const long B = 2, T = 70, D = 20, Dv = 12;
+  for (auto [Hq, Hkv] : {std::pair{1L, 1L}, {4L, 2L}, {40L, 1L}}) {
+    INFO("Hq=" << Hq << " Hkv=" << Hkv);
+    exact_attention_within_bound<TestType>(B, Hq, Hkv, T, D, Dv, kvmem_test::uniform(B * Hq * T * D, 21),
+                                           kvmem_test::uniform(B * Hkv * T * D, 22),
+                                           kvmem_test::uniform(B * Hkv * T * Dv, 23));
+  }
+}
+
+namespace {
+
+/// A KVM case whose merge decisions cannot depend on rounding: sinks = chunk - 1 and a fixed budget of one
+/// chunk of rows leave one non-sink row, so every merged token routes to it and no token is ever ranked.
+/// The bound then covers every output (docs/numerics.md: decisions are discrete; a near-tie may go either
+/// way once keys are rounded, and the bound holds where the decisions are the reference's).
+kvmem_test::KvmCase single_target_case(unsigned seed) {
+  kvmem_test::KvmCase c;
+  c.B = 2, c.Hq = 4, c.Hkv = 2, c.T = 72, c.D = 16, c.Dv = 12, c.seed = seed;
+  c.lengths = {72, 45};
+  c.params.chunk = 8, c.params.window_chunks = 2, c.params.rope_dims = 4, c.params.sinks = 7;
+  c.params.schedule = kvmem_ref::Schedule::fixed, c.params.min_len = 8, c.params.max_chunks = 1;
+  c.generate();
+  return c;
+}
+
+/// max over the case's queries, heads and keys of scale * ||q|| * ||key||, where a key is a window key or a
+/// state row's read key LN_s(K): ||LN_s(K)|| <= max|w| sqrt(D) + ||b||.
+double kvm_logit_abs(const kvmem_test::KvmCase& c) {
+  double qmax = 0.0, kmax = 0.0, wmax = 0.0, bnorm = 0.0, tau = 0.0;
+  auto norm = [](const float* x, long n) {
+    double s = 0.0;
+    for (long i = 0; i < n; ++i) s += double(x[i]) * x[i];
+    return std::sqrt(s);
+  };
+  for (long i = 0; i < c.B * c.Hq * c.T; ++i) qmax = std::max(qmax, norm(&c.q[i * c.D], c.D));
+  for (long i = 0; i < c.B * c.Hkv * c.T; ++i) kmax = std::max(kmax, norm(&c.k[i * c.D], c.D));
+  for (long i = 0; i < c.D; ++i) wmax = std::max(wmax, std::abs(double(c.ln_weight[i])));
+  bnorm = norm(c.ln_bias.data(), c.D);
+  for (long h = 0; h < c.Hq; ++h) tau = std::max({tau, std::abs(double(c.tau_state[h])), std::abs(double(c.tau_bswa[h]))});
+  return tau / std::sqrt(double(c.D)) * qmax * std::max(kmax, wmax * std::sqrt(double(c.D)) + bnorm);
+}
+
+/// The KVM memory over case c (inputs rounded to S here) against the float64 reference within the bound.
+template <class S>
+void kvm_within_bound(kvmem_test::KvmCase c, kvmem_test::Mode mode) {
+  c.round_inputs<S>();
+  INFO("seed " << c.seed << " mode " << static_cast<int>(mode));
+  const auto got = kvmem_test::run_kvm<exec, S>(c, mode, c.T / 2);
+  double vmax = 0.0;  // a read value's element is at most its row's radius, a token's ||v||
+  for (long i = 0; i < c.B * c.Hkv * c.T; ++i) {
+    double s = 0.0;
+    for (long d = 0; d < c.Dv; ++d) s += double(c.v[i * c.Dv + d]) * c.v[i * c.Dv + d];
+    vmax = std::max(vmax, std::sqrt(s));
+  }
+  // Held read keys and read values are rounded (u); the state's float32 sums over up to T tokens add
+  // gamma(T) to the float32 terms (counted with D).
+  const double u = kvmem::unit_roundoff<S>;
+  const kvmem_test::StorageBound bound{u, u, u, double(c.D + c.T), double(c.T + c.params.chunk), kvm_logit_abs(c), vmax};
+  for (long b = 0; b < c.B; ++b) {
+    const auto ref = kvmem_ref::kvm_prefill(c.sequence(b), c.params);
+    REQUIRE(got.rows[b] == ref.rows);
+    double worst = 0.0;
+    for (long h = 0; h < c.Hq; ++h)
+      for (long t = 0; t < c.length(b); ++t)
+        for (long d = 0; d < c.Dv; ++d)
+          worst = std::max(worst, std::abs(got.y[((b * c.Hq + h) * c.T + t) * c.Dv + d] -
+                                           ref.y[(h * c.length(b) + t) * c.Dv + d]));
+    CHECK(worst <= bound.value());
+    // The merge sums are float32 of the same (rounded) inputs: they match as closely as in float32.
+    CHECK(kvmem_test::relative_error(got.keys[b], ref.state_keys) <= 1e-4);
+    CHECK(kvmem_test::relative_error(got.values[b], ref.state_values) <= 1e-4);
+  }
+}
+
+}  // namespace
+
+TEMPLATE_TEST_CASE("kvm over bfloat16 / float16 tokens stays within the storage bound of float64", "[dtype][kvm]",
+                   bfloat16, float16) {
+  for (unsigned seed : {3u, 4u})
+    for (auto mode : {kvmem_test::Mode::prefill, kvmem_test::Mode::decode})
+      kvm_within_bound<TestType>(single_target_case(seed), mode);
+}
+
+namespace {
+/// The first `T` tokens of the embedded real layer (examples/data/default.safetensors: a BERT layer's q,
+/// k, v, B = 1, 2 heads, D = 32, neutral gate and weights) as a KVM case with one merge target (chunk 32,
+/// sinks 31, a fixed budget of 32 rows).
+kvmem_test::KvmCase embedded_layer_case(long T) {
+  const auto file = kvmem::io::SafetensorsFile::read(KVMEM_EMBEDDED_LAYER);
+  kvmem_test::KvmCase c;
+  c.B = 1, c.Hq = 2, c.Hkv = 2, c.T = T, c.D = 32, c.Dv = 32;
+  c.params.chunk = 32, c.params.window_chunks = 2, c.params.rope_dims = 0, c.params.sinks = 31;
+  c.params.schedule = kvmem_ref::Schedule::fixed, c.params.min_len = 32, c.params.max_chunks = 1;
+  auto tokens = [&](const char* name, long dim) {  // [1, 2, 4096, dim] -> the first T tokens of each head
+    const auto all = kvmem::io::to_double(file.at(name), name);
+    const long total = file.at(name).shape[2];
+    std::vector<float> out;
+    for (long h = 0; h < 2; ++h)
+      for (long t = 0; t < T * dim; ++t) out.push_back(static_cast<float>(all[h * total * dim + t]));
+    return out;
+  };
+  c.q = tokens("q", 32), c.k = tokens("k", 32), c.v = tokens("v", 32), c.gate = tokens("gate", 1);
+  c.ln_weight.assign(32, 1.0f), c.ln_bias.assign(32, 0.0f), c.tau_state.assign(2, 1.0f), c.tau_bswa.assign(2, 1.0f);
+  return c;
+}
+}  // namespace
+
+TEMPLATE_TEST_CASE("on the embedded real layer, exact attention and kvm in bfloat16 / float16 stay within the bound",
+                   "[dtype][kvm][exact][real]", bfloat16, float16) {
+  const auto c = embedded_layer_case(512);
+  exact_attention_within_bound<TestType>(1, 2, 2, c.T, 32, 32, c.q, c.k, c.v);
+  for (auto mode : {kvmem_test::Mode::prefill, kvmem_test::Mode::decode}) kvm_within_bound<TestType>(c, mode);
+}
+
+TEMPLATE_TEST_CASE("kvm in bfloat16 / float16: prefill, decode and a split give the same bits", "[dtype][kvm][modes]",
+                   bfloat16, float16) {
+  // Full decisions (power-law growth: novelty ranking, routing among many rows), two sequences.
+  kvmem_test::KvmCase c;
+  c.B = 2, c.Hq = 4, c.Hkv = 2, c.T = 90, c.D = 16, c.Dv = 12, c.seed = 9, c.lengths = {90, 61};
+  c.params.chunk = 8, c.params.window_chunks = 2, c.params.rope_dims = 4, c.params.sinks = 1;
+  c.params.schedule = kvmem_ref::Schedule::power_law, c.params.min_len = 8, c.params.growth_factor = 2.0;
+  c.params.max_chunks = 4;
+  c.generate();
+  using kvmem_test::Mode;
+  const auto whole = kvmem_test::run_kvm<exec, TestType>(c, Mode::prefill);
+  {
+    // Its merge decisions are the float32 memory's on the same (rounded) tokens: scores and routes compare
+    // float32 decision keys, KVM's window keys are the inputs as they are, so the state sums are the float32
+    // memory's bit for bit; only what the readout reads is rounded.
+    auto rounded = c;
+    rounded.round_inputs<TestType>();
+    const auto f32 = kvmem_test::run_kvm<exec, float>(rounded, Mode::prefill);
+    CHECK(f32.rows == whole.rows);
+    CHECK(f32.keys == whole.keys);
+    CHECK(f32.values == whole.values);
+    CHECK(f32.radius == whole.radius);
+  }
+  for (auto [mode, split] : {std::pair{Mode::decode, 0L}, {Mode::prefill_then_decode, 37L}}) {
+    const auto other = kvmem_test::run_kvm<exec, TestType>(c, mode, split);
+    long differ = 0;
+    for (std::size_t i = 0; i < whole.y.size(); ++i) differ += !kvmem_test::same_bits(whole.y[i], other.y[i]);
+    CHECK(differ == 0);
+    CHECK(other.rows == whole.rows);
+    CHECK(other.keys == whole.keys);
+  }
+}
+
+TEST_CASE("a float16 memory saturates a read value beyond 65,504 instead of storing Inf", "[dtype][kvm]") {
+  // One kv-head, D = Dv = 4, chunk 2, one sink: row 0 and row 1 are verbatim tokens; later tokens merge
+  // into row 1. Row 1 is founded by v = (60000, 60000, 60000, 60000) (radius 120,000); merged values
+  // (60000, 0, 0, 0) turn its direction towards channel 0, whose read value rho V_0 / ||V|| then exceeds
+  // float16's range.
+  using S = float16;
+  kvmem::MemoryConfig cfg;
+  cfg.head_dim = cfg.value_dim = 4, cfg.query_heads = cfg.kv_heads = 1;
+  cfg.chunk = 2, cfg.window_chunks = 1, cfg.rope_dims = 0, cfg.sinks = 1, cfg.max_rows = 2;
+  const long T = 40;
+  Kokkos::View<S****, Kokkos::LayoutRight, Kokkos::HostSpace> q("q", 1, 1, T, 4), k("k", 1, 1, T, 4), v("v", 1, 1, T, 4),
+      y("y", 1, 1, T, 4);
+  for (long t = 0; t < T; ++t)
+    for (int c = 0; c < 4; ++c) {
+      q(0, 0, t, c) = kvmem::from_float<S>(c == 0 ? 1.0f : 0.0f);
+      k(0, 0, t, c) = kvmem::from_float<S>(c == t % 4 ? 1.0f : -0.5f);
+      v(0, 0, t, c) = kvmem::from_float<S>(t == 1 || c == 0 ? 60000.0f : 0.0f);
+    }
+  Kokkos::View<float*, Kokkos::HostSpace> ones("ones", 4), zeros("zeros", 4), tau("tau", 1);
+  Kokkos::deep_copy(ones, 1.0f);
+  Kokkos::deep_copy(tau, 1.0f);
+  kvmem::KvmMemory<exec, kvmem::budget::Fixed, S> mem(cfg, kvmem::budget::Fixed{2}, {ones, zeros, tau, tau}, 1);
+  mem.prefill(q, k, v, {}, y);
+  const auto& st = mem.rows();
+  REQUIRE(mem.cursor(0).rows == 2);
+  CHECK(kvmem::to_float(st.read_values(0, 0, 1, 0)) == 65504.0f);  // saturated, not Inf
+  CHECK(st.values(0, 0, 1, 0) / st.values(0, 0, 1, 1) > 2.0f);      // the float32 sum itself is unchanged
+  long nonfinite = 0;
+  for (long t = 0; t < T; ++t)
+    for (int c = 0; c < 4; ++c) nonfinite += !std::isfinite(kvmem::to_float(y(0, 0, t, c)));
+  CHECK(nonfinite == 0);
+}
+
+TEST_CASE("a bfloat16 memory holds its window in half the bytes of a float32 one", "[dtype][kvm]") {
+  kvmem_test::KvmCase c = single_target_case(5);
+  kvmem::MemoryConfig cfg = c.config();
+  Kokkos::View<float*, Kokkos::HostSpace> w("w", c.D), b("b", c.D), tau("tau", c.Hq);
+  Kokkos::deep_copy(w, 1.0f);
+  Kokkos::deep_copy(tau, 1.0f);
+  kvmem::KvmMemory<exec, kvmem::budget::Fixed> f32(cfg, kvmem::budget::Fixed{8}, {w, b, tau, tau}, 2);
+  kvmem::KvmMemory<exec, kvmem::budget::Fixed, bfloat16> bf16(cfg, kvmem::budget::Fixed{8}, {w, b, tau, tau}, 2);
+  // Empty memories hold nothing; their allocations differ by 2 bytes per element of the read caches and of
+  // the window ring (2 sequences x Hkv x (L + C) slots x (D + Dv) channels).
+  CHECK(f32.held_bytes() == 0);
+  CHECK(bf16.held_bytes() == 0);
+  const long ring = 2L * cfg.kv_heads * (cfg.window() + cfg.chunk) * (cfg.head_dim + cfg.value_dim);
+  const long halves = static_cast<long>(f32.rows().read_keys.span() + f32.rows().read_values.span()) * 2 + ring * 2;
+  // ... less the float32 decision keys a 16-bit memory keeps beside its read keys.
+  const long decision = static_cast<long>(bf16.rows().decision_keys.span()) * 4;
+  CHECK(bf16.rows().decision_keys.span() == f32.rows().read_keys.span());
+  CHECK(f32.allocated_bytes() - bf16.allocated_bytes() == halves - decision);
+}
