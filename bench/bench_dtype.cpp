@@ -26,12 +26,15 @@ using tokens4 = Kokkos::View<S****, Kokkos::LayoutRight, space_t>;
 template <class S>
 using tokens3 = Kokkos::View<S***, Kokkos::LayoutRight, space_t>;
 
-/// `from` rounded to the storage type S, a new view of the same extents.
+/// A rank-3 or rank-4 view of S like View.
 template <class S, class View>
-auto stored_as(const View& from) {
-  using data_t = std::conditional_t<View::rank() == 4, S****, S***>;
-  Kokkos::View<data_t, Kokkos::LayoutRight, space_t> to(Kokkos::view_alloc(Kokkos::WithoutInitializing, from.label()),
-                                                        from.layout());
+using stored_view = Kokkos::View<std::conditional_t<View::rank() == 4, S****, S***>, Kokkos::LayoutRight, space_t>;
+
+/// `from` rounded to the storage type S, a new view of the same extents (the return type spelled out: nvcc's
+/// extended lambdas need a parent without a deduced one).
+template <class S, class View>
+stored_view<S, View> stored_as(const View& from) {
+  stored_view<S, View> to(Kokkos::view_alloc(Kokkos::WithoutInitializing, from.label()), from.layout());
   const float* src = from.data();
   S* dst = to.data();
   Kokkos::parallel_for("bench::to_storage", Kokkos::RangePolicy<exec_t>(0, long(from.span())),

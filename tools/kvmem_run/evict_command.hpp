@@ -151,20 +151,23 @@ void run_eviction(const EvictOptions& o, const EvictionConfig& cfg, const Scorer
   write_evict_output(o, in, y, positions, rows, mask, cfg.budget(), seconds);
 }
 
-/// A float32 copy of the LayoutRight token view `x` (exact: every bfloat16 and float16 value is a float32
-/// value); `x` itself when it already holds float.
+/// `x` itself: a float32 token view needs no widening (the overload below widens the others).
 template <class View>
-auto widened(const View& x) {
-  if constexpr (std::is_same_v<typename View::value_type, float>) {
-    return x;
-  } else {
-    Kokkos::View<float****, Kokkos::LayoutRight, typename View::memory_space> w(
-        Kokkos::view_alloc(Kokkos::WithoutInitializing, x.label() + " (float32)"), x.extent(0), x.extent(1),
-        x.extent(2), x.extent(3));
-    Kokkos::parallel_for("kvmem_run::widen", Kokkos::RangePolicy<typename View::execution_space>(0, x.span()),
-                         KOKKOS_LAMBDA(std::size_t i) { w.data()[i] = to_float(x.data()[i]); });
-    return w;
-  }
+  requires std::is_same_v<typename View::non_const_value_type, float>
+View widened(const View& x) {
+  return x;
+}
+/// A float32 copy of the LayoutRight token view `x` (exact: every bfloat16 and float16 value is a float32
+/// value). The return type is spelled out: nvcc's extended lambdas need a parent without a deduced one.
+template <class View>
+  requires(!std::is_same_v<typename View::non_const_value_type, float>)
+Kokkos::View<float****, Kokkos::LayoutRight, typename View::memory_space> widened(const View& x) {
+  Kokkos::View<float****, Kokkos::LayoutRight, typename View::memory_space> w(
+      Kokkos::view_alloc(Kokkos::WithoutInitializing, x.label() + " (float32)"), x.extent(0), x.extent(1),
+      x.extent(2), x.extent(3));
+  Kokkos::parallel_for("kvmem_run::widen", Kokkos::RangePolicy<typename View::execution_space>(0, x.span()),
+                       KOKKOS_LAMBDA(std::size_t i) { w.data()[i] = to_float(x.data()[i]); });
+  return w;
 }
 
 /// SnapKV (spec §6): y = exact causal attention for every query (in the batch's storage type), then the

@@ -166,11 +166,10 @@ void trellis_readout(const ExecSpace& exec, const TrellisParams& prm,
         merge::GradientDescent::activate(prm.f, p, m, prm.ln_eps, prm.l2_eps, affine ? ln_weight.data() : nullptr,
                                          affine ? ln_bias.data() : nullptr);
         // Pass 2 (value memory), query p.
-        float* out = nullptr;  // the float32 sums: y itself, or scratch Y for a 16-bit output
-        if constexpr (std::is_same_v<out_t, float>)
-          out = &y(b, h, t, 0);
-        else
-          out = &ybuf(b, h, r, 0);
+        // The float32 sums: y itself, or scratch Y for a 16-bit output (a plain condition on a constant,
+        // not if constexpr: nvcc's extended lambdas cannot first-capture a view inside one).
+        constexpr bool direct = std::is_same_v<out_t, float>;
+        float* out = direct ? reinterpret_cast<float*>(&y(b, h, t, 0)) : &ybuf(b, h, r, 0);
         for (int c = 0; c < Dv; ++c) out[c] = 0.0f;
         w = 1.0f;  // omega2[r, i]
         for (long i = r; i >= 0; --i) {
@@ -185,7 +184,7 @@ void trellis_readout(const ExecSpace& exec, const TrellisParams& prm,
           out[ch] = w * sp - out[ch];  // w = mu2_r
         }
         if (prm.readout2_phi) merge::GradientDescent::apply_phi(prm.phi, out, Dv);
-        if constexpr (!std::is_same_v<out_t, float>)
+        if (!direct)
           for (int ch = 0; ch < Dv; ++ch) y(b, h, t, ch) = from_float<out_t>(out[ch]);
       });
 }
