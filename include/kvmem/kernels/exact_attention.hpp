@@ -19,8 +19,9 @@ namespace kvmem::kernels {
 /// its keys) and online-softmax tiles as the memories' readout, so a memory whose window holds every token
 /// returns the same bits, and a query's output does not depend on P0 or Tq (a decode step gives the
 /// prompt's row bit for bit). Throws kvmem::invalid_argument for mismatched shapes, first_position < 0 or
-/// Tk < P0 + Tq (B, Hq, D, Dv and Tk are element counts, P0 and Tq token positions).
-template <class ExecSpace, class In, class Out, class InKV = In>
+/// Tk < P0 + Tq (B, Hq, D, Dv and Tk are element counts, P0 and Tq token positions). `Traits`
+/// (TileTraits<ExecSpace>) picks how a team covers a key tile; it changes no bit.
+template <class ExecSpace, class In, class Out, class InKV = In, class Traits = TileTraits<ExecSpace>>
 void exact_causal_attention(const ExecSpace& exec, const In& q, const InKV& k, const InKV& v, const Out& y,
                             const float* tau = nullptr, long first_position = 0) {
   const long B = static_cast<long>(q.extent(0)), Hq = static_cast<long>(q.extent(1)), T = static_cast<long>(q.extent(2));
@@ -66,7 +67,7 @@ void exact_causal_attention(const ExecSpace& exec, const In& q, const InKV& k, c
           blk.scales[u] = (tau ? tau[hq] : 1.0f) / sqrt_d;  // as merge::Defaults::logit_scale
         });
         team.team_barrier();
-        attend_block(
+        attend_block<Traits::spread>(
             team, blk, blk.scales, P0 + last, [&](int u) { return P0 + first + u / n + 1; },
             [&](long j) { return &k(b, h, j, 0); }, [&](long j) { return &v(b, h, j, 0); }, NoBias{});
         Kokkos::parallel_for(Kokkos::TeamThreadRange(team, blk.queries),

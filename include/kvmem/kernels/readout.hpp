@@ -10,6 +10,7 @@
 #include "scratch.hpp"
 #include "simd.hpp"
 #include "step_plan.hpp"
+#include "tile_traits.hpp"
 #include "vector_ops.hpp"
 
 namespace kvmem::kernels {
@@ -202,9 +203,24 @@ struct QueryBlock {
     for (int jj = 0; jj < NK; ++jj) logits[(j + jj) * lanes] = mul_add(s[jj], scale[0], bias_of(j_abs + jj));
   }
 
+  /// logits[j][u] = (q_u · key) * scale + bias: one dot chain over the channels in increasing order
+  /// (kernels::dot), then one mul_add; the bits of logits_lanes and logits_one for that key and lane.
+  template <class K>
+  KOKKOS_INLINE_FUNCTION void logit(int u, int j, const K* key, float scale, float bias) const {
+    float s = 0.0f;
+    for (int c = 0; c < dim; ++c) s = mul_add(qt[long(c) * lanes + u], to_float(key[c]), s);
+    logits[j * lanes + u] = mul_add(s, scale, bias);
+  }
+
   /// Folds logits[0, n)[u] (n >= 1) and their values into lane u's softmax (OnlineSoftmax::add_tile).
   template <class ValueOf>
   KOKKOS_INLINE_FUNCTION void add_tile(int u, int n, ValueOf value_of) const {
+    accumulate(u, n, softmax_one(u, n), value_of);
+  }
+
+  /// The softmax step of add_tile for lane u alone (n >= 1 keys): updates max_logit[u] and normalizer[u],
+  /// writes probs[0, n)[u] and returns the correction exp(old max - new max) by which acc_u is to be scaled.
+  KOKKOS_INLINE_FUNCTION float softmax_one(int u, int n) const {
     float tile_max = neg_inf();
     for (int j = 0; j < n; ++j) tile_max = logits[j * lanes + u] > tile_max ? logits[j * lanes + u] : tile_max;
     const float old_max = max_logit[u];
@@ -215,7 +231,7 @@ struct QueryBlock {
     for (int j = 1; j < n; ++j) norm += probs[j * lanes + u];
     normalizer[u] = norm;
     max_logit[u] = new_max;
-    accumulate(u, n, correction, value_of);
+    return correction;
   }
 
   /// The softmax step of add_tile for every lane at once, lanes in vector lanes: lane u folds
@@ -298,6 +314,16 @@ struct QueryBlock {
     for (; i0 < count; ++i0) accumulate(lane[i0], n[i0], corrections[lane[i0]], value_of);
   }
 
+  /// Channel c of accumulate(): acc_u[c] = acc_u[c] * correction + sum_{j < n} probs[j][u] v_j[c], in key
+  /// order (the bits accumulate() gives that channel).
+  template <class ValueOf>
+  KOKKOS_INLINE_FUNCTION void accumulate_channel(int u, int c, int n, float correction, ValueOf value_of) const {
+    float* a = acc + long(u) * value_dim;
+    float r = a[c] * correction;
+    for (int j = 0; j < n; ++j) r = mul_add(probs[j * lanes + u], to_float(value_of(j)[c]), r);
+    a[c] = r;
+  }
+
   /// acc_u = acc_u * correction + sum_{j < n} probs[j][u] v_j, in key order per channel.
   template <class ValueOf>
   KOKKOS_INLINE_FUNCTION void accumulate(int u, int n, float correction, ValueOf value_of) const {
@@ -326,7 +352,8 @@ struct QueryBlock {
 /// of attend): logit = q_u · key_of(j) * scale[u] + bias_of(j), values value_of(j). `max_count` is the
 /// largest count(u). key_of/value_of return pointers to elements of one storage type (float, bfloat16 or
 /// float16), widened to float32 in registers. Collective over `team`; ends with a team barrier.
-template <class Member, class CountOf, class KeyOf, class ValueOf, class BiasOf>
+/// `Spread` (TileTraits<ExecSpace>::spread) picks how the team covers a tile, not a bit of the result.
+template <bool Spread = false, class Member, class CountOf, class KeyOf, class ValueOf, class BiasOf>
 KOKKOS_INLINE_FUNCTION void attend_block(const Member& team, const QueryBlock& blk, const float* scale, long max_count,
                                          CountOf count_of, KeyOf key_of, ValueOf value_of, BiasOf bias_of) {
   constexpr int KT = readout_key_tile;
@@ -335,6 +362,33 @@ KOKKOS_INLINE_FUNCTION void attend_block(const Member& team, const QueryBlock& b
   for (int u = 0; u < QueryBlock::lanes; ++u) lane_count[u] = u < blk.queries ? count_of(u) : 0;
   for (long j0 = 0; j0 < max_count; j0 += KT) {
     const int n = static_cast<int>(max_count - j0 < KT ? max_count - j0 : KT);
+    auto keys_of = [&](int u) {  // keys of this tile that lane u reads
+      const long count = lane_count[u];
+      return static_cast<int>(count <= j0 ? 0 : (count - j0 < KT ? count - j0 : KT));
+    };
+    auto values = [&](int j) { return value_of(j0 + j); };
+    if constexpr (Spread) {
+      // TileTraits: a thread per (key, lane) logit, per lane softmax step and per (lane, channel) sum.
+      const int lanes = blk.queries;
+      Kokkos::parallel_for(Kokkos::TeamThreadRange(team, n * lanes), [&](int e) {
+        const int j = e / lanes, u = e % lanes;
+        blk.logit(u, j, key_of(j0 + j), scale[u], bias_of(j0 + j));
+      });
+      team.team_barrier();
+      float* corrections = blk.probs + QueryBlock::tile * QueryBlock::lanes;
+      Kokkos::parallel_for(Kokkos::TeamThreadRange(team, lanes), [&](int u) {
+        const int nu = keys_of(u);
+        if (nu > 0) corrections[u] = blk.softmax_one(u, nu);
+      });
+      team.team_barrier();
+      const int dv = blk.value_dim;
+      Kokkos::parallel_for(Kokkos::TeamThreadRange(team, lanes * dv), [&](int e) {
+        const int u = e / dv, c = e % dv, nu = keys_of(u);
+        if (nu > 0) blk.accumulate_channel(u, c, nu, corrections[u], values);
+      });
+      team.team_barrier();
+      continue;
+    }
     if (blk.queries == 1) {
       constexpr int NK = simd::width;
       Kokkos::parallel_for(Kokkos::TeamThreadRange(team, (n + NK - 1) / NK), [&](int g) {
@@ -367,11 +421,6 @@ KOKKOS_INLINE_FUNCTION void attend_block(const Member& team, const QueryBlock& b
       });
     }
     team.team_barrier();
-    auto keys_of = [&](int u) {  // keys of this tile that lane u reads
-      const long count = lane_count[u];
-      return static_cast<int>(count <= j0 ? 0 : (count - j0 < KT ? count - j0 : KT));
-    };
-    auto values = [&](int j) { return value_of(j0 + j); };
     if (blk.queries == 1) {
       Kokkos::single(Kokkos::PerTeam(team), [&]() { blk.add_tile(0, keys_of(0), values); });
     } else {
@@ -459,8 +508,10 @@ struct GroupLanes {
 /// same bits on every run of a backend, for any block layout and on any thread count.
 /// When `lse` [B, Hq, >= max_queries] is not empty, lse(b, hq, u - query_begin) also receives each query's
 /// log-sum-exp max + log(normalizer) (for row eviction, score::RowEviction); otherwise nothing is paid.
+/// `Traits` (TileTraits<ExecSpace>) picks how a team covers a key tile; it changes no bit.
 template <class Merge, class ExecSpace, StorageType T, class QueriesIn, class Out,
-          class Lse = Kokkos::View<float***, Kokkos::LayoutRight, typename ExecSpace::memory_space>>
+          class Lse = Kokkos::View<float***, Kokkos::LayoutRight, typename ExecSpace::memory_space>,
+          class Traits = TileTraits<ExecSpace>>
 void readout(const ExecSpace& exec, const MemoryConfig& cfg, const LayerWeightsRef& w,
              const state::StateRows<typename ExecSpace::memory_space, T>& rows,
              const state::WindowRing<typename ExecSpace::memory_space, T>& ring,
@@ -501,11 +552,11 @@ void readout(const ExecSpace& exec, const MemoryConfig& cfg, const LayerWeightsR
           blk.scales[QB + u] = qu ? Merge::logit_scale(w.tau_window[hq], qu, D) : 0.0f;
         });
         team.team_barrier();
-        attend_block(
+        attend_block<Traits::spread>(
             team, blk, blk.scales, m, [&](int) { return m; }, [&](long i) { return &rows.read_keys(b, h, i, 0); },
             [&](long i) { return &rows.read_values(b, h, i, 0); },
             [&](long i) { return Merge::row_bias(rows.row(b, h, i)); });
-        attend_block(
+        attend_block<Traits::spread>(
             team, blk, blk.scales + QB, last - wb, [&](int u) { return first + u / n + 1 - wb; },
             [&](long j) { return &ring.keys(b, h, ring.slot(wb + j), 0); },
             [&](long j) { return &ring.values(b, h, ring.slot(wb + j), 0); }, NoBias{});
