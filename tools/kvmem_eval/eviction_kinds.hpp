@@ -22,16 +22,18 @@
 
 namespace kvmem::tools::eval {
 
-/// tau_bswa[h] * q [B, Hq, T, D] (float32): EvictionMemory's logit is q . k / sqrt(D) with no temperature,
-/// so this makes it tau q . k / sqrt(D), exact attention's (tau = 1 in every capture: a bitwise copy).
-inline Kokkos::View<float****, Kokkos::LayoutRight, mem_space> tau_scaled_queries(const Inputs& in) {
-  Kokkos::View<float****, Kokkos::LayoutRight, mem_space> q("q_times_tau", in.B, in.Hq, in.T, in.D);
+/// tau_bswa[h] * q [B, Hq, T, D] in the tokens' storage type T (computed in float32, rounded once):
+/// EvictionMemory's logit is q . k / sqrt(D) with no temperature, so this makes it tau q . k / sqrt(D),
+/// exact attention's (tau = 1 in every capture: a bitwise copy).
+template <StorageType T>
+Kokkos::View<T****, Kokkos::LayoutRight, mem_space> tau_scaled_queries(const InputsOf<T>& in) {
+  Kokkos::View<T****, Kokkos::LayoutRight, mem_space> q("q_times_tau", in.B, in.Hq, in.T, in.D);
   const auto src = in.q;
   const auto tau = in.weights.tau_window;
   Kokkos::parallel_for(
       "kvmem_eval::tau_scaled_queries",
       Kokkos::MDRangePolicy<exec, Kokkos::Rank<4>>({0, 0, 0, 0}, {in.B, in.Hq, in.T, in.D}),
-      KOKKOS_LAMBDA(long b, long h, long t, long c) { q(b, h, t, c) = tau(h) * src(b, h, t, c); });
+      KOKKOS_LAMBDA(long b, long h, long t, long c) { q(b, h, t, c) = from_float<T>(tau(h) * to_float(src(b, h, t, c))); });
   return q;
 }
 
@@ -55,18 +57,19 @@ inline EvictionConfig eviction_sizing(const Inputs& in, const SizingOptions& o, 
   return c;
 }
 
-/// Prefills an EvictionMemory<exec, Scorer> with tau-scaled queries (not timed) and writes y [B, Hq, T, Dv].
+/// Prefills an EvictionMemory<exec, Scorer, T> with tau-scaled queries (not timed) and writes yt [B, Hq, T, Dv]
+/// of storage type T, as the tokens `in`.
 /// rows: cached rows outside the window (sinks + retained) of the fullest kv-head, window: min(n, w).
-/// Held memory: the memory's held_bytes() (budget + 1 rows of D + Dv float32 per kv-head); peak: what it
+/// Held memory: the memory's held_bytes() (budget + 1 rows of D + Dv elements of T per kv-head); peak: what it
 /// holds at its fullest step, min(n, budget + 1) rows per kv-head (the + 1: the row a step holds between
 /// its append and its eviction).
-template <class Scorer>
-RunStats run_eviction(const EvictionConfig& cfg, const Scorer& scorer, const Inputs& in, const OutView& y) {
+template <StorageType T, class Scorer, class Y>
+RunStats prefill_eviction(const EvictionConfig& cfg, const Scorer& scorer, const InputsOf<T>& in, const Y& yt) {
   const auto q = tau_scaled_queries(in);
-  EvictionMemory<exec, Scorer> mem(cfg, static_cast<int>(in.B), scorer);
+  EvictionMemory<exec, Scorer, T> mem(cfg, static_cast<int>(in.B), scorer);
   Kokkos::fence();
   const auto start = std::chrono::steady_clock::now();
-  mem.prefill(q, in.k, in.v, y, in.lengths);
+  mem.prefill(q, in.k, in.v, yt, in.lengths);
   Kokkos::fence();
   RunStats s;
   s.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
@@ -84,27 +87,33 @@ RunStats run_eviction(const EvictionConfig& cfg, const Scorer& scorer, const Inp
     units += std::min(in.lengths[b], cfg.budget() + 1);
   }
   s.held_bytes = mem.held_bytes();
-  s.peak_bytes = units * in.Hkv * (in.D + in.Dv) * static_cast<long>(sizeof(float));
+  s.peak_bytes = units * in.Hkv * (in.D + in.Dv) * static_cast<long>(sizeof(T));
   return s;
 }
 
+/// prefill_eviction over the inputs' tokens in storage type T, y widened to float32.
+template <StorageType T, class Scorer>
+RunStats run_eviction(const EvictionConfig& cfg, const Scorer& scorer, const StoredInputs& stored, const OutView& y) {
+  return run_stored<T>(stored, y, [&](const InputsOf<T>& in, const auto& yt) { return prefill_eviction(cfg, scorer, in, yt); });
+}
+
 /// A plan that runs EvictionMemory with `cfg` and `scorer` (`name`: its kvmem-run evict --scorer).
-template <class Scorer>
+template <StorageType T, class Scorer>
 Plan eviction_plan(const EvictionConfig& cfg, const Scorer& scorer, const std::string& name) {
   return {{{"scorer", name}, {"sinks", cfg.sinks}, {"window", cfg.window}, {"top_k", cfg.top_k},
            {"budget", cfg.budget()}, {"queries", "tau_bswa * q"}},
           fmt("s=%d w=%d k=%d", cfg.sinks, cfg.window, cfg.top_k),
-          [cfg, scorer](const Inputs& i, const OutView& y) { return run_eviction(cfg, scorer, i, y); }};
+          [cfg, scorer](const StoredInputs& i, const OutView& y) { return run_eviction<T>(cfg, scorer, i, y); }};
 }
 
 /// A MemoryKind for the eviction scorer `Scorer` sized by eviction_sizing.
-template <class Scorer>
+template <StorageType T, class Scorer>
 MemoryKind eviction_kind(std::string id, std::string label, std::string what) {
   return {id, std::move(label),
           "EvictionMemory, " + what + "; window w = max(1, round(s*f*T)), sinks min(4, f*T - w), top_k = f*T - w - "
           "sinks: the budget s + w + k is f*T rows",
           false, [id](const Inputs& in, const SizingOptions& o, double f, const std::string& label) {
-            return eviction_plan(eviction_sizing(in, o, f, label, id), Scorer{}, id);
+            return eviction_plan<T>(eviction_sizing(in, o, f, label, id), Scorer{}, id);
           }};
 }
 
@@ -126,8 +135,9 @@ inline long kvm_h2o_peak_rows(const MemoryConfig& cfg, const budget::PowerLaw& b
 
 /// KVM (C, window, R of kvm_sizing) with budget::PowerLaw 16*sqrt(ctx) and H2O row eviction down to R after
 /// every fold; the row cap of the config (T + C) never binds, so the schedule's growth sets the fresh rows of
-/// every fold. Peak memory counts the rows a fold holds before its eviction (kvm_h2o_peak_rows).
-inline Plan kvm_h2o_plan(const Inputs& in, const SizingOptions& o, double f, const std::string& label) {
+/// every fold; storage type T. Peak memory counts the rows a fold holds before its eviction (kvm_h2o_peak_rows).
+template <StorageType T>
+Plan kvm_h2o_plan(const Inputs& in, const SizingOptions& o, double f, const std::string& label) {
   const auto s = kvm_sizing(in, o, f, label, "kvm-h2o");
   require(s.rows > o.sinks, "--fractions = " + label, f,
           "too small for kvm-h2o: its row cap R = " + std::to_string(s.rows) + " must exceed --sinks = " +
@@ -141,34 +151,37 @@ inline Plan kvm_h2o_plan(const Inputs& in, const SizingOptions& o, double f, con
                        {"round_down", 1}}},
            {"row_eviction", {{"scorer", "h2o"}, {"max_rows", s.rows}}}},
           fmt("C=%d L=%dx%d a=16 cap=%ld", cfg.chunk, cfg.window_chunks, cfg.chunk, s.rows),
-          [cfg, b, evict](const Inputs& i, const OutView& y) {
-            KvmMemoryWithRowEviction<exec, budget::PowerLaw, score::RowAccumulatedAttention> mem(
-                cfg, b, i.weights, static_cast<int>(i.B), evict);
-            auto stats = run_composed(mem, i, y);
-            long units = 0;
-            for (long n : i.lengths) units += kvm_h2o_peak_rows(cfg, b, evict.max_rows, n) + std::min(n, cfg.window());
-            stats.peak_bytes = std::max(stats.peak_bytes,
-                                        units * i.Hkv * (i.D + i.Dv + 1) * static_cast<long>(sizeof(float)));
-            return stats;
+          [cfg, b, evict](const StoredInputs& stored, const OutView& y) {
+            return run_stored<T>(stored, y, [&](const InputsOf<T>& i, const auto& yt) {
+              KvmMemoryWithRowEviction<exec, budget::PowerLaw, score::RowAccumulatedAttention, T> mem(
+                  cfg, b, i.weights, static_cast<int>(i.B), evict);
+              auto stats = run_composed(mem, i, yt);
+              long bytes = 0;
+              for (long n : i.lengths)
+                bytes += composed_bytes<T>(kvm_h2o_peak_rows(cfg, b, evict.max_rows, n), std::min(n, cfg.window()), i.D, i.Dv);
+              stats.peak_bytes = std::max(stats.peak_bytes, bytes * i.Hkv);
+              return stats;
+            });
           }};
 }
 
-/// streaming, knorm, h2o, tova and kvm-h2o, in table order.
-inline std::vector<MemoryKind> eviction_kinds() {
+/// streaming, knorm, h2o, tova and kvm-h2o of storage type T, in table order.
+template <StorageType T>
+std::vector<MemoryKind> eviction_kinds() {
   std::vector<MemoryKind> kinds;
-  kinds.push_back(eviction_kind<score::None>("streaming", "StreamingLLM",
+  kinds.push_back(eviction_kind<T, score::None>("streaming", "StreamingLLM",
                                              "score::None (sinks + the last w + k tokens)"));
-  kinds.push_back(eviction_kind<score::KeyNorm>("knorm", "KNorm", "score::KeyNorm (keeps the smallest key norms)"));
-  kinds.push_back(eviction_kind<score::AccumulatedAttention>(
+  kinds.push_back(eviction_kind<T, score::KeyNorm>("knorm", "KNorm", "score::KeyNorm (keeps the smallest key norms)"));
+  kinds.push_back(eviction_kind<T, score::AccumulatedAttention>(
       "h2o", "H2O", "score::AccumulatedAttention (attention summed since insertion, H2O's raw sum)"));
-  kinds.push_back(eviction_kind<score::LastQueryAttention>(
+  kinds.push_back(eviction_kind<T, score::LastQueryAttention>(
       "tova", "TOVA", "score::LastQueryAttention (the last query's attention, mean over the kv-head's group)"));
   kinds.push_back(
       {"kvm-h2o", "KVM + H2O rows",
        "C, window and R as kvm-fixed; budget::PowerLaw 16*sqrt(ctx) (rows grow from C; its growth sets the fresh "
        "rows of each fold), and after every fold score::RowAccumulatedAttention evicts state rows down to R; held "
        "counts the rows a fold holds before its eviction",
-       false, kvm_h2o_plan});
+       false, kvm_h2o_plan<T>});
   return kinds;
 }
 

@@ -16,18 +16,22 @@
 
 namespace kvmem::tools::eval {
 
-/// Builds a KVM memory with `budget` for the inputs (their ln_weight, ln_bias, tau_state, tau_bswa) and runs it.
-template <class Budget>
-RunStats run_kvm(const MemoryConfig& cfg, const Budget& budget, const Inputs& in, const OutView& y) {
-  KvmMemory<exec, Budget> mem(cfg, budget, in.weights, static_cast<int>(in.B));
-  return run_composed(mem, in, y);
+/// Builds a KVM memory of storage type T with `budget` for the inputs (their ln_weight, ln_bias, tau_state,
+/// tau_bswa) and runs it.
+template <StorageType T, class Budget>
+RunStats run_kvm(const MemoryConfig& cfg, const Budget& budget, const StoredInputs& in, const OutView& y) {
+  return run_stored<T>(in, y, [&](const InputsOf<T>& i, const auto& yt) {
+    KvmMemory<exec, Budget, T> mem(cfg, budget, i.weights, static_cast<int>(i.B));
+    return run_composed(mem, i, yt);
+  });
 }
 
-/// A plan that runs KVM with `cfg` and `budget`; `budget_json` describes the schedule in the report.
-template <class Budget>
+/// A plan that runs KVM of storage type T with `cfg` and `budget`; `budget_json` describes the schedule in
+/// the report.
+template <StorageType T, class Budget>
 Plan kvm_plan(const MemoryConfig& cfg, const Budget& budget, nlohmann::json budget_json, std::string summary) {
   return {{{"config", config_json(cfg)}, {"budget", std::move(budget_json)}}, std::move(summary),
-          [cfg, budget](const Inputs& i, const OutView& y) { return run_kvm(cfg, budget, i, y); }};
+          [cfg, budget](const StoredInputs& i, const OutView& y) { return run_kvm<T>(cfg, budget, i, y); }};
 }
 
 /// KVM sizing for a fraction f: split_budget with n_b = --window-chunks and the first chunk as rows
@@ -67,8 +71,9 @@ inline double growth_factor_for(const MemoryConfig& cfg, long T, long rows) {
   return final_rows(nice) == final_rows(a) ? nice : a;
 }
 
-/// kvm-fixed, kvm-sqrt and kvm-16sqrt, in table order.
-inline std::vector<MemoryKind> kvm_kinds() {
+/// kvm-fixed, kvm-sqrt and kvm-16sqrt of storage type T, in table order.
+template <StorageType T>
+std::vector<MemoryKind> kvm_kinds() {
   std::vector<MemoryKind> kinds;
   kinds.push_back(
       {"kvm-fixed", "KVM fixed",
@@ -76,7 +81,7 @@ inline std::vector<MemoryKind> kvm_kinds() {
        "rows, then every overflow block merges",
        false, [](const Inputs& in, const SizingOptions& o, double f, const std::string& label) {
          const auto s = kvm_sizing(in, o, f, label, "kvm-fixed");
-         return kvm_plan(s.cfg, budget::Fixed{s.rows}, {{"kind", "fixed"}, {"min_rows", s.rows}},
+         return kvm_plan<T>(s.cfg, budget::Fixed{s.rows}, {{"kind", "fixed"}, {"min_rows", s.rows}},
                          fmt("C=%d L=%dx%d R=%ld", s.cfg.chunk, s.cfg.window_chunks, s.cfg.chunk, s.rows));
        }});
   kinds.push_back(
@@ -86,7 +91,7 @@ inline std::vector<MemoryKind> kvm_kinds() {
        false, [](const Inputs& in, const SizingOptions& o, double f, const std::string& label) {
          const auto s = kvm_sizing(in, o, f, label, "kvm-sqrt");
          const double a = growth_factor_for(s.cfg, longest(in), s.rows);
-         return kvm_plan(s.cfg, budget::PowerLaw{-1, a, 0.5, 1},
+         return kvm_plan<T>(s.cfg, budget::PowerLaw{-1, a, 0.5, 1},
                          {{"kind", "power-law"}, {"min_rows", -1}, {"growth_factor", a}, {"growth_exponent", 0.5},
                           {"round_down", 1}, {"target_rows", s.rows}},
                          fmt("C=%d L=%dx%d a=%.2f", s.cfg.chunk, s.cfg.window_chunks, s.cfg.chunk, a));
@@ -102,7 +107,7 @@ inline std::vector<MemoryKind> kvm_kinds() {
          c.rope_dims = o.rope_dims;
          c.sinks = o.sinks;
          c.max_rows = 256L * 10000;  // --max-chunks 10000
-         return kvm_plan(c, budget::PowerLaw{256, 16.0, 0.5, 1},
+         return kvm_plan<T>(c, budget::PowerLaw{256, 16.0, 0.5, 1},
                          {{"kind", "power-law"}, {"min_rows", 256}, {"growth_factor", 16.0}, {"growth_exponent", 0.5},
                           {"round_down", 1}},
                          "C=256 L=2x256 a=16");

@@ -3,8 +3,13 @@
 /// layer, at each memory fraction of the full KV cache. Table on stdout, optional JSON and PNG plot.
 ///
 ///   kvmem-eval --input layer.safetensors [--fractions 1/4,1/8,1/16,1/32] [--memories kvm-fixed,ovq,...]
-///              [--json out.json] [--plot out.png] [--buckets 8] [--label NAME] [--window-share 0.25]
-///              [--window-chunks 1] [--sinks 1] [--rope-dims 0] [--no-progress] [--list-memories]
+///              [--dtype f32|bf16|f16] [--json out.json] [--plot out.png] [--buckets 8] [--label NAME]
+///              [--window-share 0.25] [--window-chunks 1] [--sinks 1] [--rope-dims 0] [--no-progress]
+///              [--list-memories]
+///
+/// The memories run in the input's token dtype (F32, BF16 or F16; F64 runs as F32) or the one --dtype
+/// names; the reference is exact causal attention in float32 over the same tokens widened to float32, so a
+/// bf16 run's error includes what rounding the tokens to bf16 costs when the input was float32.
 ///
 /// Exit status: 0 on success, 2 for bad options or inputs (the message names the parameter and value),
 /// 1 for any other failure (a plot that could not be drawn included).
@@ -40,6 +45,7 @@ namespace kvmem::tools::eval {
 
 struct Options {
   std::string input, json, plot, label, plot_script;
+  std::string dtype;  ///< --dtype: "", f32, bf16 or f16 (TokenDtype::of)
   std::vector<std::string> fractions{"1/4", "1/8", "1/16", "1/32"};
   std::vector<std::string> memories = memory_ids();  // every memory, in table order
   int buckets = 8;
@@ -123,6 +129,16 @@ void require_finite(const V& view, const char* name) {
 
 inline std::string mib(long bytes) { return fmt("%.3f MiB", bytes / 1048576.0); }
 
+/// memory_kinds<T>() for the storage type of the run's dtype `d` (TokenDtype::name: F32, BF16 or F16).
+inline std::vector<MemoryKind> memory_kinds_of(const TokenDtype& d) {
+  if (d.name == "BF16") return memory_kinds<bfloat16>();
+  if (d.name == "F16") return memory_kinds<float16>();
+  return memory_kinds<float>();
+}
+
+/// Bytes of one token element in the run's dtype `d`.
+inline long element_bytes(const TokenDtype& d) { return d.name == "F32" ? 4 : 2; }
+
 /// Runs the evaluation the options describe; returns the report. Throws kvmem::invalid_argument for bad input.
 inline nlohmann::json evaluate(const Options& o) {
   // Options first (cheap), then the input file.
@@ -141,18 +157,25 @@ inline nlohmann::json evaluate(const Options& o) {
   }
   std::vector<double> fractions;
   for (const auto& f : o.fractions) fractions.push_back(parse_fraction(f));
-  const auto all = memory_kinds();
-  std::vector<MemoryKind> kinds;
+  const auto known_ids = memory_ids();
   for (const auto& id : o.memories) {
-    auto it = std::find_if(all.begin(), all.end(), [&](const MemoryKind& k) { return k.id == id; });
     std::string known;
-    for (const auto& k : all) known += (known.empty() ? "" : ", ") + k.id;
-    require(it != all.end(), "--memories", id, "unknown memory (known: " + known + ")");
-    kinds.push_back(*it);
+    for (const auto& k : known_ids) known += (known.empty() ? "" : ", ") + k;
+    require(std::find(known_ids.begin(), known_ids.end(), id) != known_ids.end(), "--memories", id,
+            "unknown memory (known: " + known + ")");
   }
 
   const auto file = io::SafetensorsFile::read(o.input);
-  const auto in = Inputs::load(file, TokenDtype::of(file, "f32"));  // float32 memories: any float dtype, widened
+  const auto dtype = TokenDtype::of(file, o.dtype);  // the memories' storage type
+  StoredInputs stored;
+  stored.f32 = Inputs::load(file, TokenDtype::of(file, "f32"));  // the reference's tokens: any float dtype, widened
+  if (dtype.name == "BF16") stored.bf16 = InputsOf<bfloat16>::load(file, dtype);
+  if (dtype.name == "F16") stored.f16 = InputsOf<float16>::load(file, dtype);
+  const Inputs& in = stored.f32;
+  const auto all = memory_kinds_of(dtype);
+  std::vector<MemoryKind> kinds;
+  for (const auto& id : o.memories)
+    kinds.push_back(*std::find_if(all.begin(), all.end(), [&](const MemoryKind& k) { return k.id == id; }));
   require(o.sizing.rope_dims >= 0 && o.sizing.rope_dims <= in.D, "--rope-dims", o.sizing.rope_dims,
           "must be in [0, head_dim = " + std::to_string(in.D) + "]");
   require_finite(in.q, "q");
@@ -193,12 +216,14 @@ inline nlohmann::json evaluate(const Options& o) {
   progress.advance();
   const auto ref = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), y_exact);
 
-  const long full = tokens * in.Hkv * (in.D + in.Dv) * static_cast<long>(sizeof(float));
+  const long full = tokens * in.Hkv * (in.D + in.Dv) * element_bytes(dtype);
   nlohmann::json report;
   report["tool"] = "kvmem-eval";
   report["input"] = o.input;
   report["label"] = o.label;
   report["input_metadata"] = file.metadata;
+  report["dtype"] = dtype.flag();           // the memories' storage type
+  report["input_dtype"] = dtype.q_dtype;    // tensor q's dtype in the file
   report["shape"] = {{"B", in.B}, {"Hq", in.Hq}, {"Hkv", in.Hkv}, {"T", in.T}, {"D", in.D}, {"Dv", in.Dv},
                      {"tokens", tokens}, {"lengths", in.lengths}};
   report["backend"] = {{"name", exec().name()}, {"concurrency", exec().concurrency()}};
@@ -218,7 +243,7 @@ inline nlohmann::json evaluate(const Options& o) {
     progress.step(job.kind->id + " at " + job.fraction_label);
     RunStats s;
     try {
-      s = job.plan.run(in, y);
+      s = job.plan.run(stored, y);
     } catch (const invalid_argument& e) {
       rethrow_with_flag(e);
     }
@@ -264,8 +289,11 @@ inline void print_report(const nlohmann::json& r) {
   std::printf("  shape   B=%ld  Hq=%ld  Hkv=%ld  T=%ld  D=%ld  Dv=%ld  (%ld tokens)\n", sh["B"].get<long>(),
               sh["Hq"].get<long>(), sh["Hkv"].get<long>(), sh["T"].get<long>(), sh["D"].get<long>(),
               sh["Dv"].get<long>(), sh["tokens"].get<long>());
-  std::printf("  exact   causal attention over the full KV cache (%s float32): %.3f s\n\n",
-              mib(r["full_kv_bytes"].get<long>()).c_str(), r["exact"]["seconds"].get<double>());
+  const auto dtype = r["dtype"].get<std::string>();
+  std::printf("  dtype   memories in %s (input %s); the reference in float32\n", dtype.c_str(),
+              r["input_dtype"].get<std::string>().c_str());
+  std::printf("  exact   causal attention over the full KV cache (%s in %s): %.3f s\n\n",
+              mib(r["full_kv_bytes"].get<long>()).c_str(), dtype.c_str(), r["exact"]["seconds"].get<double>());
   std::printf("%-22s %-6s %-22s %6s %7s %10s %8s %9s %8s %8s\n", "memory", "budget", "parameters", "rows", "window",
               "held", "of cache", "rel L2", "cos", "wall s");
   for (const auto& x : r["results"]) {
@@ -286,12 +314,13 @@ inline void print_report(const nlohmann::json& r) {
     std::printf("\n");
   }
   std::printf("\nrows, window: state rows (Trellis: slots m; eviction: sinks + kept tokens) and window tokens per head\n"
-              "after the last token; held: the most the memory holds at any token (KVM, OVQ: state rows + full window,\n"
-              "(D + Dv + 1) float32 each per kv-head, their held_bytes(), plus the rows a kvm-h2o fold holds before its\n"
-              "eviction; Trellis: m x (D + Dv) float32 per query head; eviction: s + w + k + 1 rows of (D + Dv) float32\n"
-              "per kv-head); of cache: held / full KV cache\n"
-              "(tokens x Hkv x (D + Dv) float32); rel L2: ||y - y*|| / ||y*|| over all tokens and query heads; cos: mean\n"
-              "cosine similarity of y_t and y*_t; wall s: the memory's prefill.\n");
+              "after the last token; held: the most the memory holds at any token (KVM, OVQ: state rows of (D + Dv + 1)\n"
+              "float32 and a full window of (D + Dv) elements of the dtype and a float32 gate per token, per kv-head,\n"
+              "their held_bytes(), plus the rows a kvm-h2o fold holds before its eviction; Trellis: m x (D + Dv) float32\n"
+              "per query head; eviction: s + w + k + 1 rows of (D + Dv) elements of the dtype per kv-head); of cache:\n"
+              "held / full KV cache (tokens x Hkv x (D + Dv) elements of the dtype); rel L2: ||y - y*|| / ||y*|| over all\n"
+              "tokens and query heads, y widened to float32, y* exact attention in float32; cos: mean cosine similarity\n"
+              "of y_t and y*_t; wall s: the memory's prefill.\n");
 }
 
 /// Runs `python3 script --output png json` and waits; throws std::runtime_error when it fails.
@@ -325,6 +354,7 @@ int main(int argc, char** argv) {
       ->delimiter(',')->multi_option_policy(CLI::MultiOptionPolicy::TakeAll)->capture_default_str();
   app.add_option("--memories", o.memories, "memories to compare (--list-memories)")
       ->delimiter(',')->multi_option_policy(CLI::MultiOptionPolicy::TakeAll)->capture_default_str();
+  app.add_option("--dtype", o.dtype, "the memories' storage type: f32, bf16 or f16 (default: tensor q's dtype; F64 runs as f32)");
   app.add_option("--json", o.json, "write the full report (every number, per bucket and head) here");
   app.add_option("--plot", o.plot, "draw error against memory fraction to this PNG (python3 + matplotlib)");
   app.add_option("--plot-script", o.plot_script, "the plot script (env KVMEM_EVAL_PLOT_SCRIPT)")->capture_default_str();
@@ -343,7 +373,7 @@ int main(int argc, char** argv) {
     return app.exit(e) == 0 ? 0 : 2;
   }
   if (o.list) {
-    for (const auto& k : ev::memory_kinds())
+    for (const auto& k : ev::memory_kinds<float>())
       std::printf("%-12s %s\n             %s\n", k.id.c_str(), k.label.c_str(), k.sizing.c_str());
     return 0;
   }

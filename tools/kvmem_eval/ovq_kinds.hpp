@@ -31,12 +31,15 @@ inline MemoryConfig ovq_config(const Inputs& in, int chunk, long max_centroids) 
   return c;
 }
 
-/// Builds OvqMemory<exec, Plateau{N}> with beta = tau_bswa and runs it (N = cfg.max_rows).
-inline RunStats run_ovq(const MemoryConfig& cfg, const Inputs& in, const OutView& y) {
-  const LayerWeights<mem_space> beta{{}, {}, in.weights.tau_window, in.weights.tau_window};
-  OvqMemory<exec, budget::Plateau> mem(cfg, budget::Plateau{static_cast<double>(cfg.max_rows)}, beta,
-                                       static_cast<int>(in.B));
-  return run_composed(mem, in, y);
+/// Builds OvqMemory<exec, Plateau{N}, T> with beta = tau_bswa and runs it (N = cfg.max_rows).
+template <StorageType T>
+RunStats run_ovq(const MemoryConfig& cfg, const StoredInputs& in, const OutView& y) {
+  return run_stored<T>(in, y, [&](const InputsOf<T>& i, const auto& yt) {
+    const LayerWeights<mem_space> beta{{}, {}, i.weights.tau_window, i.weights.tau_window};
+    OvqMemory<exec, budget::Plateau, T> mem(cfg, budget::Plateau{static_cast<double>(cfg.max_rows)}, beta,
+                                            static_cast<int>(i.B));
+    return run_composed(mem, i, yt);
+  });
 }
 
 /// Centroids an OVQ prefill of T tokens ends with: every full chunk is committed as soon as it is complete
@@ -48,35 +51,37 @@ inline long ovq_final_rows(const MemoryConfig& cfg, const budget::Plateau& b, lo
   return rows;
 }
 
-/// JSON parameters and table summary of an OVQ plan with plateau N = cfg.max_rows.
-inline Plan ovq_plan(const MemoryConfig& cfg, long target_rows) {
+/// JSON parameters and table summary of an OVQ plan of storage type T with plateau N = cfg.max_rows.
+template <StorageType T>
+Plan ovq_plan(const MemoryConfig& cfg, long target_rows) {
   return {{{"config", config_json(cfg)},
            {"budget", {{"kind", "plateau"}, {"max_centroids", cfg.max_rows}, {"target_rows", target_rows}}},
            {"beta", "tau_bswa"}},
           fmt("C=%d N=%ld", cfg.chunk, cfg.max_rows),
-          [cfg](const Inputs& i, const OutView& y) { return run_ovq(cfg, i, y); }};
+          [cfg](const StoredInputs& i, const OutView& y) { return run_ovq<T>(cfg, i, y); }};
 }
 
-/// ovq, ovq-paper and ovq-whole, in table order.
-inline std::vector<MemoryKind> ovq_kinds() {
+/// ovq, ovq-paper and ovq-whole of storage type T, in table order.
+template <StorageType T>
+std::vector<MemoryKind> ovq_kinds() {
   std::vector<MemoryKind> kinds;
   kinds.push_back(
       {"ovq", "OVQ plateau",
        "C = round(s*f*T) (the open chunk), R = f*T - C; budget::Plateau tN/(t+N) with N the smallest integer whose "
        "prefill of T tokens ends with R centroids (row cap N)",
        false, [](const Inputs& in, const SizingOptions& o, double f, const std::string&) {
-         const long T = longest(in);
-         const auto s = split_budget(T, f, o, 1, /*first_chunk_rows=*/false);
+         const long n = longest(in);
+         const auto s = split_budget(n, f, o, 1, /*first_chunk_rows=*/false);
          auto cfg = ovq_config(in, s.chunk, 1);
-         auto rows_of = [&](double n) {
+         auto rows_of = [&](double N) {
            auto c = cfg;
-           c.max_rows = static_cast<long>(n);
-           return ovq_final_rows(c, budget::Plateau{n}, T);
+           c.max_rows = static_cast<long>(N);
+           return ovq_final_rows(c, budget::Plateau{N}, n);
          };
-         // N >= T^2 puts floor(tN/(t+N)) at t - 1 for every t <= T: the most the schedule can reach.
-         const double hi = static_cast<double>(T) * static_cast<double>(T) + 1.0;
+         // N >= n^2 puts floor(tN/(t+N)) at t - 1 for every t <= n: the most the schedule can reach.
+         const double hi = static_cast<double>(n) * static_cast<double>(n) + 1.0;
          cfg.max_rows = static_cast<long>(smallest_reaching(rows_of, s.rows, 1.0, hi, /*integer=*/true));
-         return ovq_plan(cfg, s.rows);
+         return ovq_plan<T>(cfg, s.rows);
        }});
   kinds.push_back(
       {"ovq-paper", "OVQ C=256, N=1024",
@@ -84,14 +89,14 @@ inline std::vector<MemoryKind> ovq_kinds() {
        "that gives",
        true, [](const Inputs& in, const SizingOptions&, double, const std::string&) {
          const auto cfg = ovq_config(in, 256, 1024);
-         return ovq_plan(cfg, ovq_final_rows(cfg, budget::Plateau{1024}, longest(in)));
+         return ovq_plan<T>(cfg, ovq_final_rows(cfg, budget::Plateau{1024}, longest(in)));
        }});
   kinds.push_back(
       {"ovq-whole", "OVQ, whole cache",
        "C = T (every token in the open chunk, N = 1: no centroid is ever read): OVQ's normalized, beta-scaled "
        "logits over the full cache; one point at about 100% of the cache",
        true, [](const Inputs& in, const SizingOptions&, double, const std::string&) {
-         return ovq_plan(ovq_config(in, static_cast<int>(longest(in)), 1), 0);
+         return ovq_plan<T>(ovq_config(in, static_cast<int>(longest(in)), 1), 0);
        }});
   return kinds;
 }

@@ -2,12 +2,13 @@
 """Fill the generated blocks of docs/fidelity.md from kvmem-eval JSON reports.
 
   report.py --doc docs/fidelity.md --embedded e.json --layers l0.json ... [--sweep s1.json ...] \
-            [--inputs layer0.safetensors ...] [--command "scripts/fidelity"]
+            [--inputs layer0.safetensors ...] [--bf16 e-bf16.json l0-bf16.json ...] \
+            [--bf16-floor e-floor.json ...] [--command "scripts/fidelity"]
 
 The document keeps its prose; every block between
   <!-- generated:NAME -->  and  <!-- /generated:NAME -->
 is replaced (NAME: setup, embedded-table, embedded-buckets, layers-table, layers-cosine, sweep-table,
-inputs-table, headline). A block missing from the document is an error (exit 2), so the prose and the
+inputs-table, bf16-table, headline). A block missing from the document is an error (exit 2), so the prose and the
 generator cannot drift apart silently. Needs python3 (+ NumPy for --inputs).
 """
 import argparse
@@ -97,6 +98,36 @@ def layers_table(layers, key, fmt):
         mean = f"**{fmt(sum(got) / len(got))}**" if got else ""
         lines.append(f"| {label} | {budget} | " + " | ".join(fmt(v) if v is not None else "" for v in vals) +
                      f" | {mean} |")
+    return "\n".join(lines)
+
+
+def storage_table(pairs, floors):
+    """The error bf16 storage adds: for every memory and budget of the float32 reports, the relative L2 error
+    in float32 and in bf16 (mean over the reports) and their difference, with its range over the reports.
+    `pairs` [(float32 report, bf16 report)] of the same inputs; `floors` bf16 reports at fraction 1 with a
+    window holding every token (what rounding the tokens and the output to bf16 costs alone)."""
+    f32s = [a for a, _ in pairs]
+    fr = fractions(f32s[0])
+    rows = []
+    for m in f32s[0]["memories"]:
+        rows += [(m["id"], "own", m["label"])] if m["own_size"] else [(m["id"], f, m["label"]) for f in fr]
+    lines = ["| memory | budget | rel. L2, float32 | rel. L2, bf16 | added by bf16 (mean) | added, min .. max |",
+             "|---|---|---:|---:|---:|---:|"]
+    for mid, f, label in rows:
+        got = [(result(a, mid, f), result(b, mid, f)) for a, b in pairs]
+        got = [(x["rel_l2"], y["rel_l2"]) for x, y in got if x and y]
+        if not got:
+            continue
+        n = len(got)
+        d = [y - x for x, y in got]
+        lines.append(f"| {label} | {f} | {sum(x for x, _ in got) / n:.4f} | {sum(y for _, y in got) / n:.4f} | "
+                     f"{sum(d) / n:+.4f} | {min(d):+.4f} .. {max(d):+.4f} |")
+    if floors:
+        v = [x["rel_l2"] for rep in floors for x in rep["results"]]
+        lines.append("")
+        lines.append(f"Floor: KVM fixed with its window holding every token (exact attention over the tokens rounded "
+                     f"to bf16, output rounded to bf16): relative L2 error {min(v):.4f} .. {max(v):.4f} over "
+                     f"{len(v)} inputs.")
     return "\n".join(lines)
 
 
@@ -192,6 +223,10 @@ def main():
     ap.add_argument("--inputs", nargs="*", default=[], help="input files for the key/query norm table")
     ap.add_argument("--input-labels", nargs="*", default=[])
     ap.add_argument("--command", default="scripts/fidelity")
+    ap.add_argument("--bf16", nargs="*", default=[],
+                    help="bf16 reports (kvmem-eval --dtype bf16) of the embedded layer and of --layers, in that order")
+    ap.add_argument("--bf16-floor", nargs="*", default=[],
+                    help="bf16 reports at --fractions 1 --window-share 1 --memories kvm-fixed")
     a = ap.parse_args()
     emb = load(a.embedded)
     layers = [load(p) for p in a.layers]
@@ -205,6 +240,11 @@ def main():
     }
     if a.sweep:
         blocks["sweep-table"] = sweep_table([load(p) for p in a.sweep])
+    if a.bf16:
+        if len(a.bf16) != 1 + len(layers):
+            fail(f"--bf16: {len(a.bf16)} reports for 1 + {len(layers)} float32 ones (the embedded layer, then --layers)")
+        blocks["bf16-table"] = storage_table(list(zip([emb] + layers, [load(p) for p in a.bf16])),
+                                             [load(p) for p in a.bf16_floor])
     if a.inputs:
         labels = a.input_labels or [os.path.basename(p) for p in a.inputs]
         blocks["inputs-table"] = inputs_table(a.inputs, labels)

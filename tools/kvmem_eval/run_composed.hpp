@@ -11,11 +11,19 @@
 
 namespace kvmem::tools::eval {
 
-/// Prefills `mem` (empty, built for the inputs' batch) with the inputs and writes y [B, Hq, T, Dv].
-/// Held memory is the facade's accounting: per kv-head, (state rows + window tokens) x (D + Dv + 1)
-/// float32 (key, value, and the row's radius or count / the token's gate).
-template <class ComposedMemory>
-RunStats run_composed(ComposedMemory& mem, const Inputs& in, const OutView& y) {
+/// Bytes per kv-head of a composed memory holding `rows` state rows and `tokens` window tokens, as
+/// Memory::held_bytes counts them: a state row (D + Dv + 1) float32 (key and value sums, radius or count),
+/// a window token (D + Dv) elements of the storage type T and a float32 gate.
+template <StorageType T>
+long composed_bytes(long rows, long tokens, long D, long Dv) {
+  return rows * (D + Dv + 1) * static_cast<long>(sizeof(float)) +
+         tokens * ((D + Dv) * static_cast<long>(sizeof(T)) + static_cast<long>(sizeof(float)));
+}
+
+/// Prefills `mem` (empty, built for the inputs' batch) with the tokens `in` (storage type T) and writes
+/// y [B, Hq, T, Dv] of that type. Held memory is the facade's accounting (composed_bytes).
+template <class ComposedMemory, StorageType T, class Y>
+RunStats run_composed(ComposedMemory& mem, const InputsOf<T>& in, const Y& y) {
   const auto& cfg = mem.config();
   Kokkos::fence();
   const auto start = std::chrono::steady_clock::now();
@@ -30,9 +38,9 @@ RunStats run_composed(ComposedMemory& mem, const Inputs& in, const OutView& y) {
   s.held_bytes = mem.held_bytes();
   // Rows only grow, and the window holds at most min(n, L) tokens, so rows + min(n, L) bounds what is held
   // at any token; it is exact when the last token ends a chunk (then the window holds L tokens).
-  long units = 0;
-  for (long b = 0; b < in.B; ++b) units += s.rows[b] + std::min(in.lengths[b], cfg.window());
-  s.peak_bytes = units * in.Hkv * (in.D + in.Dv + 1) * static_cast<long>(sizeof(float));
+  long bytes = 0;
+  for (long b = 0; b < in.B; ++b) bytes += composed_bytes<T>(s.rows[b], std::min(in.lengths[b], cfg.window()), in.D, in.Dv);
+  s.peak_bytes = bytes * in.Hkv;
   s.peak_bytes = std::max(s.peak_bytes, s.held_bytes);
   return s;
 }

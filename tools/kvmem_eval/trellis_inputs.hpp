@@ -21,6 +21,7 @@
 #include <cmath>
 #include <cstdint>
 
+#include <kvmem/dtype.hpp>
 #include <kvmem/kernels/vector_ops.hpp>
 
 #include "memory_kind.hpp"
@@ -30,13 +31,15 @@ namespace kvmem::tools::eval {
 inline constexpr std::uint64_t trellis_alpha_seed = 0x6b766d656d2d6576ULL;  ///< "kvmem-ev"
 inline constexpr float trellis_untrained_gate = 0.5f;                         ///< sigmoid(0)
 
-/// Trellis inputs for the whole batch, device views, float32.
+/// Trellis inputs for the whole batch, device views in storage type T (float, kvmem::bfloat16 or
+/// kvmem::float16): computed in float32 from the float32 tokens, then rounded to T once (from_float).
+template <StorageType T>
 struct TrellisInputs {
-  Kokkos::View<float****, Kokkos::LayoutRight, mem_space> q, k;  ///< [B, Hq, T, D], unit rows
-  Kokkos::View<float****, Kokkos::LayoutRight, mem_space> v;     ///< [B, Hq, T, Dv], unit rows
-  Kokkos::View<float****, Kokkos::LayoutRight, mem_space> alpha; ///< [B, Hq, T, m]
-  Kokkos::View<float***, Kokkos::LayoutRight, mem_space> forget; ///< beta1 = beta2 [B, Hq, T]
-  Kokkos::View<float***, Kokkos::LayoutRight, mem_space> step;   ///< gamma1 = gamma2 [B, Hq, T]
+  Kokkos::View<T****, Kokkos::LayoutRight, mem_space> q, k;  ///< [B, Hq, T, D], unit rows
+  Kokkos::View<T****, Kokkos::LayoutRight, mem_space> v;     ///< [B, Hq, T, Dv], unit rows
+  Kokkos::View<T****, Kokkos::LayoutRight, mem_space> alpha; ///< [B, Hq, T, m]
+  Kokkos::View<T***, Kokkos::LayoutRight, mem_space> forget; ///< beta1 = beta2 [B, Hq, T]
+  Kokkos::View<T***, Kokkos::LayoutRight, mem_space> step;   ///< gamma1 = gamma2 [B, Hq, T]
 };
 
 /// The (n+1)-th output of splitmix64 seeded with `seed` (Steele, Lea, Flood 2014), as java.util.SplittableRandom.
@@ -59,39 +62,45 @@ inline Kokkos::View<float**, Kokkos::LayoutRight, mem_space> trellis_alpha_proje
   return r;
 }
 
-/// out = x / max(||x||_2, 1e-12) over n contiguous channels.
-KOKKOS_INLINE_FUNCTION void unit_vector(const float* x, float* out, int n) {
+/// out = x / max(||x||_2, 1e-12) over n contiguous channels, rounded to out's storage type.
+template <class Out>
+KOKKOS_INLINE_FUNCTION void unit_vector(const float* x, Out* out, int n) {
   const float norm = kernels::norm2(x, n);
   const float inv = 1.0f / (norm > 1e-12f ? norm : 1e-12f);
-  for (int c = 0; c < n; ++c) out[c] = x[c] * inv;
+  for (int c = 0; c < n; ++c) out[c] = from_float<Out>(x[c] * inv);
 }
 
-/// Makes the Trellis inputs of `in` for m slots as described in the file comment.
-inline TrellisInputs make_trellis_inputs(const Inputs& in, long m) {
+/// Makes the Trellis inputs of the float32 tokens `in` for m slots, in storage type S, as described in the
+/// file comment: alpha is computed from the unit keys in float32 before they are rounded to S.
+template <StorageType S>
+TrellisInputs<S> make_trellis_inputs(const Inputs& in, long m) {
   const long B = in.B, H = in.Hq, T = in.T, group = in.Hq / in.Hkv;
   const int D = static_cast<int>(in.D), Dv = static_cast<int>(in.Dv);
-  using tokens = decltype(TrellisInputs::q);
-  using gates = decltype(TrellisInputs::forget);
-  TrellisInputs t{tokens("trellis_q", B, H, T, D),     tokens("trellis_k", B, H, T, D),
-                  tokens("trellis_v", B, H, T, Dv),    tokens("trellis_alpha", B, H, T, m),
-                  gates("trellis_forget", B, H, T),    gates("trellis_step", B, H, T)};
-  Kokkos::deep_copy(t.forget, trellis_untrained_gate);
-  Kokkos::deep_copy(t.step, trellis_untrained_gate);
+  using tokens = decltype(TrellisInputs<S>::q);
+  using gates = decltype(TrellisInputs<S>::forget);
+  TrellisInputs<S> t{tokens("trellis_q", B, H, T, D),     tokens("trellis_k", B, H, T, D),
+                     tokens("trellis_v", B, H, T, Dv),    tokens("trellis_alpha", B, H, T, m),
+                     gates("trellis_forget", B, H, T),    gates("trellis_step", B, H, T)};
+  Kokkos::deep_copy(t.forget, from_float<S>(trellis_untrained_gate));
+  Kokkos::deep_copy(t.step, from_float<S>(trellis_untrained_gate));
   const auto R = trellis_alpha_projection(m, D);
   const auto q = in.q, k = in.k, v = in.v;
   const auto tq = t.q, tk = t.k, tv = t.v, alpha = t.alpha;
+  // The unit keys in float32, for alpha (the same bits for every storage type).
+  const Kokkos::View<float****, Kokkos::LayoutRight, mem_space> unit_k("trellis_unit_k", B, H, T, D);
   using range = Kokkos::RangePolicy<exec>;
   Kokkos::parallel_for("kvmem_eval::trellis_normalize", range(0, B * H * T), KOKKOS_LAMBDA(long idx) {
     const long s = idx % T, h = (idx / T) % H, b = idx / (T * H), g = h / group;
     unit_vector(&q(b, h, s, 0), &tq(b, h, s, 0), D);
-    unit_vector(&k(b, g, s, 0), &tk(b, h, s, 0), D);
+    unit_vector(&k(b, g, s, 0), &unit_k(b, h, s, 0), D);
+    for (int c = 0; c < D; ++c) tk(b, h, s, c) = from_float<S>(unit_k(b, h, s, c));
     unit_vector(&v(b, g, s, 0), &tv(b, h, s, 0), Dv);
   });
   Kokkos::parallel_for("kvmem_eval::trellis_alpha", range(0, B * H * T * m), KOKKOS_LAMBDA(long idx) {
     const long i = idx % m, s = (idx / m) % T, h = (idx / (m * T)) % H, b = idx / (m * T * H);
     float a = 0.0f;
-    for (int c = 0; c < D; ++c) a += R(i, c) * tk(b, h, s, c);
-    alpha(b, h, s, i) = a;
+    for (int c = 0; c < D; ++c) a += R(i, c) * unit_k(b, h, s, c);
+    alpha(b, h, s, i) = from_float<S>(a);
   });
   Kokkos::fence();
   return t;

@@ -30,14 +30,13 @@ inline TrellisConfig trellis_config(const Inputs& in, long slots) {
   return c;
 }
 
-/// Makes the inputs (not timed), prefills a zero Trellis memory with them and writes y [B, Hq, T, Dv].
-/// Held memory is the memory's held_bytes(): B x Hq x m x (D + Dv) float32, constant over the sequence.
-inline RunStats run_trellis(const TrellisConfig& cfg, const Inputs& in, const OutView& y) {
-  const auto t = make_trellis_inputs(in, cfg.slots);
-  TrellisMemory<exec> mem(cfg, static_cast<int>(in.B));
+/// Prefills a zero TrellisMemory<exec, T> with the inputs `t` and writes yt [B, Hq, T, Dv] of type T.
+template <StorageType T, class Y>
+RunStats prefill_trellis(const TrellisConfig& cfg, const TrellisInputs<T>& t, const Inputs& in, const Y& yt) {
+  TrellisMemory<exec, T> mem(cfg, static_cast<int>(in.B));
   Kokkos::fence();
   const auto start = std::chrono::steady_clock::now();
-  mem.prefill(t.q, t.k, t.v, t.alpha, t.forget, t.step, t.forget, t.step, y, in.lengths);
+  mem.prefill(t.q, t.k, t.v, t.alpha, t.forget, t.step, t.forget, t.step, yt, in.lengths);
   Kokkos::fence();
   RunStats s;
   s.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
@@ -47,8 +46,20 @@ inline RunStats run_trellis(const TrellisConfig& cfg, const Inputs& in, const Ou
   return s;
 }
 
-/// trellis, in table order.
-inline std::vector<MemoryKind> trellis_kinds() {
+/// Makes the inputs in storage type T from the float32 tokens (not timed), prefills a zero
+/// TrellisMemory<exec, T> with them and writes y [B, Hq, T, Dv] (widened to float32). Held memory is the
+/// memory's held_bytes(): B x Hq x m x (D + Dv) float32 (the slots stay float32 in every storage type),
+/// constant over the sequence.
+template <StorageType T>
+RunStats run_trellis(const TrellisConfig& cfg, const StoredInputs& stored, const OutView& y) {
+  const Inputs& in = stored.f32;
+  const auto t = make_trellis_inputs<T>(in, cfg.slots);
+  return run_stored<T>(stored, y, [&](const InputsOf<T>&, const auto& yt) { return prefill_trellis<T>(cfg, t, in, yt); });
+}
+
+/// trellis of storage type T, in table order.
+template <StorageType T>
+std::vector<MemoryKind> trellis_kinds() {
   std::vector<MemoryKind> kinds;
   kinds.push_back(
       {"trellis", "Trellis (untrained)",
@@ -67,7 +78,7 @@ inline std::vector<MemoryKind> trellis_kinds() {
                       {"f", std::string(merge::name_of(cfg.f))}, {"readout2_phi", cfg.readout2_phi},
                       {"grad_scale", cfg.grad_scale}, {"inputs", inputs}},
                      fmt("m=%d C=%d", cfg.slots, cfg.chunk),
-                     [cfg](const Inputs& i, const OutView& y) { return run_trellis(cfg, i, y); }};
+                     [cfg](const StoredInputs& i, const OutView& y) { return run_trellis<T>(cfg, i, y); }};
        }});
   return kinds;
 }
