@@ -2,7 +2,7 @@
 """Fill the generated blocks of docs/fidelity.md from kvmem-eval JSON reports.
 
   report.py --doc docs/fidelity.md --embedded e.json --layers l0.json ... [--sweep s1.json ...] \
-            [--inputs layer0.safetensors ...] [--bf16 e-bf16.json l0-bf16.json ...] \
+            [--inputs layer0.safetensors ...] [--bf16 e.json:e-bf16.json l0.json:l0-bf16.json ...] \
             [--bf16-floor e-floor.json ...] [--command "scripts/fidelity"]
 
 The document keeps its prose; every block between
@@ -223,8 +223,8 @@ def main():
     ap.add_argument("--inputs", nargs="*", default=[], help="input files for the key/query norm table")
     ap.add_argument("--input-labels", nargs="*", default=[])
     ap.add_argument("--command", default="scripts/fidelity")
-    ap.add_argument("--bf16", nargs="*", default=[],
-                    help="bf16 reports (kvmem-eval --dtype bf16) of the embedded layer and of --layers, in that order")
+    ap.add_argument("--bf16", nargs="*", default=[], metavar="F32_JSON:BF16_JSON",
+                    help="pairs of reports of one input: float32, and bf16 (kvmem-eval --dtype bf16)")
     ap.add_argument("--bf16-floor", nargs="*", default=[],
                     help="bf16 reports at --fractions 1 --window-share 1 --memories kvm-fixed")
     a = ap.parse_args()
@@ -241,10 +241,15 @@ def main():
     if a.sweep:
         blocks["sweep-table"] = sweep_table([load(p) for p in a.sweep])
     if a.bf16:
-        if len(a.bf16) != 1 + len(layers):
-            fail(f"--bf16: {len(a.bf16)} reports for 1 + {len(layers)} float32 ones (the embedded layer, then --layers)")
-        blocks["bf16-table"] = storage_table(list(zip([emb] + layers, [load(p) for p in a.bf16])),
-                                             [load(p) for p in a.bf16_floor])
+        pairs = []
+        for pair in a.bf16:
+            if pair.count(":") != 1:
+                fail(f"--bf16 = {pair}: give F32_JSON:BF16_JSON")
+            f32, bf16 = (load(p) for p in pair.split(":"))
+            if f32["input"] != bf16["input"] or bf16.get("dtype") != "bf16":
+                fail(f"--bf16 = {pair}: not a float32 and a bf16 report of one input")
+            pairs.append((f32, bf16))
+        blocks["bf16-table"] = storage_table(pairs, [load(p) for p in a.bf16_floor])
     if a.inputs:
         labels = a.input_labels or [os.path.basename(p) for p in a.inputs]
         blocks["inputs-table"] = inputs_table(a.inputs, labels)
