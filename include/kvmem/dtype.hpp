@@ -17,6 +17,14 @@
 #include <cstdint>
 #include <string_view>
 
+// x86 F16C (the host compiler's -mf16c, implied by -march=haswell and later): float16 <-> float32 in
+// one instruction, through the compiler's _Float16 type, which the vectorizer also widens a whole register at
+// a time. Never in device code: nvcc, hipcc and SYCL device passes take the portable form.
+#if defined(__F16C__) && defined(__FLT16_MAX__) && !defined(__CUDACC__) && !defined(__HIPCC__) && \
+    !defined(__SYCL_DEVICE_ONLY__) && (defined(__x86_64__) || defined(__i386__))
+#define KVMEM_F16C 1
+#endif
+
 namespace kvmem {
 
 /// bfloat16 (IEEE float32's sign and 8-bit exponent, 7 stored mantissa bits; unit roundoff 2^-8): the
@@ -48,16 +56,31 @@ inline constexpr double unit_roundoff = std::same_as<T, float> ? 0x1p-24 : std::
 /// The value of a stored element as float32 (exact: every bfloat16 and float16 value is a float32 value).
 KOKKOS_INLINE_FUNCTION float to_float(float x) { return x; }
 KOKKOS_INLINE_FUNCTION float to_float(bfloat16 x) { return Kokkos::bit_cast<float>(static_cast<std::uint32_t>(x.bits) << 16); }
+namespace detail {
+/// The float32 value of the float16 bit pattern `bits`, from the format's definition (portable, any
+/// backend): normal numbers rebias the exponent (15 -> 127), subnormals are mantissa * 2^-24 (exact in
+/// float32), Inf stays Inf and a NaN comes back quiet with its payload (as the CPUs' and GPUs' conversion
+/// instructions give it). Selects rather than branches, so a loop of them vectorizes.
+KOKKOS_INLINE_FUNCTION float widen_float16(std::uint16_t bits) {
+  const std::uint32_t sign = static_cast<std::uint32_t>(bits & 0x8000u) << 16;
+  const std::uint32_t exponent = bits & 0x7c00u, mantissa = bits & 0x3ffu;
+  const std::uint32_t normal = (static_cast<std::uint32_t>(bits & 0x7fffu) << 13) + (112u << 23);
+  const std::uint32_t special = 0x7f800000u | (mantissa << 13) | (mantissa != 0 ? 0x00400000u : 0u);
+  const std::uint32_t subnormal = Kokkos::bit_cast<std::uint32_t>(static_cast<float>(mantissa) * 0x1p-24f);
+  const std::uint32_t magnitude = exponent == 0x7c00u ? special : exponent == 0 ? subnormal : normal;
+  return Kokkos::bit_cast<float>(sign | magnitude);
+}
+}  // namespace detail
+
+/// The value of a stored float16 as float32 (exact): the F16C instruction where the compiler targets it
+/// (KVMEM_F16C), detail::widen_float16 otherwise; both give the same bits (tests/unit/test_storage_types.cpp
+/// checks every bit pattern, in the portable build and the -march=native one).
 KOKKOS_INLINE_FUNCTION float to_float(float16 x) {
-  const std::uint32_t sign = static_cast<std::uint32_t>(x.bits & 0x8000u) << 16;
-  const std::uint32_t exponent = (x.bits >> 10) & 0x1fu, mantissa = x.bits & 0x3ffu;
-  if (exponent == 0) {  // zero or subnormal: mantissa * 2^-24, exact in float32
-    const float magnitude = static_cast<float>(mantissa) * 0x1p-24f;
-    return Kokkos::bit_cast<float>(Kokkos::bit_cast<std::uint32_t>(magnitude) | sign);
-  }
-  if (exponent == 31)  // Inf; a NaN comes back quiet (as the CPUs' and GPUs' conversion instructions give it)
-    return Kokkos::bit_cast<float>(sign | 0x7f800000u | (mantissa << 13) | (mantissa != 0 ? 0x00400000u : 0u));
-  return Kokkos::bit_cast<float>(sign | ((exponent + 112u) << 23) | (mantissa << 13));
+#if defined(KVMEM_F16C)
+  return static_cast<float>(Kokkos::bit_cast<_Float16>(x.bits));
+#else
+  return detail::widen_float16(x.bits);
+#endif
 }
 
 namespace detail {
@@ -99,8 +122,18 @@ KOKKOS_INLINE_FUNCTION T from_float(float x) {
     return x;
   else if constexpr (std::same_as<T, bfloat16>)
     return detail::round_to_bfloat16(x);
-  else
+  else {
+#if defined(KVMEM_F16C)
+    // The conversion instruction rounds to nearest even but overflows to Inf: saturate first (65,520 and
+    // above, as round_to_float16); NaN, Inf and everything below convert as there.
+    const std::uint32_t magnitude = Kokkos::bit_cast<std::uint32_t>(x) & 0x7fffffffu;
+    if (magnitude >= 0x477ff000u && magnitude < 0x7f800000u)
+      return {static_cast<std::uint16_t>(((Kokkos::bit_cast<std::uint32_t>(x) >> 16) & 0x8000u) | 0x7bffu)};
+    return {Kokkos::bit_cast<std::uint16_t>(static_cast<_Float16>(x))};
+#else
     return detail::round_to_float16(x);
+#endif
+  }
 }
 
 /// Stores the float32 `x` at `out` rounded to the element type of `out` (from_float).

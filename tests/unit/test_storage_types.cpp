@@ -109,7 +109,42 @@ TEMPLATE_TEST_CASE("a 16-bit storage type saturates finite values and keeps Inf 
   }
 }
 
-TEMPLATE_TEST_CASE("the SIMD load of a storage type widens as the scalar conversion does", "[dtype][simd]", bfloat16,
+TEST_CASE("float16 widens to its definition's float32 bits, NaN payloads included, for every bit pattern", "[dtype]") {
+  // The definition: (-1)^s 2^(e - 15) (1 + m / 1024) for 0 < e < 31, (-1)^s 2^-14 (m / 1024) for e = 0,
+  // Inf for e = 31 and m = 0, a quiet NaN with m in the float32 payload's top bits otherwise. to_float is
+  // the F16C instruction in the -march=native build ("native: " tests) and detail::widen_float16 elsewhere.
+  long wrong = 0;
+  for (std::uint32_t b = 0; b < 65536; ++b) {
+    const std::uint32_t sign = (b & 0x8000u) << 16, e = (b >> 10) & 0x1fu, m = b & 0x3ffu;
+    std::uint32_t want;
+    if (e == 31)
+      want = sign | 0x7f800000u | (m << 13) | (m != 0 ? 0x00400000u : 0u);
+    else {
+      const double v = e == 0 ? std::ldexp(double(m), -24) : std::ldexp(1.0 + m / 1024.0, int(e) - 15);
+      want = Kokkos::bit_cast<std::uint32_t>(static_cast<float>(v)) | sign;  // exact in float32
+    }
+    const std::uint16_t h = static_cast<std::uint16_t>(b);
+    wrong += Kokkos::bit_cast<std::uint32_t>(kvmem::to_float(from_bits<float16>(h))) != want;
+    wrong += Kokkos::bit_cast<std::uint32_t>(kvmem::detail::widen_float16(h)) != want;
+  }
+  CHECK(wrong == 0);
+}
+
+TEST_CASE("float16 rounding keeps a NaN quiet with its payload's top bits and its sign", "[dtype]") {
+  // As the CPUs' and GPUs' conversion instructions: sign, all-ones exponent, the quiet bit, and the top 9
+  // payload bits of the float32 NaN below it.
+  std::mt19937 rng(11);
+  std::uniform_int_distribution<std::uint32_t> payload(1, 0x7fffffu);
+  long wrong = 0;
+  for (int i = 0; i < 4096; ++i) {
+    const std::uint32_t u = (i & 1 ? 0x80000000u : 0u) | 0x7f800000u | payload(rng);
+    const std::uint16_t want = static_cast<std::uint16_t>(((u >> 16) & 0x8000u) | 0x7e00u | ((u >> 13) & 0x3ffu));
+    wrong += kvmem::from_float<float16>(Kokkos::bit_cast<float>(u)).bits != want;
+  }
+  CHECK(wrong == 0);
+}
+
+TEMPLATE_TEST_CASE("the SIMD load and broadcast of a storage type widen as the scalar conversion does", "[dtype][simd]", bfloat16,
                    float16) {
   using S = TestType;
   constexpr int W = kvmem::kernels::simd::width;
@@ -125,6 +160,15 @@ TEMPLATE_TEST_CASE("the SIMD load of a storage type widens as the scalar convers
     }
   }
   CHECK(differ == 0);
+  // broadcast_from: every lane the widened element (the register tiles' key broadcast), for every pattern.
+  long broadcast_differ = 0;
+  for (std::uint32_t b = 0; b < 65536; ++b) {
+    kvmem::kernels::simd::store(lanes, kvmem::kernels::simd::broadcast_from(&all[b]));
+    const float want = kvmem::to_float(all[b]);
+    for (int i = 0; i < W; ++i)
+      broadcast_differ += std::isnan(want) ? !std::isnan(lanes[i]) : !kvmem_test::same_bits(lanes[i], want);
+  }
+  CHECK(broadcast_differ == 0);
 }
 
 namespace {

@@ -87,6 +87,25 @@ KOKKOS_INLINE_FUNCTION vec broadcast(float x) {
   return v;
 #endif
 }
+/// Every lane the value of the stored element *p, widened (to_float).
+template <StorageType T>
+KOKKOS_INLINE_FUNCTION vec broadcast_from(const T* p) {
+  return broadcast(to_float(*p));
+}
+#if defined(__F16C__)
+/// float16 under F16C: the 16 bits broadcast, then one vector conversion (the scalar conversion of a
+/// compiler that targets AVX512-FP16 merges into its destination register, a dependency chain through a
+/// loop of broadcasts). The same bits as to_float.
+KOKKOS_INLINE_FUNCTION vec broadcast_from(const float16* p) {
+#if defined(__AVX512F__)
+  return _mm512_cvtph_ps(_mm256_set1_epi16(static_cast<short>(p->bits)));
+#elif defined(__AVX__)
+  return _mm256_cvtph_ps(_mm_set1_epi16(static_cast<short>(p->bits)));
+#else
+  return _mm_cvtph_ps(_mm_set1_epi16(static_cast<short>(p->bits)));
+#endif
+}
+#endif
 /// a * b + c per lane, rounded as kernels::mul_add rounds it.
 KOKKOS_INLINE_FUNCTION vec fma(const vec& a, const vec& b, const vec& c) {
 #if defined(__AVX512F__)
@@ -165,6 +184,11 @@ KOKKOS_INLINE_FUNCTION vec broadcast(float x) {
   for (int i = 0; i < width; ++i) v.lane[i] = x;
   return v;
 }
+/// Every lane the value of the stored element *p, widened (to_float).
+template <StorageType T>
+KOKKOS_INLINE_FUNCTION vec broadcast_from(const T* p) {
+  return broadcast(to_float(*p));
+}
 KOKKOS_INLINE_FUNCTION vec fma(const vec& a, const vec& b, const vec& c) {
   vec r;
   for (int i = 0; i < width; ++i) r.lane[i] = mul_add(a.lane[i], b.lane[i], c.lane[i]);
@@ -228,7 +252,7 @@ KOKKOS_INLINE_FUNCTION void lane_dots(const float* at, int dim, const Row* const
     vec a[V];
     for (int x = 0; x < V; ++x) a[x] = load(at + long(c) * L + x * width);
     for (int k = 0; k < K; ++k) {
-      const vec r = broadcast(to_float(rows[k][c]));
+      const vec r = broadcast_from(rows[k] + c);
       for (int x = 0; x < V; ++x) s[k][x] = fma(a[x], r, s[k][x]);
     }
   }
