@@ -11,6 +11,7 @@
 #include <random>
 #include <vector>
 
+#include <kvmem/kernels/eviction_step.hpp>
 #include <kvmem/kernels/exact_attention.hpp>
 #include <kvmem/io/safetensors.hpp>
 #include <kvmem/kernels/simd.hpp>
@@ -169,6 +170,34 @@ TEMPLATE_TEST_CASE("the SIMD load and broadcast of a storage type widen as the s
       broadcast_differ += std::isnan(want) ? !std::isnan(lanes[i]) : !kvmem_test::same_bits(lanes[i], want);
   }
   CHECK(broadcast_differ == 0);
+}
+
+TEMPLATE_TEST_CASE("row_dots and an eviction step's row groups over a 16-bit query and rows give the bits of dot",
+                   "[dtype][simd][eviction]", bfloat16, float16) {
+  // The decode readout reads 16-bit rows against a float32 query; an eviction step reads 16-bit rows against
+  // the 16-bit query as the input gave it (kernels::row_group_dots): per row, kernels::dot's chain.
+  using S = TestType;
+  namespace kk = kvmem::kernels;
+  constexpr int W = kk::simd::width;
+  for (int dim : {1, W - 1, W, W + 3, 64, 128}) {
+    INFO("dim=" << dim);
+    const auto rows_f = kvmem_test::uniform(std::size_t(W) * dim, 31 + dim), q_f = kvmem_test::uniform(dim, 32 + dim);
+    std::vector<S> rows(rows_f.size()), q(q_f.size());
+    for (std::size_t i = 0; i < rows.size(); ++i) rows[i] = kvmem::from_float<S>(4.0f * rows_f[i]);
+    for (std::size_t i = 0; i < q.size(); ++i) q[i] = kvmem::from_float<S>(4.0f * q_f[i]);
+    q[0] = kvmem::from_float<S>(-0.0f);
+    std::vector<const S*> row(W);
+    for (int k = 0; k < W; ++k) row[k] = rows.data() + std::size_t(k) * dim;
+    float got[W];
+    kk::simd::row_dots(q.data(), 1, dim, row.data(), got);
+    for (int k = 0; k < W; ++k) CHECK(kvmem_test::same_bits(got[k], kk::dot(q.data(), row[k], dim)));
+    constexpr int RW = kk::simd::vector_registers ? W : 1;
+    for (int n = 1; n <= RW; ++n) {  // a full group and the short groups at the end of the cache
+      float l[RW];
+      kk::row_group_dots<RW>(q.data(), dim, row.data(), n, l);
+      for (int k = 0; k < n; ++k) CHECK(kvmem_test::same_bits(l[k], kk::dot(q.data(), row[k], dim)));
+    }
+  }
 }
 
 namespace {

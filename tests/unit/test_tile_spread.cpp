@@ -3,6 +3,7 @@
 // same bits, so that a backend's prefill and decode agree whichever form it runs and a GPU's results can
 // be read against the CPU's. Both forms run on the default backend (kernels::RegisterTiles and
 // kernels::SpreadTiles), the spread one with one thread per team and with a full team.
+#include <catch2/catch_template_test_macros.hpp>
 #include <catch2/catch_test_macros.hpp>
 #include <cstdio>
 #include <string>
@@ -54,24 +55,26 @@ long first_difference(const std::vector<float>& a, const std::vector<float>& b) 
   return -1;
 }
 
-/// One query block over `keys` keys with a logit bias per key and a key count per lane (some lanes read
-/// none of a tile, some none at all), through attend_block in the form `Spread` with `team_size` threads
-/// per team (0: Kokkos::AUTO). Returns every lane's accumulator, max logit and normalizer.
+/// One query block over `keys` keys (stored as S) with a logit bias per key and a key count per lane (some
+/// lanes read none of a tile, some none at all), through attend_block in the form `Spread` with `team_size`
+/// threads per team (0: Kokkos::AUTO), in a block carved with room for packed key tiles or without
+/// (`packed`: QueryBlock::packs widens 16-bit key tiles into it). Returns every lane's accumulator, max
+/// logit and normalizer.
 struct BlockCase {
   int lanes = 32, dim = 40, value_dim = 24;
   long keys = 100;
   std::vector<long> counts;  ///< [lanes]
 };
 
-template <bool Spread>
-std::vector<float> block_state(const BlockCase& c, int team_size) {
+template <bool Spread, class S = float>
+std::vector<float> block_state(const BlockCase& c, int team_size, bool packed = false) {
   using policy_t = Kokkos::TeamPolicy<exec>;
   using member_t = policy_t::member_type;
   using scratch_t = Kokkos::View<float*, exec::scratch_memory_space, Kokkos::MemoryUnmanaged>;
   const int D = c.dim, Dv = c.value_dim, lanes = c.lanes;
   const long K = c.keys;
-  const auto keys = random_view<float>("keys", 1, 1, K, D, 11);
-  const auto values = random_view<float>("values", 1, 1, K, Dv, 12);
+  const auto keys = random_view<S>("keys", 1, 1, K, D, 11);
+  const auto values = random_view<S>("values", 1, 1, K, Dv, 12);
   const auto queries = random_view<float>("queries", 1, 1, lanes, D, 13, 3.0f);
   const auto bias = random_view<float>("bias", 1, 1, 1, K, 14, 2.0f);
   Kokkos::View<long*, mem> counts("counts", lanes);
@@ -81,7 +84,7 @@ std::vector<float> block_state(const BlockCase& c, int team_size) {
   Kokkos::deep_copy(counts, counts_h);
   const long per_lane = 2 + Dv;
   Kokkos::View<float*, mem> out("state", long(kk::QueryBlock::lanes) * per_lane);
-  const long floats = kk::QueryBlock::scratch_floats(D, Dv);
+  const long floats = kk::QueryBlock::scratch_floats(D, Dv, packed);
   policy_t policy = team_size > 0 ? policy_t(exec(), 1, team_size) : policy_t(exec(), 1, Kokkos::AUTO);
   int level = 0;
   policy = kk::with_float_scratch(policy, floats, level);
@@ -89,7 +92,7 @@ std::vector<float> block_state(const BlockCase& c, int team_size) {
       "test_tile_spread::block", policy, KOKKOS_LAMBDA(const member_t& team) {
         scratch_t scratch(team.team_scratch(level), floats);
         kk::QueryBlock blk;
-        blk.carve(scratch.data(), lanes, D, Dv);
+        blk.carve(scratch.data(), lanes, D, Dv, packed);
         Kokkos::parallel_for(Kokkos::TeamThreadRange(team, kk::QueryBlock::lanes), [&](int u) {
           blk.load(u, u < lanes ? &queries(0, 0, u, 0) : static_cast<const float*>(nullptr));
           blk.scales[u] = 0.125f + 0.01f * static_cast<float>(u);
@@ -115,38 +118,63 @@ int widest_team() {
 }
 }  // namespace
 
+namespace {
+/// Query blocks of every shape the readout forms: full, causal, a GQA decode step, a G = 1 decode step,
+/// ragged lanes.
+std::vector<BlockCase> block_cases() {
+  std::vector<BlockCase> v;
+  BlockCase full;  // every lane reads every key; a last tile of 4 keys
+  full.counts.assign(32, 100);
+  v.push_back(full);
+  BlockCase causal;  // a causal block: lane u reads 37 + u keys; D, Dv not multiples of a vector
+  causal.dim = 33, causal.value_dim = 17, causal.keys = 68;
+  for (int u = 0; u < 32; ++u) causal.counts.push_back(37 + u);
+  v.push_back(causal);
+  BlockCase decode;  // a decode step of a group of 4 query heads (4 live lanes)
+  decode.lanes = 4, decode.dim = 64, decode.value_dim = 64, decode.keys = 300;
+  decode.counts.assign(4, 300);
+  v.push_back(decode);
+  BlockCase one;  // G = 1 decode: one live lane, short count (a tile of 7 keys)
+  one.lanes = 1, one.keys = 7;
+  one.counts.assign(1, 7);
+  v.push_back(one);
+  BlockCase ragged;  // lanes that read nothing in some tiles and nothing at all
+  ragged.lanes = 20, ragged.keys = 90;
+  for (int u = 0; u < 20; ++u) ragged.counts.push_back(u % 5 == 0 ? 0 : 3 * u + 20);
+  v.push_back(ragged);
+  return v;
+}
+}  // namespace
+
 TEST_CASE("a query block gives the same bits in register tiles and spread one thread per element",
           "[readout][tiles]") {
-  const std::vector<BlockCase> cases = [] {
-    std::vector<BlockCase> v;
-    BlockCase full;  // every lane reads every key; a last tile of 4 keys
-    full.counts.assign(32, 100);
-    v.push_back(full);
-    BlockCase causal;  // a causal block: lane u reads 37 + u keys; D, Dv not multiples of a vector
-    causal.dim = 33, causal.value_dim = 17, causal.keys = 68;
-    for (int u = 0; u < 32; ++u) causal.counts.push_back(37 + u);
-    v.push_back(causal);
-    BlockCase decode;  // a decode step of a group of 4 query heads (4 live lanes)
-    decode.lanes = 4, decode.dim = 64, decode.value_dim = 64, decode.keys = 300;
-    decode.counts.assign(4, 300);
-    v.push_back(decode);
-    BlockCase one;  // G = 1 decode: one live lane, short count (a tile of 7 keys)
-    one.lanes = 1, one.keys = 7;
-    one.counts.assign(1, 7);
-    v.push_back(one);
-    BlockCase ragged;  // lanes that read nothing in some tiles and nothing at all
-    ragged.lanes = 20, ragged.keys = 90;
-    for (int u = 0; u < 20; ++u) ragged.counts.push_back(u % 5 == 0 ? 0 : 3 * u + 20);
-    v.push_back(ragged);
-    return v;
-  }();
+  const std::vector<BlockCase> cases = block_cases();
   for (std::size_t i = 0; i < cases.size(); ++i) {
     const auto tiled = block_state<false>(cases[i], 0);
+    REQUIRE(tiled.size() == std::size_t(kk::QueryBlock::lanes) * (2 + cases[i].value_dim));
     for (int team : {1, widest_team()}) {
       const auto spread = block_state<true>(cases[i], team);
       const long at = first_difference(tiled, spread);
       INFO("case " << i << ", spread over teams of " << team << " threads: first difference at " << at);
       CHECK(at == -1);
+    }
+  }
+}
+
+TEMPLATE_TEST_CASE("a query block over 16-bit keys gives the same bits with its key tiles packed to float32",
+                   "[readout][tiles][dtype]", kvmem::bfloat16, kvmem::float16) {
+  // QueryBlock::packs: a block of more than one query widens each 16-bit key tile and its values once into
+  // scratch; the G = 1 decode step (one lane) reads them as stored. Widening is exact, so the bits are those
+  // of the block read as stored (spread form, which never packs) on every team width.
+  const auto cases = block_cases();
+  for (std::size_t i = 0; i < cases.size(); ++i) {
+    const auto stored = block_state<true, TestType>(cases[i], 1);
+    for (int team : {1, widest_team()}) {
+      const auto packed = block_state<false, TestType>(cases[i], team, true);
+      const auto unpacked = block_state<false, TestType>(cases[i], team, false);
+      INFO("case " << i << ", teams of " << team << " threads");
+      CHECK(first_difference(stored, packed) == -1);
+      CHECK(first_difference(stored, unpacked) == -1);
     }
   }
 }

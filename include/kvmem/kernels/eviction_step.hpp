@@ -12,6 +12,7 @@
 #include "../policy/score/eviction_scorer.hpp"
 #include "../state/eviction_cache.hpp"
 #include "readout.hpp"
+#include "simd.hpp"
 #include "vector_ops.hpp"
 
 namespace kvmem::kernels {
@@ -157,13 +158,30 @@ KOKKOS_INLINE_FUNCTION Value ordered_sum(const Team& team, long n, const Term& x
   return total;
 }
 
+/// l[k] = dot(q, rows[k], dim) for k < n <= RW, each in kernels::dot's order: through simd::row_dots (RW
+/// rows' chains in vector lanes) for a full group of RW = simd::width rows, one row at a time otherwise.
+template <int RW, class Q, class Row>
+KOKKOS_INLINE_FUNCTION void row_group_dots(const Q* q, int dim, const Row* const* rows, int n, float* l) {
+  if constexpr (RW > 1) {
+    static_assert(RW == simd::width, "row_dots takes a register's width of rows");
+    if (n == RW) {
+      simd::row_dots(q, 1, dim, rows, l);
+      return;
+    }
+  }
+  for (int k = 0; k < n; ++k) l[k] = dot(q, rows[k], dim);
+}
+
 /// Steps 4-5 on (b, h): out(g) [Dv] = softmax over the cached rows, in position order, of query(g) [D] .
 /// k / sqrt(D), times the values, for the group's query heads g < G (one softmax; float32, mul_add and
 /// softmax_exp as the other readouts); then, for scorers that need them, the float64 probabilities summed
 /// over the group go to Scorer::attended. Logits and exponentials are computed per row across the team,
 /// the normalizer by one thread in row order, each output channel by one thread in row order (a thread owns
 /// a contiguous range of channels, summed in float32 registers and stored once, rounded to out's storage
-/// type).
+/// type). Where a thread has vector registers (simd::vector_registers: CPUs), a thread takes a group of
+/// rows at once, each row's dot product still its own chain in channel order (simd::row_dots for the
+/// float32 logits, interleaved float64 chains for the probabilities), so the bits are those of one row at a
+/// time; elsewhere (GPUs) a thread takes one row.
 template <class Team, class Scorer, class Cache, class QueryOf, class OutOf>
 KOKKOS_INLINE_FUNCTION void eviction_attend(const Team& team, const EvictionParams& p, const Cache& c,
                                             const Scorer& scorer, long b, int h, const QueryOf& query_of,
@@ -174,13 +192,24 @@ KOKKOS_INLINE_FUNCTION void eviction_attend(const Team& team, const EvictionPara
     const auto* qv = query_of(g);
     auto* y = out_of(g);
     using out_t = std::remove_cv_t<std::remove_pointer_t<decltype(y)>>;
+    using key_t = std::remove_cv_t<std::remove_reference_t<decltype(c.keys(b, h, 0, 0))>>;
+    auto key_row = [&](long i) -> const key_t* { return &c.keys(b, h, c.order(b, h, i), 0); };
     float max_logit = neg_inf();
+    constexpr int RW = simd::vector_registers ? simd::width : 1;  // rows per thread step (row_dots)
     Kokkos::parallel_reduce(
-        Kokkos::TeamThreadRange(team, live),
-        [&](long i, float& m) {
-          const float l = dot(qv, &c.keys(b, h, c.order(b, h, i), 0), D) * p.scale;
-          c.logits(b, h, i) = l;
-          m = l > m ? l : m;
+        Kokkos::TeamThreadRange(team, (live + RW - 1) / RW),
+        [&](long r, float& m) {
+          const long i0 = r * RW;
+          const int n = live - i0 < RW ? static_cast<int>(live - i0) : RW;
+          const key_t* rows[RW];
+          for (int k = 0; k < RW; ++k) rows[k] = key_row(i0 + (k < n ? k : 0));
+          float l[RW];
+          row_group_dots<RW>(qv, D, rows, n, l);
+          for (int k = 0; k < n; ++k) {
+            const float lk = l[k] * p.scale;
+            c.logits(b, h, i0 + k) = lk;
+            m = lk > m ? lk : m;
+          }
         },
         Kokkos::Max<float>(max_logit));
     Kokkos::parallel_for(Kokkos::TeamThreadRange(team, live),
@@ -193,7 +222,9 @@ KOKKOS_INLINE_FUNCTION void eviction_attend(const Team& team, const EvictionPara
     const int per_thread = (Dv + team.team_size() - 1) / team.team_size();
     Kokkos::parallel_for(Kokkos::TeamThreadRange(team, team.team_size()), [&](int t) {
       const int ch0 = t * per_thread, ch1 = ch0 + per_thread < Dv ? ch0 + per_thread : Dv;
-      constexpr int CW = 32;  // output channels held in registers across the rows
+      // Output channels held in registers across the rows: eight vectors' worth on a CPU (eight independent
+      // chains keep the multiply-adds in flight), 32 per thread elsewhere.
+      constexpr int CW = simd::vector_registers ? 8 * simd::width : 32;
       for (int cb = ch0; cb < ch1; cb += CW) {
         const int n = ch1 - cb < CW ? ch1 - cb : CW;
         float acc[CW];
@@ -210,15 +241,24 @@ KOKKOS_INLINE_FUNCTION void eviction_attend(const Team& team, const EvictionPara
     if constexpr (Scorer::needs_probabilities) {
       const double scale_d = 1.0 / Kokkos::sqrt(static_cast<double>(D));
       double max_d = -Kokkos::Experimental::infinity_v<double>;
+      constexpr int R = simd::vector_registers ? 8 : 1;  // rows whose float64 chains one thread interleaves
       Kokkos::parallel_reduce(
-          Kokkos::TeamThreadRange(team, live),
-          [&](long i, double& m) {
-            const auto* kk = &c.keys(b, h, c.order(b, h, i), 0);
-            double s = 0.0;
-            for (int ch = 0; ch < D; ++ch) s += static_cast<double>(to_float(qv[ch])) * to_float(kk[ch]);
-            s *= scale_d;
-            c.logits64(b, h, i) = s;
-            m = s > m ? s : m;
+          Kokkos::TeamThreadRange(team, (live + R - 1) / R),
+          [&](long r, double& m) {
+            const long i0 = r * R;
+            const int n = live - i0 < R ? static_cast<int>(live - i0) : R;
+            const key_t* kk[R];
+            double s[R];
+            for (int k = 0; k < R; ++k) kk[k] = key_row(i0 + (k < n ? k : 0)), s[k] = 0.0;
+            for (int ch = 0; ch < D; ++ch) {
+              const double qc = to_float(qv[ch]);
+              for (int k = 0; k < R; ++k) s[k] += qc * to_float(kk[k][ch]);
+            }
+            for (int k = 0; k < n; ++k) {
+              const double sk = s[k] * scale_d;
+              c.logits64(b, h, i0 + k) = sk;
+              m = sk > m ? sk : m;
+            }
           },
           Kokkos::Max<double>(max_d));
       Kokkos::parallel_for(Kokkos::TeamThreadRange(team, live),

@@ -48,7 +48,9 @@ void exact_causal_attention(const ExecSpace& exec, const In& q, const InKV& k, c
   using policy_t = Kokkos::TeamPolicy<ExecSpace, Kokkos::Schedule<Kokkos::Dynamic>>;
   using member_t = typename policy_t::member_type;
   using scratch_t = Kokkos::View<float*, typename ExecSpace::scratch_memory_space, Kokkos::MemoryUnmanaged>;
-  const long floats = QueryBlock::scratch_floats(D, Dv);
+  // Room for a widened key tile where keys are stored in 16 bits (QueryBlock::packs).
+  constexpr bool packed = !std::is_same_v<std::remove_cv_t<typename InKV::value_type>, float>;
+  const long floats = QueryBlock::scratch_floats(D, Dv, packed);
   policy_t policy(exec, gl.league(B, Hkv), Kokkos::AUTO);
   const int level = scratch_level(policy, scratch_t::shmem_size(floats));
   policy = policy.set_scratch_size(level, Kokkos::PerTeam(scratch_t::shmem_size(floats)));
@@ -60,7 +62,7 @@ void exact_causal_attention(const ExecSpace& exec, const In& q, const InKV& k, c
         const long first = t.block * gl.positions, last = Kokkos::min(T, first + gl.positions);
         scratch_t scratch(team.team_scratch(level), floats);
         QueryBlock blk;
-        blk.carve(scratch.data(), static_cast<int>((last - first) * n), D, Dv);
+        blk.carve(scratch.data(), static_cast<int>((last - first) * n), D, Dv, packed);
         Kokkos::parallel_for(Kokkos::TeamThreadRange(team, QB), [&](int u) {
           const long hq = t.first_head + u % n;
           blk.load(u, u < blk.queries ? &q(b, hq, first + u / n, 0) : nullptr);

@@ -3,6 +3,7 @@
 /// Block attention readout: one softmax over [state rows ; block sliding window], online (flash-style).
 
 #include <Kokkos_Core.hpp>
+#include <type_traits>
 
 #include "../config.hpp"
 #include "../policy/layer_weights.hpp"
@@ -140,13 +141,17 @@ struct QueryBlock {
   float* acc = nullptr;         ///< [lanes][value_dim]
   float* logits = nullptr;      ///< [tile][lanes] (key-major: a key's logits for all lanes are contiguous)
   float* probs = nullptr;       ///< [tile][lanes]
+  float* tile_keys = nullptr;   ///< [tile][dim] a key tile widened to float32, or null (not packed)
+  float* tile_values = nullptr; ///< [tile][value_dim] its values widened to float32, or null
 
-  /// Scratch floats of one block.
-  KOKKOS_INLINE_FUNCTION static constexpr long scratch_floats(int d, int dv) {
-    return long(d) * lanes + 4L * lanes + long(lanes) * dv + 2L * lanes * tile + lanes;
+  /// Scratch floats of one block; `packed`: with room for a key tile and its values widened to float32
+  /// (attend_block packs the tiles of keys stored in 16 bits when a block has more than one query).
+  KOKKOS_INLINE_FUNCTION static constexpr long scratch_floats(int d, int dv, bool packed = false) {
+    return long(d) * lanes + 4L * lanes + long(lanes) * dv + 2L * lanes * tile + lanes +
+           (packed ? long(tile) * (d + dv) : 0L);
   }
-  /// Lays the block out in `scratch` (scratch_floats(d, dv) floats) for `n` live queries.
-  KOKKOS_INLINE_FUNCTION void carve(float* scratch, int n, int d, int dv) {
+  /// Lays the block out in `scratch` (scratch_floats(d, dv, packed) floats) for `n` live queries.
+  KOKKOS_INLINE_FUNCTION void carve(float* scratch, int n, int d, int dv, bool packed = false) {
     queries = n, dim = d, value_dim = dv;
     qt = scratch;
     scales = qt + long(d) * lanes;
@@ -155,6 +160,16 @@ struct QueryBlock {
     acc = normalizer + lanes;
     logits = acc + long(lanes) * dv;
     probs = logits + lanes * tile;
+    tile_keys = packed ? probs + lanes * tile + lanes : nullptr;  // after the corrections [lanes]
+    tile_values = packed ? tile_keys + long(tile) * d : nullptr;
+  }
+  /// Whether attend_block widens the key tiles of storage type K into tile_keys / tile_values before the
+  /// register tiles read them: for keys narrower than float32, in a block with room (carve's `packed`) and
+  /// more than one live query. A packed key is widened once per tile instead of once per register tile
+  /// that reads it; widening is exact, so packing changes no bit.
+  template <class K>
+  KOKKOS_INLINE_FUNCTION bool packs() const {
+    return !std::is_same_v<std::remove_cv_t<K>, float> && tile_keys != nullptr && queries > 1;
   }
   /// Lane u: query q (null for a padding lane; any storage type, widened to float32) and an empty softmax.
   template <class Q>
@@ -201,6 +216,16 @@ struct QueryBlock {
       }
     }
     for (int jj = 0; jj < NK; ++jj) logits[(j + jj) * lanes] = mul_add(s[jj], scale[0], bias_of(j_abs + jj));
+  }
+
+  /// logits_one (`One`: a block of one live query) or logits_lanes for NK keys.
+  template <int NK, bool One, class K, class BiasOf>
+  KOKKOS_INLINE_FUNCTION void logits_of(const K* const* keys, const float* scale, int j, long j_abs,
+                                        BiasOf bias_of) const {
+    if constexpr (One)
+      logits_one<NK>(keys, scale, j, j_abs, bias_of);
+    else
+      logits_lanes<NK>(keys, scale, j, j_abs, bias_of);
   }
 
   /// logits[j][u] = (q_u · key) * scale + bias: one dot chain over the channels in increasing order
@@ -348,24 +373,104 @@ struct QueryBlock {
   }
 };
 
+/// Widens keys [0, n) of a tile (key_at(j), storage type of dim channels) and their values (value_at(j),
+/// value_dim channels) into blk.tile_keys [n][dim] and blk.tile_values [n][value_dim], a key per thread of
+/// `team`. Exact (to_float), so the packed tile gives the bits of the stored one.
+template <class Member, class KeyAt, class ValueAt>
+KOKKOS_INLINE_FUNCTION void pack_tile(const Member& team, const QueryBlock& blk, int n, KeyAt key_at,
+                                      ValueAt value_at) {
+  auto widen = [](float* out, const auto* in, int len) {
+    constexpr int W = simd::width;
+    int c = 0;
+    for (; c + W <= len; c += W) simd::store(out + c, simd::load(in + c));
+    for (; c < len; ++c) out[c] = to_float(in[c]);
+  };
+  Kokkos::parallel_for(Kokkos::TeamThreadRange(team, n), [&](int j) {
+    widen(blk.tile_keys + long(j) * blk.dim, key_at(j), blk.dim);
+    widen(blk.tile_values + long(j) * blk.value_dim, value_at(j), blk.value_dim);
+  });
+}
+
+/// logits[j][*] for keys j0 + [0, n) of a tile (key_at(j), any storage type), NK keys per register tile
+/// and the last n % NK one at a time: QueryBlock::logits_one for a block of one live query (`One`),
+/// logits_lanes otherwise. Spread over `team` by register tiles; no barrier.
+template <int NK, bool One, class Member, class KeyAt, class BiasOf>
+KOKKOS_INLINE_FUNCTION void tile_logits(const Member& team, const QueryBlock& blk, const float* scale, long j0, int n,
+                                        KeyAt key_at, BiasOf bias_of) {
+  using key_ptr = decltype(key_at(0));
+  Kokkos::parallel_for(Kokkos::TeamThreadRange(team, (n + NK - 1) / NK), [&](int g) {
+    const int j = g * NK;
+    if (j + NK <= n) {
+      key_ptr keys[NK];
+      for (int jj = 0; jj < NK; ++jj) keys[jj] = key_at(j + jj);
+      blk.logits_of<NK, One>(keys, scale, j, j0 + j, bias_of);
+    } else {
+      for (int jj = j; jj < n; ++jj) {
+        key_ptr key[1] = {key_at(jj)};
+        blk.logits_of<1, One>(key, scale, jj, j0 + jj, bias_of);
+      }
+    }
+  });
+}
+
+/// One key tile of attend_block in the register-tile form: keys j0 + [0, n) (key_at(j), value_at(j) for
+/// j in [0, n), any storage type), lane u reading the first keys_of(u) of them. Logits of every lane (a
+/// register tile of keys x lanes, or row_dots for a single query), then the softmax step and the values.
+/// Collective over `team`; ends with a team barrier.
+template <class Member, class KeysOf, class KeyAt, class ValueAt, class BiasOf>
+KOKKOS_INLINE_FUNCTION void attend_tile(const Member& team, const QueryBlock& blk, const float* scale, long j0, int n,
+                                        KeysOf keys_of, KeyAt key_at, ValueAt value_at, BiasOf bias_of) {
+  if (blk.queries == 1)
+    tile_logits<simd::width, true>(team, blk, scale, j0, n, key_at, bias_of);
+  else
+    tile_logits<QueryBlock::qk_keys, false>(team, blk, scale, j0, n, key_at, bias_of);
+  team.team_barrier();
+  if (blk.queries == 1) {
+    Kokkos::single(Kokkos::PerTeam(team), [&]() { blk.add_tile(0, keys_of(0), value_at); });
+  } else {
+    float* corrections = blk.probs + QueryBlock::tile * QueryBlock::lanes;
+    Kokkos::single(Kokkos::PerTeam(team), [&]() {
+      int counts[QueryBlock::lanes];
+      for (int u = 0; u < QueryBlock::lanes; ++u) counts[u] = keys_of(u);
+      blk.softmax_lanes(counts, n, corrections);
+    });
+    team.team_barrier();
+    // The lanes that read keys of this tile, in groups of four per thread (QueryBlock::accumulate_lanes).
+    int lane[QueryBlock::lanes], counts[QueryBlock::lanes], live = 0;
+    for (int u = 0; u < blk.queries; ++u) {
+      const int nu = keys_of(u);
+      if (nu > 0) lane[live] = u, counts[live++] = nu;
+    }
+    constexpr int UQ = QueryBlock::pv_lanes;
+    Kokkos::parallel_for(Kokkos::TeamThreadRange(team, (live + UQ - 1) / UQ), [&](int g) {
+      const int i0 = UQ * g, m = live - i0 < UQ ? live - i0 : UQ;
+      blk.accumulate_lanes(lane + i0, counts + i0, corrections, m, value_at);
+    });
+  }
+  team.team_barrier();
+}
+
 /// Folds keys [0, count(u)) into lane u of `blk` for every live lane, tile by tile from key 0 (the tiles
 /// of attend): logit = q_u · key_of(j) * scale[u] + bias_of(j), values value_of(j). `max_count` is the
 /// largest count(u). key_of/value_of return pointers to elements of one storage type (float, bfloat16 or
-/// float16), widened to float32 in registers. Collective over `team`; ends with a team barrier.
+/// float16), widened to float32 in registers, or first into the block's packed tile (QueryBlock::packs).
+/// Collective over `team`; ends with a team barrier.
 /// `Spread` (TileTraits<ExecSpace>::spread) picks how the team covers a tile, not a bit of the result.
 template <bool Spread = false, class Member, class CountOf, class KeyOf, class ValueOf, class BiasOf>
 KOKKOS_INLINE_FUNCTION void attend_block(const Member& team, const QueryBlock& blk, const float* scale, long max_count,
                                          CountOf count_of, KeyOf key_of, ValueOf value_of, BiasOf bias_of) {
   constexpr int KT = readout_key_tile;
-  using key_ptr = decltype(key_of(0L));
+  using key_type = std::remove_pointer_t<decltype(key_of(0L))>;
   long lane_count[QueryBlock::lanes];  // count_of once per lane, not once per tile
   for (int u = 0; u < QueryBlock::lanes; ++u) lane_count[u] = u < blk.queries ? count_of(u) : 0;
+  const bool packed = blk.packs<key_type>();
   for (long j0 = 0; j0 < max_count; j0 += KT) {
     const int n = static_cast<int>(max_count - j0 < KT ? max_count - j0 : KT);
     auto keys_of = [&](int u) {  // keys of this tile that lane u reads
       const long count = lane_count[u];
       return static_cast<int>(count <= j0 ? 0 : (count - j0 < KT ? count - j0 : KT));
     };
+    auto key_at = [&](int j) { return key_of(j0 + j); };
     auto values = [&](int j) { return value_of(j0 + j); };
     if constexpr (Spread) {
       // TileTraits: a thread per (key, lane) logit, per lane softmax step and per (lane, channel) sum.
@@ -387,63 +492,18 @@ KOKKOS_INLINE_FUNCTION void attend_block(const Member& team, const QueryBlock& b
         if (nu > 0) blk.accumulate_channel(u, c, nu, corrections[u], values);
       });
       team.team_barrier();
-      continue;
-    }
-    if (blk.queries == 1) {
-      constexpr int NK = simd::width;
-      Kokkos::parallel_for(Kokkos::TeamThreadRange(team, (n + NK - 1) / NK), [&](int g) {
-        const int j = g * NK;
-        if (j + NK <= n) {
-          key_ptr keys[NK];
-          for (int jj = 0; jj < NK; ++jj) keys[jj] = key_of(j0 + j + jj);
-          blk.logits_one<NK>(keys, scale, j, j0 + j, bias_of);
-        } else {
-          for (int jj = j; jj < n; ++jj) {
-            key_ptr key[1] = {key_of(j0 + jj)};
-            blk.logits_one<1>(key, scale, jj, j0 + jj, bias_of);
-          }
-        }
-      });
-    } else {
-      constexpr int NK = QueryBlock::qk_keys;
-      Kokkos::parallel_for(Kokkos::TeamThreadRange(team, (n + NK - 1) / NK), [&](int g) {
-        const int j = g * NK;
-        if (j + NK <= n) {
-          key_ptr keys[NK];
-          for (int jj = 0; jj < NK; ++jj) keys[jj] = key_of(j0 + j + jj);
-          blk.logits_lanes<NK>(keys, scale, j, j0 + j, bias_of);
-        } else {
-          for (int jj = j; jj < n; ++jj) {
-            key_ptr key[1] = {key_of(j0 + jj)};
-            blk.logits_lanes<1>(key, scale, jj, j0 + jj, bias_of);
-          }
-        }
-      });
-    }
-    team.team_barrier();
-    if (blk.queries == 1) {
-      Kokkos::single(Kokkos::PerTeam(team), [&]() { blk.add_tile(0, keys_of(0), values); });
-    } else {
-      float* corrections = blk.probs + QueryBlock::tile * QueryBlock::lanes;
-      Kokkos::single(Kokkos::PerTeam(team), [&]() {
-        int counts[QueryBlock::lanes];
-        for (int u = 0; u < QueryBlock::lanes; ++u) counts[u] = keys_of(u);
-        blk.softmax_lanes(counts, n, corrections);
-      });
+    } else if (packed) {
+      pack_tile(team, blk, n, key_at, values);
       team.team_barrier();
-      // The lanes that read keys of this tile, in groups of four per thread (QueryBlock::accumulate_lanes).
-      int lane[QueryBlock::lanes], counts[QueryBlock::lanes], live = 0;
-      for (int u = 0; u < blk.queries; ++u) {
-        const int nu = keys_of(u);
-        if (nu > 0) lane[live] = u, counts[live++] = nu;
-      }
-      constexpr int UQ = QueryBlock::pv_lanes;
-      Kokkos::parallel_for(Kokkos::TeamThreadRange(team, (live + UQ - 1) / UQ), [&](int g) {
-        const int i0 = UQ * g, m = live - i0 < UQ ? live - i0 : UQ;
-        blk.accumulate_lanes(lane + i0, counts + i0, corrections, m, values);
-      });
+      const float* pk = blk.tile_keys;
+      const float* pv = blk.tile_values;
+      const long d = blk.dim, dv = blk.value_dim;
+      attend_tile(
+          team, blk, scale, j0, n, keys_of, [&](int j) { return pk + j * d; }, [&](int j) { return pv + j * dv; },
+          bias_of);
+    } else {
+      attend_tile(team, blk, scale, j0, n, keys_of, key_at, values, bias_of);
     }
-    team.team_barrier();
   }
 }
 
@@ -529,7 +589,8 @@ void readout(const ExecSpace& exec, const MemoryConfig& cfg, const LayerWeightsR
   using policy_t = Kokkos::TeamPolicy<ExecSpace, Kokkos::Schedule<Kokkos::Dynamic>>;
   using member_t = typename policy_t::member_type;
   using scratch_t = Kokkos::View<float*, typename ExecSpace::scratch_memory_space, Kokkos::MemoryUnmanaged>;
-  const long floats = QueryBlock::scratch_floats(D, Dv);
+  constexpr bool packed = !std::is_same_v<T, float>;  // room for a widened key tile (QueryBlock::packs)
+  const long floats = QueryBlock::scratch_floats(D, Dv, packed);
   policy_t policy(exec, gl.league(B, Hkv), Kokkos::AUTO);
   const int level = scratch_level(policy, scratch_t::shmem_size(floats));
   policy = policy.set_scratch_size(level, Kokkos::PerTeam(scratch_t::shmem_size(floats)));
@@ -543,7 +604,7 @@ void readout(const ExecSpace& exec, const MemoryConfig& cfg, const LayerWeightsR
         const long m = p(b, read_rows), wb = p(b, window_begin_pos), off = p(b, input_offset);
         scratch_t scratch(team.team_scratch(level), floats);
         QueryBlock blk;
-        blk.carve(scratch.data(), static_cast<int>((last - first) * n), D, Dv);
+        blk.carve(scratch.data(), static_cast<int>((last - first) * n), D, Dv, packed);
         Kokkos::parallel_for(Kokkos::TeamThreadRange(team, QB), [&](int u) {
           const long hq = t.first_head + u % n;
           const typename QueriesIn::value_type* qu = u < blk.queries ? &q(b, hq, first + u / n - off, 0) : nullptr;

@@ -28,6 +28,9 @@
 namespace kvmem::kernels::simd {
 
 #if defined(KVMEM_SIMD_VECTOR_EXTENSIONS)
+/// Whether vec is a CPU vector register (a thread gains from register tiles of several rows at once);
+/// false for the portable form, where a GPU thread is better off with one row and more threads.
+inline constexpr bool vector_registers = true;
 /// Floats per register vector: the widest vector register the compiler targets.
 #if defined(__AVX512F__)
 inline constexpr int width = 16;
@@ -164,6 +167,7 @@ KOKKOS_INLINE_FUNCTION void transpose_stage(vec* r) {
 /// lane shuffles (24 for AVX2's 8 x 8), no memory round trip.
 KOKKOS_INLINE_FUNCTION void transpose(vec* r) { detail::transpose_stage<width / 2>(r); }
 #else
+inline constexpr bool vector_registers = false;
 inline constexpr int width = 8;
 /// The portable form: width floats that the compiler keeps in registers or spreads over its own vectors.
 struct vec {
@@ -262,23 +266,23 @@ KOKKOS_INLINE_FUNCTION void lane_dots(const float* at, int dim, const Row* const
 
 /// out[k] = sum_c q[c * q_stride] * rows[k][c] for the `width` rows k, channels c in increasing order, one
 /// fma a step: per row the chain of kernels::dot (the same bits), advanced in vector lanes. One query
-/// against a register's width of rows (the readout's decode step): width channels of the rows are loaded
-/// as width vectors and transposed in registers, so each fma moves every row's chain on by one channel;
-/// channels past the last multiple of width continue the chains one row at a time. `out` [width]. Rows
-/// of any storage type (converted as they are loaded).
-template <class Row>
-KOKKOS_INLINE_FUNCTION void row_dots(const float* q, long q_stride, int dim, const Row* const* rows, float* out) {
+/// against a register's width of rows (the readout's decode step, an eviction step's logits): width
+/// channels of the rows are loaded as width vectors and transposed in registers, so each fma moves every
+/// row's chain on by one channel; channels past the last multiple of width continue the chains one row at
+/// a time. `out` [width]. The query and the rows may be of any storage type (converted as they are read).
+template <class Q, class Row>
+KOKKOS_INLINE_FUNCTION void row_dots(const Q* q, long q_stride, int dim, const Row* const* rows, float* out) {
   vec s = broadcast(0.0f);
   int c0 = 0;
   for (; c0 + width <= dim; c0 += width) {
     vec t[width];
     for (int k = 0; k < width; ++k) t[k] = load(rows[k] + c0);
     transpose(t);  // t[c] holds channel c0 + c of every row
-    for (int c = 0; c < width; ++c) s = fma(t[c], broadcast(q[(c0 + c) * q_stride]), s);
+    for (int c = 0; c < width; ++c) s = fma(t[c], broadcast_from(q + (c0 + c) * q_stride), s);
   }
   store(out, s);
   for (int c = c0; c < dim; ++c)
-    for (int k = 0; k < width; ++k) out[k] = mul_add(q[c * q_stride], to_float(rows[k][c]), out[k]);
+    for (int k = 0; k < width; ++k) out[k] = mul_add(to_float(q[c * q_stride]), to_float(rows[k][c]), out[k]);
 }
 
 }  // namespace kvmem::kernels::simd
