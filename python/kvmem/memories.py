@@ -8,7 +8,10 @@ given):
 - ``[B, H, T, D]`` (Hugging Face's layout; any strides with contiguous channels), or
 - ``[T, H, D]`` (one sequence's tokens, vLLM-style; the memory's batch must be 1).
 
-All tensors are float32 on the memory's device (``kvmem.device()``). Bad arguments raise TypeError
+Token tensors (q, k, v, y and the family's extras) are of the memory's ``dtype`` (torch.float32, the default,
+torch.bfloat16 or torch.float16: what the memory stores its window and state rows in; logits, softmax
+statistics and merge arithmetic are float32 in every dtype, docs/numerics.md) on the memory's device
+(``kvmem.device()``); learned weights are float32. Bad arguments raise TypeError
 (type, dtype) or ValueError (device, shape, value) naming the argument, its value and what was expected,
 before any kernel runs; nothing is copied or cast silently. Parameter names and messages are the C++
 API's (include/kvmem/*.hpp).
@@ -25,12 +28,13 @@ from . import _kvmem, budget as budgets, ops
 from ._device import device
 
 
-def _tensor(name: str, t, rank: tuple[int, ...] = (3, 4)) -> torch.Tensor:
-    """Checks type, dtype, device and rank of one argument."""
+def _tensor(name: str, t, rank: tuple[int, ...] = (3, 4), dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Checks type, dtype (``dtype``: float32 for learned weights, the memory's for token tensors), device
+    and rank of one argument."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} = {type(t).__name__}: must be a torch.Tensor")
-    if t.dtype != torch.float32:
-        raise TypeError(f"{name}.dtype = {t.dtype}: must be torch.float32 (kvmem does not cast)")
+    if t.dtype != dtype:
+        raise TypeError(f"{name}.dtype = {t.dtype}: must be {dtype} (kvmem does not cast)")
     if t.device != device():
         raise ValueError(f"{name}.device = {t.device}: must be the memory's device {device()} (kvmem does not copy)")
     if t.dim() not in rank:
@@ -48,10 +52,15 @@ class Memory:
     #: How many of ``extras`` may be left out (as trailing None).
     optional_extras: int = 0
 
-    def __init__(self, *, batch: int, query_heads: int, kv_heads: int, head_dim: int, value_dim: int):
+    def __init__(self, *, batch: int, query_heads: int, kv_heads: int, head_dim: int, value_dim: int,
+                 dtype: torch.dtype = torch.float32):
+        self._handle = 0
+        #: The dtype of the token tensors and of the memory's keys and values (ops.DTYPES).
+        self.dtype = dtype
+        self._dtype_name = ops.dtype_name(dtype)  # raises TypeError for a dtype kvmem does not store
+        self._code = ops.DTYPES[dtype]
         self.batch, self.query_heads, self.kv_heads = batch, query_heads, kv_heads
         self.head_dim, self.value_dim = head_dim, value_dim
-        self._handle = 0
         self._device = device()
 
     def _adopt(self, handle: int) -> None:
@@ -69,8 +78,8 @@ class Memory:
         every decode step of every layer, so it reads each property once and makes no view."""
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} = {type(t).__name__}: must be a torch.Tensor")
-        if t.dtype is not torch.float32:
-            raise TypeError(f"{name}.dtype = {t.dtype}: must be torch.float32 (kvmem does not cast)")
+        if t.dtype is not self.dtype:
+            raise TypeError(f"{name}.dtype = {t.dtype}: must be the memory's dtype {self.dtype} (kvmem does not cast)")
         if t.device != self._device:
             raise ValueError(f"{name}.device = {t.device}: must be the memory's device {self._device} (kvmem does not copy)")
         shape, stride = t.shape, t.stride()
@@ -99,7 +108,7 @@ class Memory:
         return T
 
     def _gate(self, name: str, t, heads: int, tokens: int) -> torch.Tensor:
-        t = _tensor(name, t, (2, 3))
+        t = _tensor(name, t, (2, 3), self.dtype)
         if t.dim() == 2:  # [T, H]
             if self.batch != 1:
                 raise ValueError(f"{name}.shape = {tuple(t.shape)}: [tokens, heads] holds one sequence, but the batch is {self.batch}")
@@ -131,8 +140,9 @@ class Memory:
             self._extras(extras, T)  # raises: this family needs its extra tensors
         if y is None:  # inactive sequences of a decode keep their rows: zeros in a new y
             fill = torch.zeros if op is ops.decode and not all(control) else torch.empty
-            y = fill(q.shape[:-1] + (self.value_dim,), dtype=torch.float32, device=q.device)
+            y = fill(q.shape[:-1] + (self.value_dim,), dtype=self.dtype, device=q.device)
         self._token("y", y, self.query_heads, self.value_dim, T, tensors)  # C++ refuses a y overlapping q, k or v
+        tensors.append(self._code)
         if op is ops.decode and control:
             control = [1 if a else 0 for a in control]
         if torch.compiler.is_compiling():  # traced: the custom op (on [B, H, T, C] views), which the graph records
@@ -172,7 +182,8 @@ class Memory:
         return _kvmem.allocated_bytes(self._handle)
 
     def held_bytes(self) -> int:
-        """Bytes of keys/values (state rows, window, slots) the batch holds for the tokens seen, float32."""
+        """Bytes of keys/values (state rows, window, slots) the batch holds for the tokens seen, in the
+        memory's dtype (half of float32's for bfloat16 and float16)."""
         return _kvmem.held_bytes(self._handle)
 
     def tokens(self, sequence: int = 0) -> int:
@@ -184,7 +195,8 @@ class Memory:
     def state(self) -> dict[str, torch.Tensor | list[int]]:
         """The memory's state as CPU tensors (copies): KVM/OVQ keys [B, Hkv, capacity, D], values, radius or
         counts [B, Hkv, capacity] and rows (live rows per sequence); eviction keys/values per slot, slot
-        positions, kept_positions [B, Hkv, K] and kept_rows [B, Hkv]; Trellis m1 [B, H, m, D], m2 [B, H, m, Dv]."""
+        positions, kept_positions [B, Hkv, K] and kept_rows [B, Hkv]; Trellis m1 [B, H, m, D], m2 [B, H, m, Dv].
+        Keys, values, m1 and m2 of a bfloat16 or float16 memory come as float32 (widened exactly)."""
         out = {}
         for name, value in _kvmem.state(self._handle).items():
             out[name] = torch.from_numpy(value) if hasattr(value, "shape") else list(value)
@@ -235,15 +247,18 @@ class KvmMemory(Memory):
     def __init__(self, head_dim: int, query_heads: int, kv_heads: int, *, value_dim: int | None = None, batch: int = 1,
                  chunk: int = 256, window_chunks: int = 2, rope_dims: int = 0, sinks: int = 1, max_rows: int = 256,
                  budget: budgets.Schedule = budgets.Fixed(256), ln_weight=None, ln_bias=None, tau_state=None,
-                 tau_window=None, evict_rows_above: int = 0, ln_eps: float = 1e-5, norm_eps: float = 1e-12):
+                 tau_window=None, evict_rows_above: int = 0, ln_eps: float = 1e-5, norm_eps: float = 1e-12,
+                 dtype: torch.dtype = torch.float32):
         value_dim = head_dim if value_dim is None else value_dim
-        super().__init__(batch=batch, query_heads=query_heads, kv_heads=kv_heads, head_dim=head_dim, value_dim=value_dim)
+        super().__init__(batch=batch, query_heads=query_heads, kv_heads=kv_heads, head_dim=head_dim, value_dim=value_dim,
+                         dtype=dtype)
         cfg = _config(_kvmem.MemoryConfig, head_dim=head_dim, value_dim=value_dim, query_heads=query_heads,
                       kv_heads=kv_heads, chunk=chunk, window_chunks=window_chunks, rope_dims=rope_dims, sinks=sinks,
                       max_rows=max_rows, ln_eps=ln_eps, norm_eps=norm_eps)
         self._adopt(_kvmem.make_kvm(cfg, budgets.to_args(budget, _kvmem), _weight("ln_weight", ln_weight, head_dim, 1.0),
                                     _weight("ln_bias", ln_bias, head_dim, 0.0), _weight("tau_state", tau_state, query_heads, 1.0),
-                                    _weight("tau_window", tau_window, query_heads, 1.0), batch, evict_rows_above))
+                                    _weight("tau_window", tau_window, query_heads, 1.0), batch, evict_rows_above,
+                                    self._dtype_name))
 
 
 class OvqMemory(Memory):
@@ -258,15 +273,17 @@ class OvqMemory(Memory):
 
     def __init__(self, head_dim: int, query_heads: int, kv_heads: int | None = None, *, value_dim: int | None = None,
                  batch: int = 1, chunk: int = 64, max_centroids: int = 1024, budget: budgets.Schedule | None = None,
-                 beta=None, normalize_centroids: bool = False):
+                 beta=None, normalize_centroids: bool = False, dtype: torch.dtype = torch.float32):
         value_dim = head_dim if value_dim is None else value_dim
         kv_heads = query_heads if kv_heads is None else kv_heads
-        super().__init__(batch=batch, query_heads=query_heads, kv_heads=kv_heads, head_dim=head_dim, value_dim=value_dim)
+        super().__init__(batch=batch, query_heads=query_heads, kv_heads=kv_heads, head_dim=head_dim, value_dim=value_dim,
+                         dtype=dtype)
         cfg = _config(_kvmem.MemoryConfig, head_dim=head_dim, value_dim=value_dim, query_heads=query_heads,
                       kv_heads=kv_heads, chunk=chunk, window_chunks=1, rope_dims=0, sinks=0, max_rows=max_centroids,
                       normalize_rows=normalize_centroids)
         schedule = budgets.Plateau(float(max_centroids)) if budget is None else budget
-        self._adopt(_kvmem.make_ovq(cfg, budgets.to_args(schedule, _kvmem), _weight("beta", beta, query_heads, 1.0), batch))
+        self._adopt(_kvmem.make_ovq(cfg, budgets.to_args(schedule, _kvmem), _weight("beta", beta, query_heads, 1.0), batch,
+                                    self._dtype_name))
 
 
 class EvictionMemory(Memory):
@@ -282,16 +299,18 @@ class EvictionMemory(Memory):
     def __init__(self, head_dim: int, query_heads: int, kv_heads: int, *, value_dim: int | None = None, batch: int = 1,
                  scorer: str = "h2o", sinks: int = 4, window: int = 64, top_k: int = 448, decay_interval: int = 1,
                  h2o_normalize: bool = False, tova_layer_mean: bool = False,
-                 weights: Mapping[str, torch.Tensor] | None = None, normalizer: str = "xlstm"):
+                 weights: Mapping[str, torch.Tensor] | None = None, normalizer: str = "xlstm",
+                 dtype: torch.dtype = torch.float32):
         value_dim = head_dim if value_dim is None else value_dim
-        super().__init__(batch=batch, query_heads=query_heads, kv_heads=kv_heads, head_dim=head_dim, value_dim=value_dim)
+        super().__init__(batch=batch, query_heads=query_heads, kv_heads=kv_heads, head_dim=head_dim, value_dim=value_dim,
+                         dtype=dtype)
         cfg = _config(_kvmem.EvictionConfig, head_dim=head_dim, value_dim=value_dim, query_heads=query_heads,
                       kv_heads=kv_heads, sinks=sinks, window=window, top_k=top_k, decay_interval=decay_interval)
         w = {}
         for name, t in (weights or {}).items():
             w[name] = _tensor(f"weights['{name}']", t, (1, 2, 3))
         self.scorer = scorer
-        self._adopt(_kvmem.make_eviction(cfg, batch, scorer, h2o_normalize, tova_layer_mean, w, normalizer))
+        self._adopt(_kvmem.make_eviction(cfg, batch, scorer, h2o_normalize, tova_layer_mean, w, normalizer, self._dtype_name))
 
 
 class TrellisMemory(Memory):
@@ -307,15 +326,15 @@ class TrellisMemory(Memory):
 
     def __init__(self, slots: int, head_dim: int, heads: int, *, value_dim: int | None = None, batch: int = 1,
                  chunk: int = 16, phi: str = "silu", f: str = "ln-silu", readout2_phi: bool = True, grad_scale: float = 2.0,
-                 check_gates: bool = True, ln_weight=None, ln_bias=None):
+                 check_gates: bool = True, ln_weight=None, ln_bias=None, dtype: torch.dtype = torch.float32):
         value_dim = head_dim if value_dim is None else value_dim
-        super().__init__(batch=batch, query_heads=heads, kv_heads=heads, head_dim=head_dim, value_dim=value_dim)
+        super().__init__(batch=batch, query_heads=heads, kv_heads=heads, head_dim=head_dim, value_dim=value_dim, dtype=dtype)
         self.slots = slots
         cfg = _config(_kvmem.TrellisConfig, slots=slots, head_dim=head_dim, value_dim=value_dim, heads=heads, chunk=chunk,
                       readout2_phi=readout2_phi, grad_scale=grad_scale, check_gates=check_gates)
         lw = None if ln_weight is None else _tensor("ln_weight", ln_weight, (1,))
         lb = None if ln_bias is None else _tensor("ln_bias", ln_bias, (1,))
-        self._adopt(_kvmem.make_trellis(cfg, phi, f, lw, lb, batch))
+        self._adopt(_kvmem.make_trellis(cfg, phi, f, lw, lb, batch, self._dtype_name))
 
     def _extra(self, name: str, t, tokens: int) -> torch.Tensor:
         if name == "alpha":  # checked as a token tensor, passed on as a [B, H, T, m] view

@@ -11,8 +11,11 @@ Tensors (views of the caller's tensors, no copy; any strides with a contiguous c
   q [B, Hq, T, D], k [B, Hkv, T, D], v [B, Hkv, T, Dv], y [B, Hq, T, Dv] (written),
   extras: the family's extra tensors (KVM/OVQ: [] or [gate [B, Hkv, T]]; Trellis: alpha [B, H, T, m],
   beta1, gamma1, beta2, gamma2 [B, H, T]).
-They cross as a descriptor: per tensor its data pointer, extents and strides (``describe``), which C++ wraps
-as unmanaged Kokkos views; DLPack would cost microseconds per tensor at every step.
+All of them in the memory's dtype (``DTYPES``: float32, bfloat16 or float16), which they keep: kvmem reads
+and writes 16-bit tensors as they are and computes in float32.
+They cross as a descriptor: per tensor its data pointer, extents and strides, then the dtype's code
+(``describe``), which C++ wraps as unmanaged Kokkos views of that type after checking the code against the
+memory's dtype; DLPack would cost microseconds per tensor at every step.
 """
 
 from __future__ import annotations
@@ -25,15 +28,31 @@ from . import _kvmem
 from ._device import device
 
 
+#: The dtypes a memory stores its tokens in, and the code each has in a descriptor (C++: python/src/tensors.hpp).
+DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """The name C++ takes for a memory's dtype ("float32", "bfloat16", "float16"); raises TypeError for
+    any other dtype."""
+    if dtype not in DTYPES:
+        raise TypeError(f"dtype = {dtype}: must be torch.float32, torch.bfloat16 or torch.float16")
+    return str(dtype).removeprefix("torch.")
+
+
 def describe(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, y: torch.Tensor) -> list[int]:
-    """The 36-integer descriptor of q, k, v, y: (data pointer, 4 extents, 4 strides in elements) each.
-    Raises TypeError for a dtype other than float32 and ValueError for another device, a rank other than 4
-    or non-contiguous channels, naming the tensor: the checks that keep a raw pointer safe."""
+    """The 37-integer descriptor of q, k, v, y: (data pointer, 4 extents, 4 strides in elements) each, then
+    the code of their dtype (DTYPES). Raises TypeError for a dtype kvmem does not store or for tensors of
+    different dtypes, and ValueError for another device, a rank other than 4 or non-contiguous channels,
+    naming the tensor: the checks that keep a raw pointer safe. C++ then checks the dtype against the
+    memory's."""
     out: list[int] = []
     dev = device()
     for name, t in (("q", q), ("k", k), ("v", v), ("y", y)):
-        if t.dtype != torch.float32:
-            raise TypeError(f"{name}.dtype = {t.dtype}: must be torch.float32 (kvmem does not cast)")
+        if t.dtype not in DTYPES:
+            raise TypeError(f"{name}.dtype = {t.dtype}: must be torch.float32, torch.bfloat16 or torch.float16 (kvmem does not cast)")
+        if t.dtype != q.dtype:
+            raise TypeError(f"{name}.dtype = {t.dtype}: must be q's dtype {q.dtype} (kvmem does not cast)")
         if t.device != dev:
             raise ValueError(f"{name}.device = {t.device}: must be the memory's device {dev} (kvmem does not copy)")
         if t.dim() != 4:
@@ -44,6 +63,7 @@ def describe(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, y: torch.Tensor)
         out.append(t.data_ptr())
         out.extend(t.shape)
         out.extend(stride)
+    out.append(DTYPES[q.dtype])
     return out
 
 

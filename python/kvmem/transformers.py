@@ -11,11 +11,12 @@ layer's ``update`` hands the step's new keys and values (after RoPE) straight to
 which runs them through that layer's memory: the first call of a layer is a prefill, later calls decode
 one token at a time (a multi-token call on a non-empty memory is decoded token by token, which kvmem
 defines to mean the same as a prefill). Memories are built at the first call of each layer, when the
-batch size, heads and head_dim are known, by ``factory(layer_idx, head_dim=, query_heads=, kv_heads=,
-value_dim=, batch=)``. Nothing keeps the full keys and values: ``cache.allocated_bytes()`` is what the
-memories hold.
+batch size, heads, head_dim and dtype are known, by ``factory(layer_idx, head_dim=, query_heads=,
+kv_heads=, value_dim=, batch=, dtype=)``. Nothing keeps the full keys and values:
+``cache.allocated_bytes()`` is what the memories hold.
 
-Scope: float32 models (kvmem's dtype today); prompts of one length in a batch (the mask function "kvmem"
+Scope: float32, bfloat16 and float16 models (each layer's memory stores keys, values and its state in the
+model's dtype and computes logits, softmax and merges in float32; float64 is refused); prompts of one length in a batch (the mask function "kvmem"
 builds no mask, since every memory is causal by construction, and refuses a padding mask with a
 ValueError: kvmem's ragged prefill takes right-ragged lengths, transformers pads on the left); greedy or sampling decoding, no
 beam search (``reorder_cache``) or cache cropping. Trellis needs learned per-token gates and targets that
@@ -33,9 +34,9 @@ from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from . import memories
+from . import memories, ops
 
-#: Builds a layer's memory: factory(layer_idx, *, head_dim, query_heads, kv_heads, value_dim, batch) -> Memory.
+#: Builds a layer's memory: factory(layer_idx, *, head_dim, query_heads, kv_heads, value_dim, batch, dtype) -> Memory.
 MemoryFactory = Callable[..., memories.Memory]
 
 _current = threading.local()  # the KvmemCache whose update() ran last on this thread
@@ -110,8 +111,11 @@ class KvmemLayer(CacheLayerMixin):
         returns the attention output [B, T, Hq, Dv] (what transformers' attention functions return)."""
         B, Hq, T, D = query.shape
         Hkv, Dv = key.shape[1], value.shape[3]
+        if query.dtype not in ops.DTYPES:
+            raise TypeError(f"q.dtype = {query.dtype}: the kvmem backend runs float32, bfloat16 and float16 models")
         if self.memory is None:
-            self.memory = self.factory(self.layer_idx, head_dim=D, query_heads=Hq, kv_heads=Hkv, value_dim=Dv, batch=B)
+            self.memory = self.factory(self.layer_idx, head_dim=D, query_heads=Hq, kv_heads=Hkv, value_dim=Dv, batch=B,
+                                       dtype=query.dtype)
         if not memories.softmax_scale_ok(D, scaling):  # kvmem reads with 1 / sqrt(D): fold the model's scale into q
             query = query * (scaling * math.sqrt(D))
         out = torch.empty(B, T, Hq, Dv, dtype=query.dtype, device=query.device)
@@ -129,7 +133,7 @@ class KvmemCache(Cache):
     """A transformers ``Cache`` with one kvmem memory per attention layer and no full KV cache.
 
     ``KvmemCache(model, factory)`` switches ``model`` to the attention function "kvmem" (registered here)
-    and builds layer i's memory with ``factory(i, head_dim=, query_heads=, kv_heads=, value_dim=, batch=)``
+    and builds layer i's memory with ``factory(i, head_dim=, query_heads=, kv_heads=, value_dim=, batch=, dtype=)``
     at its first call (see kvm(), ovq(), eviction()). Pass it as ``past_key_values`` to ``generate`` or to
     the model's forward. Raises TypeError when ``model`` has no ``set_attn_implementation``."""
 
@@ -150,7 +154,7 @@ class KvmemCache(Cache):
         return sum(layer.memory.allocated_bytes() for layer in self.layers if layer.memory is not None)
 
     def held_bytes(self) -> int:
-        """Bytes of keys and values the memories hold for the tokens seen (float32)."""
+        """Bytes of keys and values the memories hold for the tokens seen (in the model's dtype)."""
         return sum(layer.memory.held_bytes() for layer in self.layers if layer.memory is not None)
 
 

@@ -19,14 +19,20 @@
 namespace kvmem::python {
 namespace {
 
-/// EvictionMemory<exec, Scorer> behind the AnyMemory interface.
-template <class Scorer>
-class Eviction final : public AnyMemory {
+/// EvictionMemory<exec, Scorer, S> behind the AnyMemory interface.
+template <class Scorer, StorageType S>
+class Eviction final : public TypedMemory<S> {
  public:
   Eviction(const EvictionConfig& cfg, int batch, const Scorer& scorer) : mem_(cfg, batch, scorer) {}
 
-  void prefill(const Call& c, std::span<const long> lengths) override { mem_.prefill(c.q, c.k, c.v, c.y, lengths); }
-  void decode(const Call& c, std::span<const unsigned char> active) override { mem_.decode(c.q, c.k, c.v, c.y, active); }
+  void prefill(const Call& c, std::span<const long> lengths) override {
+    const auto t = c.views<S>();
+    mem_.prefill(t.q, t.k, t.v, t.y, lengths);
+  }
+  void decode(const Call& c, std::span<const unsigned char> active) override {
+    const auto t = c.views<S>();
+    mem_.decode(t.q, t.k, t.v, t.y, active);
+  }
   void reset() override { mem_.reset(); }
   [[nodiscard]] long allocated_bytes() const override { return mem_.allocated_bytes(); }
   [[nodiscard]] long held_bytes() const override { return mem_.held_bytes(); }
@@ -47,12 +53,15 @@ class Eviction final : public AnyMemory {
   }
 
  private:
-  EvictionMemory<exec, Scorer> mem_;
+  EvictionMemory<exec, Scorer, S> mem_;
 };
 
+/// An EvictionMemory with `scorer`, of the storage type `dtype` names; returns its handle.
 template <class Scorer>
-long add(const EvictionConfig& cfg, int batch, const Scorer& scorer) {
-  return handles().add(std::make_unique<Eviction<Scorer>>(cfg, batch, scorer));
+long add(const EvictionConfig& cfg, int batch, const Scorer& scorer, const std::string& dtype) {
+  return with_storage(dtype, [&](auto storage) -> long {
+    return handles().add(std::make_unique<Eviction<Scorer, typename decltype(storage)::type>>(cfg, batch, scorer));
+  });
 }
 
 /// The mLSTM weights (spec EVICTION.md §3) from named tensors, copied to the device; throws
@@ -78,29 +87,32 @@ score::MLstmWeights<mem_space> mlstm_weights(const std::map<std::string, nb::nda
   return m;
 }
 
-/// An EvictionMemory with the scorer named `scorer`; returns its handle. Throws kvmem::invalid_argument for
-/// an unknown scorer, options the scorer does not take, or what the memory rejects.
+/// An EvictionMemory with the scorer named `scorer`, of storage type `dtype`; returns its handle. Throws
+/// kvmem::invalid_argument for an unknown scorer or dtype, options the scorer does not take, or what the
+/// memory rejects.
 long make_eviction(const EvictionConfig& cfg, int batch, const std::string& scorer, bool h2o_normalize,
-                   bool tova_layer_mean, const std::map<std::string, nb::ndarray<>>& weights, const std::string& normalizer) {
+                   bool tova_layer_mean, const std::map<std::string, nb::ndarray<>>& weights, const std::string& normalizer,
+                   const std::string& dtype) {
   require(scorer == "h2o" || !h2o_normalize, "h2o_normalize", h2o_normalize, "applies to the h2o scorer only");
   require(scorer == "tova" || !tova_layer_mean, "tova_layer_mean", tova_layer_mean, "applies to the tova scorer only");
   require(scorer == "kvpop" || weights.empty(), "weights", weights.size(), "only the kvpop scorer takes weights");
-  if (scorer == "streaming") return add(cfg, batch, score::None{});
-  if (scorer == "knorm") return add(cfg, batch, score::KeyNorm{});
+  if (scorer == "streaming") return add(cfg, batch, score::None{}, dtype);
+  if (scorer == "knorm") return add(cfg, batch, score::KeyNorm{}, dtype);
   if (scorer == "h2o") {
     score::AccumulatedAttention h2o;
     h2o.normalize = h2o_normalize;
-    return add(cfg, batch, h2o);
+    return add(cfg, batch, h2o, dtype);
   }
   if (scorer == "tova") {
     score::LastQueryAttention tova;
     tova.layer_mean = tova_layer_mean;
-    return add(cfg, batch, tova);
+    return add(cfg, batch, tova, dtype);
   }
   if (scorer == "kvpop") {
     require(normalizer == "xlstm" || normalizer == "plain", "normalizer", normalizer, "must be xlstm or plain");
     return add(cfg, batch, score::MLstm<mem_space>(mlstm_weights(weights), normalizer == "plain" ? score::MLstmNormalizer::plain
-                                                                                               : score::MLstmNormalizer::xlstm));
+                                                                                               : score::MLstmNormalizer::xlstm),
+               dtype);
   }
   throw invalid_argument(detail::describe("scorer", scorer, "unknown eviction scorer; expected streaming, knorm, h2o, tova or kvpop"));
 }
@@ -119,8 +131,9 @@ void bind_eviction_memories(nb::module_& m) {
       .def_rw("top_k", &EvictionConfig::top_k)
       .def_rw("decay_interval", &EvictionConfig::decay_interval);
   m.def("make_eviction", &make_eviction, nb::arg("config"), nb::arg("batch"), nb::arg("scorer"), nb::arg("h2o_normalize"),
-        nb::arg("tova_layer_mean"), nb::arg("weights"), nb::arg("normalizer"),
-        "An eviction memory (EvictionMemory<exec, Scorer>; spec EVICTION.md); returns its handle.");
+        nb::arg("tova_layer_mean"), nb::arg("weights"), nb::arg("normalizer"), nb::arg("dtype"),
+        "An eviction memory (EvictionMemory<exec, Scorer, Storage>; spec EVICTION.md) of storage type `dtype`; returns "
+        "its handle.");
 }
 
 }  // namespace kvmem::python

@@ -11,26 +11,48 @@
 #include <memory>
 #include <span>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "tensors.hpp"
 
 namespace kvmem::python {
 
-/// The token tensors of one prefill or decode call, as views of the caller's tensors:
-/// q [B, Hq, T, D], k [B, Hkv, T, D], v [B, Hkv, T, Dv], y [B, Hq, T, Dv] (written), and the family's
-/// extra tensors in the order its Python class documents (KVM/OVQ: [gate [B, Hkv, T]] or none; Trellis:
-/// alpha [B, H, T, m], beta1, gamma1, beta2, gamma2 [B, H, T]).
+/// The token tensors of one prefill or decode call: the descriptor of q [B, Hq, T, D], k [B, Hkv, T, D],
+/// v [B, Hkv, T, Dv], y [B, Hq, T, Dv] (written; tensors.hpp) in the storage type its dtype code names,
+/// and the family's extra tensors in the order its Python class documents (KVM/OVQ: [gate [B, Hkv, T]] or
+/// none; Trellis: alpha [B, H, T, m], beta1, gamma1, beta2, gamma2 [B, H, T]), all of that storage type.
 struct Call {
-  tokens_in q, k, v;
-  tokens_out y;
+  Descriptor tensors{};
   std::vector<nb::ndarray<>> extras;
+
+  /// The storage type of q, k, v and y.
+  [[nodiscard]] Dtype dtype() const { return static_cast<Dtype>(tensors[descriptor_size - 1]); }
+  /// Bytes per element of q, k, v and y (4 or 2).
+  [[nodiscard]] std::int64_t element_bytes() const { return dtype() == Dtype::float32 ? 4 : 2; }
+  /// q, k, v, y as views of storage type S (the memory's; make_call has checked that it is the call's).
+  template <StorageType S>
+  [[nodiscard]] TokenViews<S> views() const {
+    return described_views<S>(tensors);
+  }
+  /// Token t of every sequence (T = 1): the same tensors, each moved on by t tokens, no extras.
+  [[nodiscard]] Call token(std::int64_t t) const {
+    Call c{tensors, {}};
+    for (std::size_t i = 0; i < 4; ++i) {
+      std::int64_t* d = c.tensors.data() + 9 * i;
+      d[0] += t * d[7] * element_bytes();
+      d[3] = 1;
+    }
+    return c;
+  }
 };
 
 /// What every compiled memory offers Python (the C++ facades' common contract).
 class AnyMemory {
  public:
   virtual ~AnyMemory() = default;
+  /// The storage type of the memory's tokens and state (its template's Storage).
+  [[nodiscard]] virtual Dtype dtype() const = 0;
   /// Runs a prompt (Memory::prefill, EvictionMemory::prefill, TrellisMemory::prefill); lengths [B] or empty.
   virtual void prefill(const Call& call, std::span<const long> lengths) = 0;
   /// Runs one token per active sequence; active [B] (0/1) or empty for all.
@@ -73,18 +95,37 @@ class Handles {
 /// The process's table (module.cpp).
 Handles& handles();
 
+/// The element type of the NumPy array that to_numpy makes of a view of T: float for bfloat16 and float16
+/// (NumPy has no bfloat16), T otherwise.
+template <class T>
+using numpy_element = std::conditional_t<std::is_same_v<T, bfloat16> || std::is_same_v<T, float16>, float, T>;
+
 /// Copies a device view (rank 1 to 4, LayoutRight) into a new NumPy array (host, C order) owned by Python.
+/// A bfloat16 or float16 view becomes a float32 array, each element widened exactly (to_float).
 template <class View, class T = typename View::non_const_value_type>
-nb::ndarray<nb::numpy, T> to_numpy(const View& view) {
+nb::ndarray<nb::numpy, numpy_element<T>> to_numpy(const View& view) {
+  using N = numpy_element<T>;
   std::vector<std::size_t> shape(View::rank());
   std::size_t count = 1;
   for (std::size_t i = 0; i < View::rank(); ++i) count *= (shape[i] = view.extent(i));
-  auto* data = new T[count];
-  nb::capsule owner(data, [](void* p) noexcept { delete[] static_cast<T*>(p); });
-  const Kokkos::View<typename View::non_const_data_type, Kokkos::LayoutRight, Kokkos::HostSpace, Kokkos::MemoryUnmanaged>
-      host(data, view.layout());
-  Kokkos::deep_copy(host, view);
-  return nb::ndarray<nb::numpy, T>(data, shape.size(), shape.data(), owner);
+  auto* data = new N[count];
+  nb::capsule owner(data, [](void* p) noexcept { delete[] static_cast<N*>(p); });
+  if constexpr (std::is_same_v<N, T>) {
+    const Kokkos::View<typename View::non_const_data_type, Kokkos::LayoutRight, Kokkos::HostSpace, Kokkos::MemoryUnmanaged>
+        host(data, view.layout());
+    Kokkos::deep_copy(host, view);
+  } else {
+    const auto host = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace{}, view);
+    for (std::size_t i = 0; i < count; ++i) data[i] = to_float(host.data()[i]);
+  }
+  return nb::ndarray<nb::numpy, N>(data, shape.size(), shape.data(), owner);
 }
+
+/// AnyMemory's dtype() for a memory of storage type S.
+template <StorageType S>
+class TypedMemory : public AnyMemory {
+ public:
+  [[nodiscard]] Dtype dtype() const final { return dtype_of<S>; }
+};
 
 }  // namespace kvmem::python

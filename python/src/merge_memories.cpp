@@ -18,16 +18,22 @@ namespace {
 /// The compiled memory `Mem` behind the AnyMemory interface. The learned weights are device copies that
 /// live as long as the memory.
 template <class Mem>
-class MergeMemory final : public AnyMemory {
+class MergeMemory final : public TypedMemory<typename Mem::storage_type> {
+  using S = typename Mem::storage_type;
+
  public:
   template <class... RowPolicy>
   MergeMemory(const MemoryConfig& cfg, const typename Mem::budget_type& budget, const LayerWeights<mem_space>& weights,
               int batch, bool counts, const RowPolicy&... row_policy)
       : weights_(weights), mem_(cfg, budget, weights_, batch, row_policy...), counts_(counts) {}
 
-  void prefill(const Call& c, std::span<const long> lengths) override { mem_.prefill(c.q, c.k, c.v, gate(c), c.y, lengths); }
+  void prefill(const Call& c, std::span<const long> lengths) override {
+    const auto t = c.views<S>();
+    mem_.prefill(t.q, t.k, t.v, gate(c), t.y, lengths);
+  }
   void decode(const Call& c, std::span<const unsigned char> active) override {
-    mem_.decode(c.q, c.k, c.v, gate(c), c.y, active);
+    const auto t = c.views<S>();
+    mem_.decode(t.q, t.k, t.v, gate(c), t.y, active);
   }
   void reset() override { mem_.reset(); }
   [[nodiscard]] long allocated_bytes() const override { return mem_.allocated_bytes(); }
@@ -51,7 +57,7 @@ class MergeMemory final : public AnyMemory {
  private:
   static typename Mem::gates_in gate(const Call& c) {
     if (c.extras.empty()) return {};
-    return gate_view(c.extras[0], "gate");
+    return gate_view<S>(c.extras[0], "gate");
   }
   LayerWeights<mem_space> weights_;
   Mem mem_;
@@ -69,30 +75,41 @@ long with_budget(const BudgetArgs& b, Make&& make) {
   throw invalid_argument(detail::describe("budget", b.kind, "unknown budget schedule; expected fixed, power-law, saturating or plateau"));
 }
 
+/// A KVM memory of storage type S with the budget schedule `budget` (row eviction above
+/// `evict_rows_above` rows when it is > 0); returns its handle.
+template <StorageType S, class Budget>
+long add_kvm(const MemoryConfig& cfg, const Budget& budget, const LayerWeights<mem_space>& w, int batch, long evict_rows_above) {
+  if (evict_rows_above == 0)
+    return handles().add(std::make_unique<MergeMemory<KvmMemory<exec, Budget, S>>>(cfg, budget, w, batch, false));
+  if constexpr (std::is_same_v<Budget, budget::Fixed> || std::is_same_v<Budget, budget::PowerLaw>) {
+    using mem_t = KvmMemoryWithRowEviction<exec, Budget, score::RowAccumulatedAttention, S>;
+    return handles().add(std::make_unique<MergeMemory<mem_t>>(cfg, budget, w, batch, false,
+                                                              score::RowAccumulatedAttention{.max_rows = evict_rows_above}));
+  }
+  throw invalid_argument(detail::describe("evict_rows_above", evict_rows_above, "row eviction is compiled for the fixed and "
+                                                                                "power-law budgets only"));
+}
+
 long make_kvm(const MemoryConfig& cfg, const BudgetArgs& b, const nb::ndarray<>& ln_weight, const nb::ndarray<>& ln_bias,
-              const nb::ndarray<>& tau_state, const nb::ndarray<>& tau_window, int batch, long evict_rows_above) {
+              const nb::ndarray<>& tau_state, const nb::ndarray<>& tau_window, int batch, long evict_rows_above,
+              const std::string& dtype) {
   const LayerWeights<mem_space> w{weight_copy<1>(ln_weight, "ln_weight"), weight_copy<1>(ln_bias, "ln_bias"),
                                   weight_copy<1>(tau_state, "tau_state"), weight_copy<1>(tau_window, "tau_window")};
   return with_budget(b, [&](const auto& budget) -> long {
-    using budget_t = std::remove_cvref_t<decltype(budget)>;
-    if (evict_rows_above == 0)
-      return handles().add(std::make_unique<MergeMemory<KvmMemory<exec, budget_t>>>(cfg, budget, w, batch, false));
-    if constexpr (std::is_same_v<budget_t, budget::Fixed> || std::is_same_v<budget_t, budget::PowerLaw>) {
-      using mem_t = KvmMemoryWithRowEviction<exec, budget_t, score::RowAccumulatedAttention>;
-      return handles().add(std::make_unique<MergeMemory<mem_t>>(
-          cfg, budget, w, batch, false, score::RowAccumulatedAttention{.max_rows = evict_rows_above}));
-    }
-    throw invalid_argument(detail::describe("budget", b.kind, "row eviction (evict_rows_above > 0) is compiled for the "
-                                                              "fixed and power-law budgets only"));
+    return with_storage(dtype, [&](auto storage) -> long {
+      return add_kvm<typename decltype(storage)::type>(cfg, budget, w, batch, evict_rows_above);
+    });
   });
 }
 
-long make_ovq(const MemoryConfig& cfg, const BudgetArgs& b, const nb::ndarray<>& beta, int batch) {
+long make_ovq(const MemoryConfig& cfg, const BudgetArgs& b, const nb::ndarray<>& beta, int batch, const std::string& dtype) {
   const auto betas = weight_copy<1>(beta, "beta");
   const LayerWeights<mem_space> w{{}, {}, betas, betas};
   return with_budget(b, [&](const auto& budget) -> long {
-    using budget_t = std::remove_cvref_t<decltype(budget)>;
-    return handles().add(std::make_unique<MergeMemory<OvqMemory<exec, budget_t>>>(cfg, budget, w, batch, true));
+    return with_storage(dtype, [&](auto storage) -> long {
+      using mem_t = OvqMemory<exec, std::remove_cvref_t<decltype(budget)>, typename decltype(storage)::type>;
+      return handles().add(std::make_unique<MergeMemory<mem_t>>(cfg, budget, w, batch, true));
+    });
   });
 }
 
@@ -109,10 +126,10 @@ void bind_merge_memories(nb::module_& m) {
       .def_rw("saturation_n", &BudgetArgs::saturation_n)
       .def_rw("plateau_n", &BudgetArgs::plateau_n);
   m.def("make_kvm", &make_kvm, nb::arg("config"), nb::arg("budget"), nb::arg("ln_weight"), nb::arg("ln_bias"),
-        nb::arg("tau_state"), nb::arg("tau_window"), nb::arg("batch"), nb::arg("evict_rows_above"),
-        "A KVM memory (kvm-paper Sec. 4; KvmMemory<exec, Budget>); returns its handle.");
-  m.def("make_ovq", &make_ovq, nb::arg("config"), nb::arg("budget"), nb::arg("beta"), nb::arg("batch"),
-        "An OVQ memory (ovq-paper Sec. 3.2; OvqMemory<exec, Budget>); returns its handle.");
+        nb::arg("tau_state"), nb::arg("tau_window"), nb::arg("batch"), nb::arg("evict_rows_above"), nb::arg("dtype"),
+        "A KVM memory (kvm-paper Sec. 4; KvmMemory<exec, Budget, Storage>) of storage type `dtype`; returns its handle.");
+  m.def("make_ovq", &make_ovq, nb::arg("config"), nb::arg("budget"), nb::arg("beta"), nb::arg("batch"), nb::arg("dtype"),
+        "An OVQ memory (ovq-paper Sec. 3.2; OvqMemory<exec, Budget, Storage>) of storage type `dtype`; returns its handle.");
 }
 
 }  // namespace kvmem::python

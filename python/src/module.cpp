@@ -77,20 +77,30 @@ void finalize() {
   if (Kokkos::is_initialized() && !Kokkos::is_finalized()) Kokkos::finalize();
 }
 
-/// The views of one call from its descriptor (tensors.hpp); extras are kept as tensors for the family.
-/// Throws kvmem::invalid_argument when y's bytes overlap those of q, k or v (the output would be written
-/// while it is read).
-Call make_call(const std::vector<std::int64_t>& tensors, std::vector<nb::ndarray<>> extras) {
+/// The call of `memory` on the tensors of descriptor `tensors` (tensors.hpp) and the family's `extras`.
+/// Throws kvmem::invalid_argument when the descriptor is not 37 integers, when its dtype is not the
+/// memory's (naming q.dtype and both types), or when y's bytes overlap those of q, k or v (the output would
+/// be written while it is read).
+Call make_call(const AnyMemory& memory, const std::vector<std::int64_t>& tensors, std::vector<nb::ndarray<>> extras) {
   if (tensors.size() != descriptor_size)
-    throw invalid_argument(detail::describe("tensors", tensors.size(), "must be 36 integers: q, k, v, y as (pointer, 4 extents, 4 strides)"));
+    throw invalid_argument(detail::describe("tensors", tensors.size(), "must be 37 integers: q, k, v, y as (pointer, 4 extents, "
+                                                                       "4 strides), then the dtype code"));
+  Call call{{}, std::move(extras)};
+  std::copy(tensors.begin(), tensors.end(), call.tensors.begin());
+  const std::int64_t code = tensors.back();
+  if (code < 0 || code > 2 || static_cast<Dtype>(code) != memory.dtype())
+    throw invalid_argument(detail::describe("q.dtype", code >= 0 && code <= 2 ? dtype_name_of(static_cast<Dtype>(code)) : "unknown code",
+                                            std::string("must be the memory's dtype ") + dtype_name_of(memory.dtype()) +
+                                                " (kvmem does not cast)"));
+  const std::int64_t bytes = call.element_bytes();
   const auto span = [&](std::size_t i) {  // [first byte, one past the last byte) of tensor i
-    const std::int64_t* t = tensors.data() + 9 * i;
+    const std::int64_t* t = call.tensors.data() + 9 * i;
     std::int64_t last = 0;
     for (int d = 0; d < 4; ++d) {
       if (t[1 + d] == 0) return std::pair<std::int64_t, std::int64_t>{t[0], t[0]};
       last += (t[1 + d] - 1) * t[5 + d];
     }
-    return std::pair<std::int64_t, std::int64_t>{t[0], t[0] + 4 * (last + 1)};
+    return std::pair<std::int64_t, std::int64_t>{t[0], t[0] + bytes * (last + 1)};
   };
   const auto [y0, y1] = span(3);
   for (std::size_t i = 0; i < 3; ++i) {
@@ -98,14 +108,13 @@ Call make_call(const std::vector<std::int64_t>& tensors, std::vector<nb::ndarray
     if (a0 < y1 && y0 < a1 && a0 < a1 && y0 < y1)
       throw invalid_argument(std::string("y: must not alias the input ") + "qkv"[i] + " (its bytes overlap; pass another y)");
   }
-  return {described_view<tokens_in>(tensors, 0), described_view<tokens_in>(tensors, 1), described_view<tokens_in>(tensors, 2),
-          described_view<tokens_out>(tensors, 3), std::move(extras)};
+  return call;
 }
 
 void prefill(long handle, const std::vector<std::int64_t>& tensors, std::vector<nb::ndarray<>> extras,
              const std::vector<long>& lengths) {
   auto& memory = handles().at(handle);
-  const Call call = make_call(tensors, std::move(extras));
+  const Call call = make_call(memory, tensors, std::move(extras));
   nb::gil_scoped_release release;
   memory.prefill(call, lengths);
 }
@@ -113,7 +122,7 @@ void prefill(long handle, const std::vector<std::int64_t>& tensors, std::vector<
 void decode(long handle, const std::vector<std::int64_t>& tensors, std::vector<nb::ndarray<>> extras,
             const std::vector<std::uint8_t>& active) {
   auto& memory = handles().at(handle);
-  const Call call = make_call(tensors, std::move(extras));
+  const Call call = make_call(memory, tensors, std::move(extras));
   nb::gil_scoped_release release;
   memory.decode(call, std::span<const unsigned char>(active.data(), active.size()));
 }
@@ -124,7 +133,7 @@ void decode(long handle, const std::vector<std::int64_t>& tensors, std::vector<n
 /// without extra tensors only (KVM without a gate, OVQ, eviction).
 std::vector<double> time_calls(long handle, const std::vector<std::int64_t>& tensors, const std::string& mode, int repeats) {
   auto& memory = handles().at(handle);
-  const Call call = make_call(tensors, {});
+  const Call call = make_call(memory, tensors, {});
   if (mode != "prefill" && mode != "decode") throw invalid_argument(detail::describe("mode", mode, "must be prefill or decode"));
   nb::gil_scoped_release release;
   std::vector<double> seconds;
@@ -143,11 +152,8 @@ std::vector<double> time_calls(long handle, const std::vector<std::int64_t>& ten
     return seconds;
   }
   memory.reset();
-  const auto all = Kokkos::ALL;
-  for (long t = 0; t < static_cast<long>(call.q.extent(2)); ++t) {
-    const auto s = std::make_pair(t, t + 1);
-    const Call step{Kokkos::subview(call.q, all, all, s, all), Kokkos::subview(call.k, all, all, s, all),
-                    Kokkos::subview(call.v, all, all, s, all), Kokkos::subview(call.y, all, all, s, all), {}};
+  for (std::int64_t t = 0; t < call.tensors[3]; ++t) {  // tensors[3]: q's token count T
+    const Call step = call.token(t);
     timed([&] { memory.decode(step, {}); });
   }
   return seconds;
@@ -163,6 +169,7 @@ NB_MODULE(_kvmem, m) {
   m.def("initialize", &py::initialize, nb::arg("num_threads"));
   m.def("finalize", &py::finalize);
   m.def("is_initialized", [] { return Kokkos::is_initialized(); });
+  m.def("dtype", [](long h) { return std::string(py::dtype_name_of(py::handles().at(h).dtype())); }, nb::arg("handle"));
   m.def("backend", [] { return std::string(py::exec::name()) + " (" + std::to_string(py::exec().concurrency()) + " threads)"; });
   m.def("dlpack_device", [] { return py::dlpack_device(); });
 
@@ -195,13 +202,17 @@ NB_MODULE(_kvmem, m) {
   m.def("tokens", [](long h, long b) { return py::handles().at(h).tokens(b); }, nb::arg("handle"), nb::arg("sequence"));
   m.def("state", [](long h) { return py::handles().at(h).state(); }, nb::arg("handle"));
   m.def("time_calls", &py::time_calls, nb::arg("handle"), nb::arg("tensors"), nb::arg("mode"), nb::arg("repeats"), "C++-timed prefills or decode steps (the baseline of bench/python_overhead.py).");
-  m.def("view_data", [](const std::vector<std::int64_t>& tensors, int i) {
-    const py::Call call = py::make_call(tensors, {});
-    const std::array<const float*, 4> data{call.q.data(), call.k.data(), call.v.data(), call.y.data()};
-    return reinterpret_cast<std::uintptr_t>(data.at(static_cast<std::size_t>(i)));
-  }, nb::arg("tensors"), nb::arg("index"),
-        "The data pointer of the Kokkos view that a call makes of tensor `index` (0 q, 1 k, 2 v, 3 y); the tests "
-        "compare it with tensor.data_ptr().");
+  m.def("view_data", [](long handle, const std::vector<std::int64_t>& tensors, int i) {
+    const auto& memory = py::handles().at(handle);
+    const py::Call call = py::make_call(memory, tensors, {});
+    return py::with_storage(py::dtype_name_of(memory.dtype()), [&](auto storage) {
+      const auto t = call.views<typename decltype(storage)::type>();
+      const std::array<const void*, 4> data{t.q.data(), t.k.data(), t.v.data(), t.y.data()};
+      return reinterpret_cast<std::uintptr_t>(data.at(static_cast<std::size_t>(i)));
+    });
+  }, nb::arg("handle"), nb::arg("tensors"), nb::arg("index"),
+        "The data pointer of the Kokkos view that a call of memory `handle` makes of tensor `index` (0 q, 1 k, 2 v, "
+        "3 y); the tests compare it with tensor.data_ptr().");
   m.def("count_events", [](bool on) {
     if (on && !py::g_counts.on) {
       Kokkos::Tools::Experimental::set_allocate_data_callback(py::on_allocate);

@@ -18,18 +18,22 @@
 namespace kvmem::python {
 namespace {
 
-/// TrellisMemory<exec> behind the AnyMemory interface; Call::extras holds alpha, beta1, gamma1, beta2, gamma2.
-class Trellis final : public AnyMemory {
+/// TrellisMemory<exec, S> behind the AnyMemory interface; Call::extras holds alpha, beta1, gamma1, beta2,
+/// gamma2 (of storage type S, as q, k, v).
+template <StorageType S>
+class Trellis final : public TypedMemory<S> {
  public:
   Trellis(const TrellisConfig& cfg, const TrellisWeights<mem_space>& w, int batch) : weights_(w), mem_(cfg, weights_, batch) {}
 
   void prefill(const Call& c, std::span<const long> lengths) override {
     const auto x = extras(c);
-    mem_.prefill(c.q, c.k, c.v, x.alpha, x.beta1, x.gamma1, x.beta2, x.gamma2, c.y, lengths);
+    const auto t = c.views<S>();
+    mem_.prefill(t.q, t.k, t.v, x.alpha, x.beta1, x.gamma1, x.beta2, x.gamma2, t.y, lengths);
   }
   void decode(const Call& c, std::span<const unsigned char> active) override {
     const auto x = extras(c);
-    mem_.decode(c.q, c.k, c.v, x.alpha, x.beta1, x.gamma1, x.beta2, x.gamma2, c.y, active);
+    const auto t = c.views<S>();
+    mem_.decode(t.q, t.k, t.v, x.alpha, x.beta1, x.gamma1, x.beta2, x.gamma2, t.y, active);
   }
   void reset() override { mem_.reset(); }
   [[nodiscard]] long allocated_bytes() const override { return mem_.allocated_bytes(); }
@@ -44,22 +48,22 @@ class Trellis final : public AnyMemory {
 
  private:
   struct Extras {
-    tokens_in alpha;
-    gates_in beta1, gamma1, beta2, gamma2;
+    tokens_in<S> alpha;
+    gates_in<S> beta1, gamma1, beta2, gamma2;
   };
   static Extras extras(const Call& c) {
     require(c.extras.size() == 5, "trellis inputs", c.extras.size(), "must be alpha, beta1, gamma1, beta2, gamma2");
-    return {token_view<tokens_in>(c.extras[0], "alpha"), gate_view(c.extras[1], "beta1"), gate_view(c.extras[2], "gamma1"),
-            gate_view(c.extras[3], "beta2"), gate_view(c.extras[4], "gamma2")};
+    return {token_view<S>(c.extras[0], "alpha"), gate_view<S>(c.extras[1], "beta1"), gate_view<S>(c.extras[2], "gamma1"),
+            gate_view<S>(c.extras[3], "beta2"), gate_view<S>(c.extras[4], "gamma2")};
   }
   TrellisWeights<mem_space> weights_;
-  TrellisMemory<exec> mem_;
+  TrellisMemory<exec, S> mem_;
 };
 
-/// A Trellis memory; `phi` and `f` by name (merge::parse_phi, parse_activation); ln_weight/ln_bias [m] or
-/// None for no LN-SiLU affine. Returns its handle.
+/// A Trellis memory of storage type `dtype`; `phi` and `f` by name (merge::parse_phi, parse_activation);
+/// ln_weight/ln_bias [m] (float32) or None for no LN-SiLU affine. Returns its handle.
 long make_trellis(TrellisConfig cfg, const std::string& phi, const std::string& f, const std::optional<nb::ndarray<>>& ln_weight,
-                  const std::optional<nb::ndarray<>>& ln_bias, int batch) {
+                  const std::optional<nb::ndarray<>>& ln_bias, int batch, const std::string& dtype) {
   cfg.phi = merge::parse_phi(phi);
   cfg.f = merge::parse_activation(f);
   TrellisWeights<mem_space> w;
@@ -69,7 +73,9 @@ long make_trellis(TrellisConfig cfg, const std::string& phi, const std::string& 
     w.ln_weight = weight_copy<1>(*ln_weight, "ln_weight");
     w.ln_bias = weight_copy<1>(*ln_bias, "ln_bias");
   }
-  return handles().add(std::make_unique<Trellis>(cfg, w, batch));
+  return with_storage(dtype, [&](auto storage) -> long {
+    return handles().add(std::make_unique<Trellis<typename decltype(storage)::type>>(cfg, w, batch));
+  });
 }
 
 }  // namespace
@@ -88,7 +94,8 @@ void bind_trellis_memory(nb::module_& m) {
       .def_rw("l2_eps", &TrellisConfig::l2_eps)
       .def_rw("check_gates", &TrellisConfig::check_gates);
   m.def("make_trellis", &make_trellis, nb::arg("config"), nb::arg("phi"), nb::arg("f"), nb::arg("ln_weight").none(),
-        nb::arg("ln_bias").none(), nb::arg("batch"), "A Trellis memory (TrellisMemory<exec>; spec TRELLIS.md); returns its handle.");
+        nb::arg("ln_bias").none(), nb::arg("batch"), nb::arg("dtype"),
+        "A Trellis memory (TrellisMemory<exec, Storage>; spec TRELLIS.md) of storage type `dtype`; returns its handle.");
 }
 
 }  // namespace kvmem::python

@@ -30,8 +30,8 @@ def raises(memory, exc, pattern, *args, **kwargs):
 
 def test_wrong_dtype(memory, qkv):
     q, k, v = qkv
-    raises(memory, TypeError, r"q\.dtype = torch\.float64: must be torch\.float32", q.double(), k, v)
-    raises(memory, TypeError, r"v\.dtype = torch\.bfloat16", q, k, v.bfloat16())
+    raises(memory, TypeError, r"q\.dtype = torch\.float64: must be the memory's dtype torch\.float32", q.double(), k, v)
+    raises(memory, TypeError, r"v\.dtype = torch\.bfloat16: must be the memory's dtype torch\.float32", q, k, v.bfloat16())
 
 
 def test_not_a_tensor(memory, qkv):

@@ -9,19 +9,20 @@ import kvmem
 B, HQ, HKV, T, D = 1, 4, 2, 24, 16
 
 
-def memory():
-    return kvmem.EvictionMemory(D, HQ, HKV, batch=B, scorer="knorm", sinks=2, window=8, top_k=8)
+def memory(dtype=torch.float32):
+    return kvmem.EvictionMemory(D, HQ, HKV, batch=B, scorer="knorm", sinks=2, window=8, top_k=8, dtype=dtype)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("op", ["prefill", "decode"])
-def test_opcheck(rand, op):
-    m = memory()
+def test_opcheck(rand, op, dtype):
+    m = memory(dtype)
     tokens = T if op == "prefill" else 1
-    q, k, v = rand(B, HQ, tokens, D), rand(B, HKV, tokens, D), rand(B, HKV, tokens, D)
-    y = torch.empty(B, HQ, tokens, D)
+    q, k, v = rand(B, HQ, tokens, D).to(dtype), rand(B, HKV, tokens, D).to(dtype), rand(B, HKV, tokens, D).to(dtype)
+    y = torch.empty(B, HQ, tokens, D, dtype=dtype)
     fn = getattr(torch.ops.kvmem, op).default
     if op == "decode":
-        m.prefill(rand(B, HQ, T, D), rand(B, HKV, T, D), rand(B, HKV, T, D))
+        m.prefill(rand(B, HQ, T, D).to(dtype), rand(B, HKV, T, D).to(dtype), rand(B, HKV, T, D).to(dtype))
     torch.library.opcheck(fn, (m.handle, q, k, v, [], y, []))
 
 

@@ -1,6 +1,7 @@
 """The transformers backend: generate() of a tiny Llama built here runs with a kvmem memory in every
 layer; an eviction memory whose budget holds every token gives the full cache's tokens; a small memory
-holds fewer bytes than the full cache; padding and a missing cache are clear errors."""
+holds fewer bytes than the full cache; bfloat16 and float16 models run in their dtype; padding, a float64
+model and a missing cache are clear errors."""
 
 import pytest
 import torch
@@ -96,5 +97,34 @@ def test_float64_model_is_refused(prompt):
                                    num_attention_heads=2, num_key_value_heads=1)
     m = transformers.LlamaForCausalLM(cfg).double().eval()
     cache = kt.KvmemCache(m, kt.eviction())
-    with torch.no_grad(), pytest.raises(TypeError, match=r"q\.dtype = torch\.float64"):
+    with torch.no_grad(), pytest.raises(TypeError, match=r"q\.dtype = torch\.float64: the kvmem backend runs float32, bfloat16"):
         m(prompt[:1], past_key_values=cache)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_16_bit_model_runs_in_its_dtype(model, prompt, dtype):
+    """A bfloat16 or float16 model runs through the backend in its own dtype: every layer's memory stores
+    keys and values in it (half the bytes of the float32 model's memories), and with a budget that holds
+    every token the logits of prefill + decode stay within the dtype's rounding of the model's own attention
+    in that dtype."""
+    import copy
+
+    ids = torch.cat([prompt, torch.randint(3, 96, (2, NEW), generator=torch.Generator().manual_seed(8))], dim=1)
+    factory = kt.eviction("h2o", sinks=4, window=32, top_k=64)
+    m16 = copy.deepcopy(model).to(dtype)
+    m16.set_attn_implementation("sdpa")
+    with torch.no_grad():
+        full = m16(ids).logits.float()
+        cache = kt.KvmemCache(m16, factory)
+        steps = [m16(ids[:, :PROMPT], past_key_values=cache).logits]
+        steps += [m16(ids[:, t:t + 1], past_key_values=cache).logits for t in range(PROMPT, PROMPT + NEW)]
+        cache32 = kt.KvmemCache(model, factory)
+        model(ids, past_key_values=cache32)
+    got = torch.cat(steps, dim=1)
+    assert got.dtype == dtype and all(layer.memory.dtype == dtype for layer in cache.layers)
+    assert 2 * cache.held_bytes() == cache32.held_bytes()
+    # each layer's attention output differs from SDPA's by about one rounding of the dtype; three layers
+    # and the head carry it into the logits (scale: the logits' largest magnitude). Measured: 0.5 eps
+    # (bfloat16) and 0.6 eps (float16) of the largest logit; the bound is 4 eps.
+    eps = torch.finfo(dtype).eps
+    assert (got.float() - full).abs().max().item() <= 4 * eps * full.abs().max().item()

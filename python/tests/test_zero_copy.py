@@ -10,13 +10,17 @@ from kvmem import _kvmem, ops
 B, HQ, HKV, D = 2, 8, 2, 64
 
 
-def test_tensors_cross_at_their_addresses(rand):
-    """The Kokkos views a call makes point at the caller's tensors (strided views and slices included)."""
-    q = rand(B, 16, HQ, D).transpose(1, 2)  # a strided view, as Hugging Face holds it
-    k, v, y = rand(B, HKV, 16, D), rand(B, HKV, 16, D)[:, :, 3:4], torch.empty(B, 16, HQ, D).transpose(1, 2)[:, :, 5:6]
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+def test_tensors_cross_at_their_addresses(rand, dtype):
+    """The Kokkos views a call makes point at the caller's tensors (strided views and slices included), in
+    every dtype a memory stores."""
+    q = rand(B, 16, HQ, D).to(dtype).transpose(1, 2)  # a strided view, as Hugging Face holds it
+    k, v = rand(B, HKV, 16, D).to(dtype), rand(B, HKV, 16, D).to(dtype)[:, :, 3:4]
+    y = torch.empty(B, 16, HQ, D, dtype=dtype).transpose(1, 2)[:, :, 5:6]
+    m = kvmem.EvictionMemory(D, HQ, HKV, batch=B, scorer="streaming", sinks=0, window=8, top_k=0, dtype=dtype)
     tensors = ops.describe(q, k, v, y)
     for i, t in enumerate((q, k, v, y)):
-        assert _kvmem.view_data(tensors, i) == t.data_ptr()
+        assert _kvmem.view_data(m.handle, tensors, i) == t.data_ptr()
 
 
 @pytest.mark.parametrize("make", [
