@@ -1,5 +1,5 @@
 #pragma once
-// Helpers of the bit-exactness tests: seeded uniform inputs and a bitwise float comparison.
+// Helpers of the bit-exactness tests: seeded uniform inputs and a bitwise float/double comparison.
 #include <cstddef>
 #include <cstring>
 #include <random>
@@ -16,4 +16,6 @@ inline std::vector<float> uniform(std::size_t n, unsigned seed) {
 }
 /// a and b have the same bits (so -0 differs from +0, and a NaN equals itself).
 inline bool same_bits(float a, float b) { return std::memcmp(&a, &b, sizeof(float)) == 0; }
+/// The same for float64.
+inline bool same_bits(double a, double b) { return std::memcmp(&a, &b, sizeof(double)) == 0; }
 }  // namespace kvmem_test

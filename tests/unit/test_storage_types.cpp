@@ -200,6 +200,33 @@ TEMPLATE_TEST_CASE("row_dots and an eviction step's row groups over a 16-bit que
   }
 }
 
+TEMPLATE_TEST_CASE("row_dots64 gives every row the bits of its float64 chain in channel order",
+                   "[dtype][simd][eviction]", float, bfloat16, float16) {
+  // The probabilities that H2O and TOVA read come from float64 dot products (kernels::eviction_attend); a
+  // thread with vector registers takes a register's width of rows at once: per row still the chain
+  // s += double(q[c]) * row[c], c = 0, 1, ...
+  using S = TestType;
+  namespace kk = kvmem::kernels;
+  constexpr int W = kk::simd::width;
+  for (int dim : {1, W - 1, W, W + 3, 64, 128, 131}) {
+    INFO("dim=" << dim);
+    const auto rows_f = kvmem_test::uniform(std::size_t(W) * dim, 41 + dim), q_f = kvmem_test::uniform(dim, 42 + dim);
+    std::vector<S> rows(rows_f.size()), q(q_f.size());
+    for (std::size_t i = 0; i < rows.size(); ++i) rows[i] = kvmem::from_float<S>(4.0f * rows_f[i]);
+    for (std::size_t i = 0; i < q.size(); ++i) q[i] = kvmem::from_float<S>(4.0f * q_f[i]);
+    q[0] = kvmem::from_float<S>(-0.0f);
+    std::vector<const S*> row(W);
+    for (int k = 0; k < W; ++k) row[k] = rows.data() + std::size_t(k) * dim;
+    double got[W];
+    kk::simd::row_dots64(q.data(), dim, row.data(), got);
+    for (int k = 0; k < W; ++k) {
+      double want = 0.0;
+      for (int c = 0; c < dim; ++c) want += double(kvmem::to_float(q[c])) * double(kvmem::to_float(row[k][c]));
+      CHECK(kvmem_test::same_bits(got[k], want));
+    }
+  }
+}
+
 namespace {
 
 /// Exact attention with q, k, v, y of the storage type S against a float64 softmax of the same (rounded)

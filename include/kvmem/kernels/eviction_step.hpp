@@ -158,6 +158,28 @@ KOKKOS_INLINE_FUNCTION Value ordered_sum(const Team& team, long n, const Term& x
   return total;
 }
 
+/// x(0) + ... + x(n - 1) by one thread of the team in a fixed order that does not wait on one chain: term i
+/// goes to partial sum i mod 8 (each partial in index order), and the partials are added pairwise,
+/// ((p0 + p1) + (p2 + p3)) + ((p4 + p5) + (p6 + p7)); the sum given to every thread. Its bits depend on n
+/// and the terms only (not on the team size). For sums whose order no result's bits are defined by, such as
+/// the float64 probabilities that a scorer accumulates.
+template <class Value, class Team, class Term>
+KOKKOS_INLINE_FUNCTION Value blocked_sum(const Team& team, long n, const Term& x) {
+  Value total = 0;
+  Kokkos::single(
+      Kokkos::PerTeam(team),
+      [&](Value& sum) {
+        Value p[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+        long i = 0;
+        for (; i + 8 <= n; i += 8)
+          for (int k = 0; k < 8; ++k) p[k] += x(i + k);
+        for (int k = 0; i < n; ++i, ++k) p[k] += x(i);
+        sum = ((p[0] + p[1]) + (p[2] + p[3])) + ((p[4] + p[5]) + (p[6] + p[7]));
+      },
+      total);
+  return total;
+}
+
 /// l[k] = dot(q, rows[k], dim) for k < n <= RW, each in kernels::dot's order: through simd::row_dots (RW
 /// rows' chains in vector lanes) for a full group of RW = simd::width rows, one row at a time otherwise.
 template <int RW, class Q, class Row>
@@ -176,11 +198,12 @@ KOKKOS_INLINE_FUNCTION void row_group_dots(const Q* q, int dim, const Row* const
 /// k / sqrt(D), times the values, for the group's query heads g < G (one softmax; float32, mul_add and
 /// softmax_exp as the other readouts); then, for scorers that need them, the float64 probabilities summed
 /// over the group go to Scorer::attended. Logits and exponentials are computed per row across the team,
-/// the normalizer by one thread in row order, each output channel by one thread in row order (a thread owns
+/// the normalizer by one thread in row order (the float64 probabilities' normalizer by one thread in the
+/// fixed order of blocked_sum), each output channel by one thread in row order (a thread owns
 /// a contiguous range of channels, summed in float32 registers and stored once, rounded to out's storage
 /// type). Where a thread has vector registers (simd::vector_registers: CPUs), a thread takes a group of
 /// rows at once, each row's dot product still its own chain in channel order (simd::row_dots for the
-/// float32 logits, interleaved float64 chains for the probabilities), so the bits are those of one row at a
+/// float32 logits, simd::row_dots64 for the float64 probabilities), so the bits are those of one row at a
 /// time; elsewhere (GPUs) a thread takes one row.
 template <class Team, class Scorer, class Cache, class QueryOf, class OutOf>
 KOKKOS_INLINE_FUNCTION void eviction_attend(const Team& team, const EvictionParams& p, const Cache& c,
@@ -241,7 +264,9 @@ KOKKOS_INLINE_FUNCTION void eviction_attend(const Team& team, const EvictionPara
     if constexpr (Scorer::needs_probabilities) {
       const double scale_d = 1.0 / Kokkos::sqrt(static_cast<double>(D));
       double max_d = -Kokkos::Experimental::infinity_v<double>;
-      constexpr int R = simd::vector_registers ? 8 : 1;  // rows whose float64 chains one thread interleaves
+      // Rows whose float64 chains one thread advances together: a register's width (simd::row_dots64) on a
+      // CPU, one elsewhere.
+      constexpr int R = simd::vector_registers ? simd::width : 1;
       Kokkos::parallel_reduce(
           Kokkos::TeamThreadRange(team, (live + R - 1) / R),
           [&](long r, double& m) {
@@ -249,10 +274,15 @@ KOKKOS_INLINE_FUNCTION void eviction_attend(const Team& team, const EvictionPara
             const int n = live - i0 < R ? static_cast<int>(live - i0) : R;
             const key_t* kk[R];
             double s[R];
-            for (int k = 0; k < R; ++k) kk[k] = key_row(i0 + (k < n ? k : 0)), s[k] = 0.0;
-            for (int ch = 0; ch < D; ++ch) {
-              const double qc = to_float(qv[ch]);
-              for (int k = 0; k < R; ++k) s[k] += qc * to_float(kk[k][ch]);
+            for (int k = 0; k < R; ++k) kk[k] = key_row(i0 + (k < n ? k : 0));
+            if constexpr (R == simd::width) {
+              simd::row_dots64(qv, D, kk, s);
+            } else {
+              for (int k = 0; k < R; ++k) s[k] = 0.0;
+              for (int ch = 0; ch < D; ++ch) {
+                const double qc = to_float(qv[ch]);
+                for (int k = 0; k < R; ++k) s[k] += qc * to_float(kk[k][ch]);
+              }
             }
             for (int k = 0; k < n; ++k) {
               const double sk = s[k] * scale_d;
@@ -264,7 +294,7 @@ KOKKOS_INLINE_FUNCTION void eviction_attend(const Team& team, const EvictionPara
       Kokkos::parallel_for(Kokkos::TeamThreadRange(team, live),
                            [&](long i) { c.logits64(b, h, i) = Kokkos::exp(c.logits64(b, h, i) - max_d); });
       team.team_barrier();
-      const double sum = ordered_sum<double>(team, live, [&](long i) { return c.logits64(b, h, i); });
+      const double sum = blocked_sum<double>(team, live, [&](long i) { return c.logits64(b, h, i); });
       Kokkos::parallel_for(Kokkos::TeamThreadRange(team, live), [&](long i) {
         c.probabilities(b, h, i) = (g == 0 ? 0.0 : c.probabilities(b, h, i)) + c.logits64(b, h, i) / sum;
       });

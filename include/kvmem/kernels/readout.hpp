@@ -349,27 +349,54 @@ struct QueryBlock {
     a[c] = r;
   }
 
-  /// acc_u = acc_u * correction + sum_{j < n} probs[j][u] v_j, in key order per channel.
+  /// acc_u = acc_u * correction + sum_{j < n} probs[j][u] v_j, in key order per channel. With vector
+  /// registers: 8 register vectors of output channels at a time (a value row of up to 8 x simd::width
+  /// channels read once, in one contiguous pass), then one vector at a time; else 32 channels at a time.
+  /// Per channel the same operations in the same order, so every form gives the same bits.
   template <class ValueOf>
   KOKKOS_INLINE_FUNCTION void accumulate(int u, int n, float correction, ValueOf value_of) const {
     float* a = acc + long(u) * value_dim;
-    constexpr int CW = 32;  // output channels held in registers across the tile's keys
     int c0 = 0;
-    for (; c0 + CW <= value_dim; c0 += CW) {
-      float r[CW];
-      for (int c = 0; c < CW; ++c) r[c] = a[c0 + c] * correction;
-      for (int j = 0; j < n; ++j) {
-        const auto* vj = value_of(j) + c0;
-        const float pj = probs[j * lanes + u];
-        for (int c = 0; c < CW; ++c) r[c] = mul_add(pj, to_float(vj[c]), r[c]);
+    if constexpr (simd::vector_registers) {
+      c0 = accumulate_vectors<8>(a, u, n, correction, value_of, c0);
+      c0 = accumulate_vectors<1>(a, u, n, correction, value_of, c0);
+    } else {
+      constexpr int CW = 32;  // output channels held in registers across the tile's keys
+      for (; c0 + CW <= value_dim; c0 += CW) {
+        float r[CW];
+        for (int c = 0; c < CW; ++c) r[c] = a[c0 + c] * correction;
+        for (int j = 0; j < n; ++j) {
+          const auto* vj = value_of(j) + c0;
+          const float pj = probs[j * lanes + u];
+          for (int c = 0; c < CW; ++c) r[c] = mul_add(pj, to_float(vj[c]), r[c]);
+        }
+        for (int c = 0; c < CW; ++c) a[c0 + c] = r[c];
       }
-      for (int c = 0; c < CW; ++c) a[c0 + c] = r[c];
     }
     for (int c = c0; c < value_dim; ++c) {
       float r = a[c] * correction;
       for (int j = 0; j < n; ++j) r = mul_add(probs[j * lanes + u], to_float(value_of(j)[c]), r);
       a[c] = r;
     }
+  }
+
+  /// accumulate() over channels [c0, ...) of acc row `a` (lane u) in groups of CV register vectors, as
+  /// long as a whole group fits in value_dim; returns the first channel left.
+  template <int CV, class ValueOf>
+  KOKKOS_INLINE_FUNCTION int accumulate_vectors(float* a, int u, int n, float correction, ValueOf value_of, int c0) const {
+    constexpr int W = simd::width, CW = CV * W;
+    const simd::vec corr = simd::broadcast(correction);
+    for (; c0 + CW <= value_dim; c0 += CW) {
+      simd::vec r[CV];
+      for (int x = 0; x < CV; ++x) r[x] = simd::mul(simd::load(a + c0 + x * W), corr);
+      for (int j = 0; j < n; ++j) {
+        const auto* vj = value_of(j) + c0;
+        const simd::vec pj = simd::broadcast(probs[j * lanes + u]);
+        for (int x = 0; x < CV; ++x) r[x] = simd::fma(pj, simd::load(vj + x * W), r[x]);
+      }
+      for (int x = 0; x < CV; ++x) simd::store(a + c0 + x * W, r[x]);
+    }
+    return c0;
   }
 };
 
@@ -420,9 +447,15 @@ KOKKOS_INLINE_FUNCTION void tile_logits(const Member& team, const QueryBlock& bl
 template <class Member, class KeysOf, class KeyAt, class ValueAt, class BiasOf>
 KOKKOS_INLINE_FUNCTION void attend_tile(const Member& team, const QueryBlock& blk, const float* scale, long j0, int n,
                                         KeysOf keys_of, KeyAt key_at, ValueAt value_at, BiasOf bias_of) {
-  if (blk.queries == 1)
+  if (blk.queries == 1) {
+    // One query (a G = 1 decode step): every key and value is read once, from memory. Ask for the tile's
+    // value rows now, so that they stream in while the logits wait on the keys.
+    Kokkos::parallel_for(Kokkos::TeamThreadRange(team, n), [&](int j) {
+      const auto* v = value_at(j);
+      simd::prefetch(v, long(blk.value_dim) * long(sizeof(*v)));
+    });
     tile_logits<simd::width, true>(team, blk, scale, j0, n, key_at, bias_of);
-  else
+  } else
     tile_logits<QueryBlock::qk_keys, false>(team, blk, scale, j0, n, key_at, bias_of);
   team.team_barrier();
   if (blk.queries == 1) {

@@ -50,6 +50,11 @@ KOKKOS_INLINE_FUNCTION vec load(const float* p) {
 }
 /// Stores v to p [width] (no alignment needed).
 KOKKOS_INLINE_FUNCTION void store(float* p, const vec& v) { __builtin_memcpy(p, &v, sizeof v); }
+/// Asks the CPU to bring the `bytes` bytes from p into its caches, one request per 64-byte line: a hint
+/// that changes no result (GCC's __builtin_prefetch).
+KOKKOS_INLINE_FUNCTION void prefetch(const void* p, long bytes) {
+  for (long b = 0; b < bytes; b += 64) __builtin_prefetch(static_cast<const char*>(p) + b);
+}
 /// Loads width bfloat16 values from p as float32 (exact): each widened into a float's high 16 bits.
 KOKKOS_INLINE_FUNCTION vec load(const bfloat16* p) {
   typedef unsigned short halves __attribute__((vector_size(width * sizeof(short))));
@@ -183,6 +188,8 @@ KOKKOS_INLINE_FUNCTION vec load(const T* p) {
 KOKKOS_INLINE_FUNCTION void store(float* p, const vec& v) {
   for (int i = 0; i < width; ++i) p[i] = v.lane[i];
 }
+/// No prefetch in the portable form (device code: the GPU's own memory pipeline).
+KOKKOS_INLINE_FUNCTION void prefetch(const void*, long) {}
 KOKKOS_INLINE_FUNCTION vec broadcast(float x) {
   vec v;
   for (int i = 0; i < width; ++i) v.lane[i] = x;
@@ -283,6 +290,42 @@ KOKKOS_INLINE_FUNCTION void row_dots(const Q* q, long q_stride, int dim, const R
   store(out, s);
   for (int c = c0; c < dim; ++c)
     for (int k = 0; k < width; ++k) out[k] = mul_add(to_float(q[c * q_stride]), to_float(rows[k][c]), out[k]);
+}
+
+/// out[k] = sum_c q[c] * rows[k][c] in float64 for the `width` rows k: per row one float64 chain over the
+/// channels in increasing order, each product of the two float32 values exact in float64 (so fused or not,
+/// every step rounds once: the bits of the scalar chain `s += double(q[c]) * rows[k][c]`). With vector
+/// registers the rows' chains advance in vector lanes: width channels of the rows loaded as float32 vectors,
+/// transposed (as row_dots does) and widened to float64. `out` [width]. Query and rows of any storage type.
+template <class Q, class Row>
+KOKKOS_INLINE_FUNCTION void row_dots64(const Q* q, int dim, const Row* const* rows, double* out) {
+  int c0 = 0;
+#if defined(KVMEM_SIMD_VECTOR_EXTENSIONS)
+  // The rows' float64 chains in two register vectors of width / 2 doubles (rows [0, width / 2) and the rest).
+  constexpr int H = width / 2;
+  typedef float fhalf __attribute__((vector_size(H * sizeof(float))));
+  typedef double dhalf __attribute__((vector_size(H * sizeof(double))));
+  dhalf lo = {}, hi = {};
+  for (; c0 + width <= dim; c0 += width) {
+    vec t[width];
+    for (int k = 0; k < width; ++k) t[k] = load(rows[k] + c0);
+    transpose(t);  // t[c] holds channel c0 + c of every row
+    for (int c = 0; c < width; ++c) {
+      const double qc = static_cast<double>(to_float(q[c0 + c]));
+      fhalf a, b;
+      __builtin_memcpy(&a, &t[c], sizeof a);
+      __builtin_memcpy(&b, reinterpret_cast<const char*>(&t[c]) + sizeof a, sizeof b);
+      lo += qc * __builtin_convertvector(a, dhalf);
+      hi += qc * __builtin_convertvector(b, dhalf);
+    }
+  }
+  __builtin_memcpy(out, &lo, sizeof lo);
+  __builtin_memcpy(out + H, &hi, sizeof hi);
+#else
+  for (int k = 0; k < width; ++k) out[k] = 0.0;
+#endif
+  for (int c = c0; c < dim; ++c)
+    for (int k = 0; k < width; ++k) out[k] += static_cast<double>(to_float(q[c])) * to_float(rows[k][c]);
 }
 
 }  // namespace kvmem::kernels::simd
