@@ -172,6 +172,24 @@ TEMPLATE_TEST_CASE("the SIMD load and broadcast of a storage type widen as the s
   CHECK(broadcast_differ == 0);
 }
 
+namespace {
+/// simd::width rows of `dim` channels and a query (query channel 0 is -0), uniform in [-4, 4) from seeds
+/// `seed` and seed + 1, stored as S; rows(k) points at row k.
+template <class S>
+struct RowGroup {
+  std::vector<S> data, q;
+  RowGroup(int dim, unsigned seed) {
+    constexpr int W = kvmem::kernels::simd::width;
+    const auto rows_f = kvmem_test::uniform(std::size_t(W) * dim, seed), q_f = kvmem_test::uniform(dim, seed + 1);
+    for (float x : rows_f) data.push_back(kvmem::from_float<S>(4.0f * x));
+    for (float x : q_f) q.push_back(kvmem::from_float<S>(4.0f * x));
+    q[0] = kvmem::from_float<S>(-0.0f);
+    for (int k = 0; k < W; ++k) row.push_back(data.data() + std::size_t(k) * dim);
+  }
+  std::vector<const S*> row;
+};
+}  // namespace
+
 TEMPLATE_TEST_CASE("row_dots and an eviction step's row groups over a 16-bit query and rows give the bits of dot",
                    "[dtype][simd][eviction]", bfloat16, float16) {
   // The decode readout reads 16-bit rows against a float32 query; an eviction step reads 16-bit rows against
@@ -181,13 +199,9 @@ TEMPLATE_TEST_CASE("row_dots and an eviction step's row groups over a 16-bit que
   constexpr int W = kk::simd::width;
   for (int dim : {1, W - 1, W, W + 3, 64, 128}) {
     INFO("dim=" << dim);
-    const auto rows_f = kvmem_test::uniform(std::size_t(W) * dim, 31 + dim), q_f = kvmem_test::uniform(dim, 32 + dim);
-    std::vector<S> rows(rows_f.size()), q(q_f.size());
-    for (std::size_t i = 0; i < rows.size(); ++i) rows[i] = kvmem::from_float<S>(4.0f * rows_f[i]);
-    for (std::size_t i = 0; i < q.size(); ++i) q[i] = kvmem::from_float<S>(4.0f * q_f[i]);
-    q[0] = kvmem::from_float<S>(-0.0f);
-    std::vector<const S*> row(W);
-    for (int k = 0; k < W; ++k) row[k] = rows.data() + std::size_t(k) * dim;
+    const RowGroup<S> g(dim, 31 + dim);
+    const auto& q = g.q;
+    const auto& row = g.row;
     float got[W];
     kk::simd::row_dots(q.data(), 1, dim, row.data(), got);
     for (int k = 0; k < W; ++k) CHECK(kvmem_test::same_bits(got[k], kk::dot(q.data(), row[k], dim)));
@@ -210,13 +224,9 @@ TEMPLATE_TEST_CASE("row_dots64 gives every row the bits of its float64 chain in 
   constexpr int W = kk::simd::width;
   for (int dim : {1, W - 1, W, W + 3, 64, 128, 131}) {
     INFO("dim=" << dim);
-    const auto rows_f = kvmem_test::uniform(std::size_t(W) * dim, 41 + dim), q_f = kvmem_test::uniform(dim, 42 + dim);
-    std::vector<S> rows(rows_f.size()), q(q_f.size());
-    for (std::size_t i = 0; i < rows.size(); ++i) rows[i] = kvmem::from_float<S>(4.0f * rows_f[i]);
-    for (std::size_t i = 0; i < q.size(); ++i) q[i] = kvmem::from_float<S>(4.0f * q_f[i]);
-    q[0] = kvmem::from_float<S>(-0.0f);
-    std::vector<const S*> row(W);
-    for (int k = 0; k < W; ++k) row[k] = rows.data() + std::size_t(k) * dim;
+    const RowGroup<S> g(dim, 41 + dim);
+    const auto& q = g.q;
+    const auto& row = g.row;
     double got[W];
     kk::simd::row_dots64(q.data(), dim, row.data(), got);
     for (int k = 0; k < W; ++k) {

@@ -143,19 +143,23 @@ KOKKOS_INLINE_FUNCTION void eviction_remove(const Team& team, const Cache& c, lo
   });
 }
 
+/// sum() run by one thread of the team, its result given to every thread.
+template <class Value, class Team, class Sum>
+KOKKOS_INLINE_FUNCTION Value team_single_sum(const Team& team, const Sum& sum) {
+  Value total = 0;
+  Kokkos::single(Kokkos::PerTeam(team), [&](Value& s) { s = sum(); }, total);
+  return total;
+}
+
 /// x(0) + x(1) + ... + x(n - 1) added in that order by one thread of the team, the sum given to every thread
 /// (a softmax normalizer: its bits must not depend on the team size).
 template <class Value, class Team, class Term>
 KOKKOS_INLINE_FUNCTION Value ordered_sum(const Team& team, long n, const Term& x) {
-  Value total = 0;
-  Kokkos::single(
-      Kokkos::PerTeam(team),
-      [&](Value& sum) {
-        sum = 0;
-        for (long i = 0; i < n; ++i) sum += x(i);
-      },
-      total);
-  return total;
+  return team_single_sum<Value>(team, [&]() {
+    Value sum = 0;
+    for (long i = 0; i < n; ++i) sum += x(i);
+    return sum;
+  });
 }
 
 /// x(0) + ... + x(n - 1) by one thread of the team in a fixed order that does not wait on one chain: term i
@@ -165,19 +169,14 @@ KOKKOS_INLINE_FUNCTION Value ordered_sum(const Team& team, long n, const Term& x
 /// the float64 probabilities that a scorer accumulates.
 template <class Value, class Team, class Term>
 KOKKOS_INLINE_FUNCTION Value blocked_sum(const Team& team, long n, const Term& x) {
-  Value total = 0;
-  Kokkos::single(
-      Kokkos::PerTeam(team),
-      [&](Value& sum) {
-        Value p[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-        long i = 0;
-        for (; i + 8 <= n; i += 8)
-          for (int k = 0; k < 8; ++k) p[k] += x(i + k);
-        for (int k = 0; i < n; ++i, ++k) p[k] += x(i);
-        sum = ((p[0] + p[1]) + (p[2] + p[3])) + ((p[4] + p[5]) + (p[6] + p[7]));
-      },
-      total);
-  return total;
+  return team_single_sum<Value>(team, [&]() {
+    Value p[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    long i = 0;
+    for (; i + 8 <= n; i += 8)
+      for (int k = 0; k < 8; ++k) p[k] += x(i + k);
+    for (int k = 0; i < n; ++i, ++k) p[k] += x(i);
+    return ((p[0] + p[1]) + (p[2] + p[3])) + ((p[4] + p[5]) + (p[6] + p[7]));
+  });
 }
 
 /// l[k] = dot(q, rows[k], dim) for k < n <= RW, each in kernels::dot's order: through simd::row_dots (RW
