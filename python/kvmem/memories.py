@@ -239,7 +239,11 @@ class KvmMemory(Memory):
     pre-activation z; None means z = 0). Learned weights (copied at construction): ln_weight, ln_bias [D]
     (state-key LayerNorm; default 1 and 0), tau_state, tau_window [Hq] (inverse temperatures; default 1:
     logits q . k / sqrt(D)). ``evict_rows_above`` > 0 also evicts state rows by H2O above that many (fixed
-    and power-law budgets). Units: chunk, window in tokens; sinks, max_rows in rows."""
+    and power-law budgets). Units: chunk, window in tokens; sinks, max_rows in rows.
+
+    ``dtype`` (torch.float32, torch.bfloat16 or torch.float16; default float32): the dtype of every token
+    tensor it takes and writes and of its window and the read copies of its state rows (the rows' merge
+    sums stay float32); raises TypeError for another."""
 
     extras = ("gate",)
     optional_extras = 1
@@ -266,7 +270,11 @@ class OvqMemory(Memory):
     log-count bias, a window of one chunk, the plateau budget t * N / (t + N) by default, no sinks.
 
     Shapes as KvmMemory (gate optional and unused by OVQ's merge unless given). ``beta`` [Hq] is the
-    logit scale (default 1). Units: chunk in tokens; max_centroids in rows."""
+    logit scale (default 1). Units: chunk in tokens; max_centroids in rows.
+
+    ``dtype`` (torch.float32, torch.bfloat16 or torch.float16; default float32): the dtype of every token
+    tensor it takes and writes and of its window and the read copies of its state rows (the rows' merge
+    sums stay float32); raises TypeError for another."""
 
     extras = ("gate",)
     optional_extras = 1
@@ -294,7 +302,10 @@ class EvictionMemory(Memory):
     ``scorer``: "streaming" (StreamingLLM: no retained set beyond recency), "knorm" (key norm), "h2o"
     (accumulated attention; ``h2o_normalize`` for the mean), "tova" (last query's attention;
     ``tova_layer_mean``), "kvpop" (learned mLSTM: ``weights`` maps w_q, w_k, w_v, w_i, b_i, w_f, b_f, w_s, b_s,
-    theta to tensors, copied at construction; ``normalizer`` "xlstm" or "plain"). No extra tensors."""
+    theta to tensors, copied at construction; ``normalizer`` "xlstm" or "plain"). No extra tensors.
+
+    ``dtype`` (torch.float32, torch.bfloat16 or torch.float16; default float32): the dtype of every token
+    tensor it takes and writes and of the keys and values it stores; raises TypeError for another."""
 
     def __init__(self, head_dim: int, query_heads: int, kv_heads: int, *, value_dim: int | None = None, batch: int = 1,
                  scorer: str = "h2o", sinks: int = 4, window: int = 64, top_k: int = 448, decay_interval: int = 1,
@@ -320,7 +331,10 @@ class TrellisMemory(Memory):
     Extras after q, k, v [B, H, T, D/Dv]: alpha [B, H, T, m] (latent targets) and the gates beta1, gamma1,
     beta2, gamma2 [B, H, T] (forget gates in [0, 1], step sizes >= 0). ``phi``: identity, silu, softmax,
     tanh or sigmoid; ``f``: ln-silu, l2-silu, softmax or identity; ln_weight, ln_bias [m] (optional affine).
-    Units: slots m rows per head, chunk tokens."""
+    Units: slots m rows per head, chunk tokens.
+
+    ``dtype`` (torch.float32, torch.bfloat16 or torch.float16; default float32): the dtype of every token
+    tensor it takes and writes and of the keys and values it stores; raises TypeError for another."""
 
     extras = ("alpha", "beta1", "gamma1", "beta2", "gamma2")
 
