@@ -114,6 +114,62 @@ TEST_CASE("token_rows_max is the row-order argmax of route and the maximum of no
       }
 }
 
+TEST_CASE("a route continued over the appended rows from the score pass's best row is one scan of every row",
+          "[simd][update]") {
+  // update_state's score pass scans rows [0, m) once for the novelty maximum and the route's best row among
+  // [first, m); the route pass continues from it over [m, end). Both forms (lanes and one thread per token)
+  // must give one scan's row and bits, NaN scores and ties included.
+  const int dim = 20;
+  auto tokens = uniform(std::size_t(L) * dim, 31);
+  auto rows = uniform(12 * std::size_t(dim), 32);
+  for (int c = 0; c < dim; ++c) rows[7 * dim + c] = rows[3 * dim + c];  // an appended row ties an old one
+  tokens[2 * dim + 5] = std::numeric_limits<float>::quiet_NaN();
+  for (int c = 0; c < dim; ++c) rows[0 * dim + c] = 0.0f, tokens[6 * dim + c] = 0.0f;
+  const auto at = transpose(tokens, dim);
+  const RowOf row_of{rows.data(), dim};
+  namespace k = kvmem::kernels;
+  for (long first = 0; first <= 2; ++first)
+    for (long m = first + 1; m <= 12; ++m)
+      for (long end = m; end <= 12; ++end) {
+        INFO("first " << first << ", m " << m << ", end " << end);
+        float whole[L], part[L];
+        int whole_row[L], part_row[L];
+        k::token_rows_max<L>(at.data(), dim, first, end, true, row_of, whole, whole_row);
+        k::LaneArgmax<L> novelty, route;
+        novelty.start(-std::numeric_limits<float>::infinity(), 0);
+        route.start(-std::numeric_limits<float>::infinity(), first);
+        k::token_rows_scan<L>(at.data(), dim, 0, m, row_of, [&](long i, int x, const k::simd::vec& sv) {
+          novelty.keep(i, x, sv, false);
+          if (i >= first) route.keep(i, x, sv, i == first);
+        });
+        route.store(part, part_row);
+        k::LaneArgmax<L> continued;
+        continued.start(part, part_row);
+        k::token_rows_scan<L>(at.data(), dim, m, end, row_of,
+                              [&](long i, int x, const k::simd::vec& sv) { continued.keep(i, x, sv, false); });
+        continued.store(part, part_row);
+        float novelty_best[L];
+        int novelty_row[L];
+        novelty.store(novelty_best, novelty_row);
+        float nov_want[L];
+        k::token_rows_max<L>(at.data(), dim, 0, m, false, row_of, nov_want, novelty_row);
+        for (int u = 0; u < L; ++u) {
+          CHECK(same_bits(part[u], whole[u]));
+          CHECK(part_row[u] == whole_row[u]);
+          CHECK(same_bits(novelty_best[u], nov_want[u]));
+          // One thread per token: key_rows_scan's scores are kernels::dot's.
+          long one_row = first;
+          float one = -std::numeric_limits<float>::infinity();
+          k::key_rows_scan(tokens.data() + std::size_t(u) * dim, dim, first, end, row_of, [&](long i, float sc) {
+            CHECK(same_bits(sc, k::dot(tokens.data() + std::size_t(u) * dim, row_of(i), dim)));
+            if (sc > one || i == first) one = sc, one_row = i;
+          });
+          CHECK(same_bits(one, whole[u]));
+          CHECK(one_row == whole_row[u]);
+        }
+      }
+}
+
 namespace register_tiles_test {
 /// score::Novelty without its max_similarity declaration: the update scores it one thread per token.
 struct NoveltyPerToken {

@@ -142,6 +142,12 @@ KOKKOS_INLINE_FUNCTION ivec select(const ivec& m, const ivec& a, const ivec& b) 
 KOKKOS_INLINE_FUNCTION ivec broadcast_int(int x) { return ivec{} + x; }
 /// Stores v to p [width].
 KOKKOS_INLINE_FUNCTION void store(int* p, const ivec& v) { __builtin_memcpy(p, &v, sizeof v); }
+/// Loads p [width].
+KOKKOS_INLINE_FUNCTION ivec load_int(const int* p) {
+  ivec v;
+  __builtin_memcpy(&v, p, sizeof v);
+  return v;
+}
 
 namespace detail {
 // One stage of the block transpose of `transpose`: rows i and i + B (bit B of i clear) exchange their
@@ -235,6 +241,11 @@ KOKKOS_INLINE_FUNCTION ivec broadcast_int(int x) {
 }
 KOKKOS_INLINE_FUNCTION void store(int* p, const ivec& v) {
   for (int i = 0; i < width; ++i) p[i] = v.lane[i];
+}
+KOKKOS_INLINE_FUNCTION ivec load_int(const int* p) {
+  ivec v;
+  for (int i = 0; i < width; ++i) v.lane[i] = p[i];
+  return v;
 }
 /// r[i][j] <- r[j][i] for the width x width floats of `width` vectors.
 KOKKOS_INLINE_FUNCTION void transpose(vec* r) {

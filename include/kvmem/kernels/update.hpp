@@ -9,8 +9,10 @@
 ///              block like any other, against the block's first token: OVQ's seeding),
 ///   3. select  which tokens become rows: the lowest scores, ties to the lower token index,
 ///   4. append  selected tokens as new rows (in token or score order, per policy),
-///   5. route   every other token to its best row (argmax of the gated key's dot product with the read
-///              keys, ties to the lower row) among the rows before or after the append, per policy,
+///   5. route   every other token to its best row (argmax of the memory key's dot product with the read
+///              keys, ties to the lower row) among the rows before or after the append, per policy; with
+///              a max-similarity scorer the score pass finds the best row that existed before the append
+///              and the route only continues over the appended rows,
 ///   6. group   the routed tokens by row (each row's tokens one run, in token order),
 ///   7. fold    per row, its routed tokens in token order, then refresh the row's read caches.
 /// The same kernels serve KVM's first-chunk copy (every token appended), so prefill and decode produce
@@ -33,25 +35,27 @@
 
 namespace kvmem::kernels {
 
-/// Scratch of one update for a batch: memory keys [B, Hkv, C, D]; scores, score ranks, new-row index or
-/// -1, routes (the row a token folds into; the largest long for a token that found a row), and the routed tokens grouped by row (token indices ordered by (route, token), tokens that
-/// found rows last) [B, Hkv, C] of the block's tokens.
+/// Scratch of one update for a batch: memory keys [B, Hkv, C, D]; scores, the score of each token's best
+/// row so far while routing (route_scores), score ranks, new-row index or -1, routes (the row a token folds
+/// into; the largest long for a token that found a row), and the routed tokens grouped by row (token
+/// indices ordered by (route, token), tokens that found rows last) [B, Hkv, C] of the block's tokens.
 template <class MemorySpace>
 struct UpdateScratch {
   Kokkos::View<float****, Kokkos::LayoutRight, MemorySpace> keys;
-  Kokkos::View<float***, Kokkos::LayoutRight, MemorySpace> scores;
+  Kokkos::View<float***, Kokkos::LayoutRight, MemorySpace> scores, route_scores;
   Kokkos::View<long***, Kokkos::LayoutRight, MemorySpace> ranks, new_rows, routes, grouped;
 
   void allocate(int batch, int kv_heads, int chunk, int head_dim) {
     keys = decltype(keys)("kvmem::block_keys", batch, kv_heads, chunk, head_dim);
     scores = decltype(scores)("kvmem::block_scores", batch, kv_heads, chunk);
+    route_scores = decltype(route_scores)("kvmem::route_scores", batch, kv_heads, chunk);
     ranks = decltype(ranks)("kvmem::block_ranks", batch, kv_heads, chunk);
     new_rows = decltype(new_rows)("kvmem::block_new_rows", batch, kv_heads, chunk);
     routes = decltype(routes)("kvmem::block_routes", batch, kv_heads, chunk);
     grouped = decltype(grouped)("kvmem::block_grouped", batch, kv_heads, chunk);
   }
   [[nodiscard]] long bytes() const {
-    return static_cast<long>((keys.span() + scores.span()) * sizeof(float) +
+    return static_cast<long>((keys.span() + scores.span() + route_scores.span()) * sizeof(float) +
                              (ranks.span() + new_rows.span() + routes.span() + grouped.span()) * sizeof(long));
   }
 };
@@ -78,36 +82,87 @@ inline constexpr bool scores_max_similarity = [] {
     return false;
 }();
 
-/// For the L tokens of `at` ([dim][L], transposed, each already scaled as the caller wants): best[u] =
-/// max over rows [first, end) of dot(at_u, row_of(i)) and best_row[u] its row, rows compared in row
-/// order by `>` (ties and NaN keep the earlier row). With `take_first` the first row is taken as it is
-/// (route: a NaN score stays), otherwise the maximum starts from -inf and stays there for NaN or -inf
-/// scores (score::Novelty). Per lane the same operations as dot_rows and those comparisons, so the same
-/// bits as one thread per token (spec KVM.md §5.3 and §5.5).
-template <int L, class RowOf>
-KOKKOS_INLINE_FUNCTION void token_rows_max(const float* at, int dim, long first, long end, bool take_first,
-                                           RowOf row_of, float* best, int* best_row) {
-  constexpr int W = simd::width, V = L / W, K = 4;
-  simd::vec bv[V];
-  simd::ivec rv[V];
-  for (int x = 0; x < V; ++x) bv[x] = simd::broadcast(neg_inf()), rv[x] = simd::broadcast_int(static_cast<int>(first));
-  auto keep = [&](long row, int x, const simd::vec& sv) {
-    const simd::ivec m = take_first && row == first ? simd::broadcast_int(-1) : simd::greater(sv, bv[x]);
-    bv[x] = simd::select(m, sv, bv[x]);
-    rv[x] = simd::select(m, simd::broadcast_int(static_cast<int>(row)), rv[x]);
-  };
+/// The running maxima of L token lanes (register vectors of scores and of their rows) over rows visited
+/// in row order: keep() replaces a lane's maximum where the row's score is greater (`>`: ties and NaN keep
+/// the earlier row), or takes the row as it is (`take`: the route's first row, even with a NaN score).
+template <int L>
+struct LaneArgmax {
+  static constexpr int W = simd::width, V = L / W;
+  simd::vec best[V];
+  simd::ivec row[V];
+  /// Every lane at score `value` and row `first`.
+  KOKKOS_INLINE_FUNCTION void start(float value, long first) {
+    for (int x = 0; x < V; ++x) best[x] = simd::broadcast(value), row[x] = simd::broadcast_int(static_cast<int>(first));
+  }
+  /// Lane u at score best_in[u] and row row_in[u] (u < L): a scan that continues an earlier one.
+  KOKKOS_INLINE_FUNCTION void start(const float* best_in, const int* row_in) {
+    for (int x = 0; x < V; ++x) best[x] = simd::load(best_in + x * W), row[x] = simd::load_int(row_in + x * W);
+  }
+  /// Row i's scores s of lanes [x W, (x + 1) W).
+  KOKKOS_INLINE_FUNCTION void keep(long i, int x, const simd::vec& s, bool take) {
+    const simd::ivec m = take ? simd::broadcast_int(-1) : simd::greater(s, best[x]);
+    best[x] = simd::select(m, s, best[x]);
+    row[x] = simd::select(m, simd::broadcast_int(static_cast<int>(i)), row[x]);
+  }
+  /// best_out [L], row_out [L].
+  KOKKOS_INLINE_FUNCTION void store(float* best_out, int* row_out) const {
+    for (int x = 0; x < V; ++x) simd::store(best_out + x * W, best[x]), simd::store(row_out + x * W, row[x]);
+  }
+};
+
+/// on_row(i, x, s) for the rows i of [first, end) in row order, s the scores dot(at_u, row_of(i)) of lanes
+/// u in [x W, (x + 1) W) (`at` [dim][L]: L tokens transposed), four rows per register tile: per lane the
+/// operations of kernels::dot, so the bits of one thread per token (key_rows_scan).
+template <int L, class RowOf, class OnRow>
+KOKKOS_INLINE_FUNCTION void token_rows_scan(const float* at, int dim, long first, long end, RowOf row_of,
+                                            OnRow on_row) {
+  constexpr int K = 4;
   using row_ptr = decltype(row_of(first));
   long i = first;
   for (; i + K <= end; i += K) {
     row_ptr rows[K];
     for (int k = 0; k < K; ++k) rows[k] = row_of(i + k);
-    simd::lane_dots<L, K>(at, dim, rows, [&](int k, int x, const simd::vec& sv) { keep(i + k, x, sv); });
+    simd::lane_dots<L, K>(at, dim, rows, [&](int k, int x, const simd::vec& s) { on_row(i + k, x, s); });
   }
   for (; i < end; ++i) {
     row_ptr rows[1] = {row_of(i)};
-    simd::lane_dots<L, 1>(at, dim, rows, [&](int, int x, const simd::vec& sv) { keep(i, x, sv); });
+    simd::lane_dots<L, 1>(at, dim, rows, [&](int, int x, const simd::vec& s) { on_row(i, x, s); });
   }
-  for (int x = 0; x < V; ++x) simd::store(best + x * W, bv[x]), simd::store(best_row + x * W, rv[x]);
+}
+
+/// on_row(i, s) for the rows i of [first, end) in row order, s = dot(key, row_of(i)) over dim channels: one
+/// thread per token, eight rows at a time as independent chains (dot_rows; rows equally spaced in
+/// memory), the bits of kernels::dot per row.
+template <class RowOf, class OnRow>
+KOKKOS_INLINE_FUNCTION void key_rows_scan(const float* key, int dim, long first, long end, RowOf row_of,
+                                          OnRow on_row) {
+  constexpr int NR = 8;
+  const long stride = end - first > 1 ? row_of(first + 1) - row_of(first) : 0;
+  float s[NR];
+  for (long i = first; i < end; i += NR) {
+    const long n = Kokkos::min(static_cast<long>(NR), end - i);
+    if (n == NR)
+      dot_rows<NR>(key, 1.0f, row_of(i), stride, dim, s);
+    else
+      for (long r = 0; r < n; ++r) dot_rows<1>(key, 1.0f, row_of(i + r), 0, dim, &s[r]);
+    for (long r = 0; r < n; ++r) on_row(i + r, s[r]);
+  }
+}
+
+/// For the L tokens of `at` ([dim][L], transposed): best[u] = max over rows [first, end) of
+/// dot(at_u, row_of(i)) and best_row[u] its row, rows compared in row order by `>` (ties and NaN keep the
+/// earlier row). With `take_first` the first row is taken as it is (route: a NaN score stays), otherwise
+/// the maximum starts from -inf and stays there for NaN or -inf scores (score::Novelty). Per lane the same
+/// operations as dot_rows and those comparisons, so the same bits as one thread per token (spec KVM.md
+/// §5.3 and §5.5).
+template <int L, class RowOf>
+KOKKOS_INLINE_FUNCTION void token_rows_max(const float* at, int dim, long first, long end, bool take_first,
+                                           RowOf row_of, float* best, int* best_row) {
+  LaneArgmax<L> a;
+  a.start(neg_inf(), first);
+  token_rows_scan<L>(at, dim, first, end, row_of,
+                     [&](long i, int x, const simd::vec& s) { a.keep(i, x, s, take_first && i == first); });
+  a.store(best, best_row);
 }
 
 /// Runs body(b, h, j0, n, at) once per block of update_lanes tokens [j0, j0 + n) (n >= 1) of every
@@ -160,6 +215,7 @@ void update_state(const ExecSpace& exec, const MemoryConfig& cfg, const LayerWei
   const auto p = plan.device;
   const auto keys = scratch.keys;
   const auto scores = scratch.scores;
+  const auto route_scores = scratch.route_scores;
   const auto ranks = scratch.ranks;
   const auto new_rows = scratch.new_rows;
   const auto routes = scratch.routes;
@@ -181,6 +237,23 @@ void update_state(const ExecSpace& exec, const MemoryConfig& cfg, const LayerWei
     if (j >= p(b, block_count)) return;
     Merge::memory_key(cfg, w, &ring.keys(b, h, ring.slot(p(b, block_begin) + j), 0), &keys(b, h, j, 0));
   });
+  // The rows a token of sequence b may join: [first, end) (step 5).
+  const long sinks = cfg.sinks;
+  auto route_rows = [=] KOKKOS_FUNCTION(long b, long& first, long& end) {
+    const long m = p(b, rows_before);
+    end = Merge::route_after_append ? m + selected(b) : m;
+    first = Kokkos::min(sinks, end);
+  };
+  // Whether the score pass of sequence b also finds each token's best row among the rows it may join
+  // that existed before the append: a max-similarity scorer (score::Novelty) computes kbar_j . read key
+  // of every row, the very products the route compares, so the route pass only continues over the
+  // appended rows (step 5).
+  auto routed_in_score = [=] KOKKOS_FUNCTION(long b) {
+    long first, end;
+    route_rows(b, first, end);
+    const long m = p(b, rows_before);
+    return scores_max_similarity<Scorer> && must_rank(b) && !seeding<Merge>(m) && first < m;
+  };
   // 2. score: against the existing rows' read keys, or (seeding) against the block's first token.
   auto seed_score = [=] KOKKOS_FUNCTION(long b, long h, long j) {
     return j == 0 ? -neg_inf() : dot(&keys(b, h, j, 0), &keys(b, h, 0, 0), D);
@@ -196,20 +269,45 @@ void update_state(const ExecSpace& exec, const MemoryConfig& cfg, const LayerWei
       }
       for (int c = 0; c < D; ++c)
         for (int u = 0; u < L; ++u) at[c * L + u] = u < n ? keys(b, h, j0 + u, c) : 0.0f;
+      long first, end;
+      route_rows(b, first, end);
+      LaneArgmax<L> novelty, route;
+      novelty.start(neg_inf(), 0);
+      route.start(neg_inf(), first);
+      token_rows_scan<L>(at, D, 0, m, [&](long i) { return st.decision_key(b, h, i); }, [&](long i, int x, const simd::vec& sv) {
+        novelty.keep(i, x, sv, false);
+        if (i >= first) route.keep(i, x, sv, i == first);
+      });
       float best[L];
       int row[L];
-      token_rows_max<L>(at, D, 0, m, false, [&](long i) { return st.decision_key(b, h, i); }, best, row);
+      novelty.store(best, row);
       for (int u = 0; u < n; ++u) scores(b, h, j0 + u) = best[u];
+      if (!routed_in_score(b)) return;
+      route.store(best, row);
+      for (int u = 0; u < n; ++u) route_scores(b, h, j0 + u) = best[u], routes(b, h, j0 + u) = row[u];
     });
   } else {
     Kokkos::parallel_for("kvmem::score", range(exec, 0, B * H * C), KOKKOS_LAMBDA(long idx) {
       const long j = idx % C, h = (idx / C) % H, b = idx / (C * H);
       if (j >= p(b, block_count) || !must_rank(b)) return;
       const long m = p(b, rows_before);
-      if (seeding<Merge>(m))
+      if (seeding<Merge>(m)) {
         scores(b, h, j) = seed_score(b, h, j);
-      else
+      } else if (routed_in_score(b)) {  // Scorer::score's maximum and the route's argmax in one scan
+        long first, end;
+        route_rows(b, first, end);
+        float novelty = neg_inf(), best = neg_inf();
+        long best_row = first;
+        key_rows_scan(&keys(b, h, j, 0), D, 0, m, [&](long i) { return st.decision_key(b, h, i); }, [&](long i, float sc) {
+          novelty = sc > novelty ? sc : novelty;
+          if (i >= first && (sc > best || i == first)) best = sc, best_row = i;
+        });
+        scores(b, h, j) = novelty;
+        route_scores(b, h, j) = best;
+        routes(b, h, j) = best_row;
+      } else {
         scores(b, h, j) = Scorer::score(&keys(b, h, j, 0), st.decision_key(b, h, 0), m, D);
+      }
     });
   }
   // 3. select: rank by (score asc, token index asc); the first `selected` found rows. NaN scores (from a
@@ -254,23 +352,17 @@ void update_state(const ExecSpace& exec, const MemoryConfig& cfg, const LayerWei
     Merge::new_row(cfg, r, &keys(b, h, j, 0), &ring.values(b, h, ring.slot(p(b, block_begin) + j), 0));
     st.template refresh<Merge>(cfg, w, b, h, row);
   });
-  // 5. route the other tokens: seeding -> row 0; else argmax over the rows before or after the append,
-  //    from the first non-sink row (spec KVM.md §5.5 and §9 #2-#3, OVQ.md §5.1).
-  const long sinks = cfg.sinks;
-  // The rows a token of sequence b may join: [first, end).
-  auto route_rows = [=] KOKKOS_FUNCTION(long b, long& first, long& end) {
-    const long m = p(b, rows_before);
-    end = Merge::route_after_append ? m + selected(b) : m;
-    first = Kokkos::min(sinks, end);
-  };
+  // 5. route the other tokens: seeding -> row 0; else the argmax over the rows before or after the append,
+  //    from the first non-sink row, of the ungated memory key's dot product with the read keys (spec KVM.md
+  //    §5.5 and §9 #2-#3, OVQ.md §5.1: the spec's gated key g_j kbar_j has the same argmax for every gate
+  //    g_j > 0, and keeps it where float32's gate underflows to 0). Where the score pass found the best
+  //    row among the rows that existed before the append (routed_in_score), the scan continues from it
+  //    over the appended rows: the same comparisons in the same row order as one scan.
   auto routed = [=] KOKKOS_FUNCTION(long b, long h, long j) {
     return j < p(b, block_count) && new_rows(b, h, j) < 0;
   };
   // The route of a token that found a row (after every row, so such tokens group last).
   constexpr long no_route = Kokkos::Experimental::finite_max_v<long>;
-  auto gate_of = [=] KOKKOS_FUNCTION(long b, long h, long j) {
-    return Merge::gate(ring.gates(b, h, ring.slot(p(b, block_begin) + j)));
-  };
   if constexpr (update_in_lanes<ExecSpace>) {
     constexpr int L = update_lanes;
     for_token_blocks("kvmem::route", exec, p, B, H, C, D, [=] KOKKOS_FUNCTION(long b, long h, long j0, int n, float* at) {
@@ -282,16 +374,30 @@ void update_state(const ExecSpace& exec, const MemoryConfig& cfg, const LayerWei
       }
       long first, end;
       route_rows(b, first, end);
-      // Lane u holds the gated key g_u k_u (the same product as dot_rows forms); lanes of tokens that
-      // found rows or lie past the block are computed and ignored.
-      for (int u = 0; u < L; ++u) {
-        const bool live = u < n && routed(b, h, j0 + u);
-        const float g = live ? gate_of(b, h, j0 + u) : 0.0f;
-        for (int c = 0; c < D; ++c) at[c * L + u] = live ? g * keys(b, h, j0 + u, c) : 0.0f;
+      LaneArgmax<L> route;
+      long from = first;
+      if (routed_in_score(b)) {
+        float best[L];
+        int row[L];
+        for (int u = 0; u < L; ++u) {
+          best[u] = u < n ? route_scores(b, h, j0 + u) : neg_inf();
+          row[u] = static_cast<int>(u < n ? routes(b, h, j0 + u) : first);
+        }
+        route.start(best, row);
+        from = p(b, rows_before);
+      } else {
+        route.start(neg_inf(), first);
+      }
+      if (from < end) {
+        // Lanes of tokens that found rows or lie past the block are computed and ignored.
+        for (int c = 0; c < D; ++c)
+          for (int u = 0; u < L; ++u) at[c * L + u] = u < n ? keys(b, h, j0 + u, c) : 0.0f;
+        token_rows_scan<L>(at, D, from, end, [&](long i) { return st.decision_key(b, h, i); },
+                           [&](long i, int x, const simd::vec& sv) { route.keep(i, x, sv, i == first); });
       }
       float best[L];
       int row[L];
-      token_rows_max<L>(at, D, first, end, true, [&](long i) { return st.decision_key(b, h, i); }, best, row);
+      route.store(best, row);
       for (int u = 0; u < n; ++u) routes(b, h, j0 + u) = routed(b, h, j0 + u) ? row[u] : no_route;
     });
   } else {
@@ -308,27 +414,13 @@ void update_state(const ExecSpace& exec, const MemoryConfig& cfg, const LayerWei
       }
       long first, end;
       route_rows(b, first, end);
-      const float g = gate_of(b, h, j);
-      const float* key = &keys(b, h, j, 0);
-      long best_row = first;
-      float best = neg_inf();
-      // Each score is sum_c (g key[c]) khat[c] in channel order; eight rows are scored at a time as
-      // independent chains (dot_rows), then compared in row order.
-      constexpr int NR = 8;
-      const long stride = end - first > 1 ? st.decision_key(b, h, first + 1) - st.decision_key(b, h, first) : 0;
-      float s[NR];
-      for (long i = first; i < end; i += NR) {
-        const long n = Kokkos::min(static_cast<long>(NR), end - i);
-        if (n == NR)
-          dot_rows<NR>(key, g, st.decision_key(b, h, i), stride, D, s);
-        else
-          for (long r = 0; r < n; ++r) dot_rows<1>(key, g, st.decision_key(b, h, i + r), 0, D, &s[r]);
-        for (long r = 0; r < n; ++r)
-          if (s[r] > best || i + r == first) {
-            best = s[r];
-            best_row = i + r;
-          }
-      }
+      const bool continued = routed_in_score(b);
+      long best_row = continued ? routes(b, h, j) : first;
+      float best = continued ? route_scores(b, h, j) : neg_inf();
+      key_rows_scan(&keys(b, h, j, 0), D, continued ? p(b, rows_before) : first, end, [&](long i) { return st.decision_key(b, h, i); },
+                    [&](long i, float sc) {
+                      if (sc > best || i == first) best = sc, best_row = i;
+                    });
       routes(b, h, j) = best_row;
     });
   }
