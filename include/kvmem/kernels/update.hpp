@@ -354,10 +354,11 @@ void update_state(const ExecSpace& exec, const MemoryConfig& cfg, const LayerWei
   });
   // 5. route the other tokens: seeding -> row 0; else the argmax over the rows before or after the append,
   //    from the first non-sink row, of the ungated memory key's dot product with the read keys (spec KVM.md
-  //    §5.5 and §9 #2-#3, OVQ.md §5.1: the spec's gated key g_j kbar_j has the same argmax for every gate
-  //    g_j > 0, and keeps it where float32's gate underflows to 0). Where the score pass found the best
-  //    row among the rows that existed before the append (routed_in_score), the scan continues from it
-  //    over the appended rows: the same comparisons in the same row order as one scan.
+  //    §5.5 and §9 #2-#3, OVQ.md §5.1). The spec's gated key g_j kbar_j has the same argmax for every gate
+  //    g_j > 0; the ungated key also keeps it where float32's gate 1 + expm1(z) rounds to 0 (z below about
+  //    -17). Where the score pass found the best row among the rows that existed before the append
+  //    (routed_in_score), the scan continues from it over the appended rows: the same comparisons in the
+  //    same row order as one scan.
   auto routed = [=] KOKKOS_FUNCTION(long b, long h, long j) {
     return j < p(b, block_count) && new_rows(b, h, j) < 0;
   };
