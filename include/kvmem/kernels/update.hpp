@@ -111,12 +111,13 @@ struct LaneArgmax {
 };
 
 /// on_row(i, x, s) for the rows i of [first, end) in row order, s the scores dot(at_u, row_of(i)) of lanes
-/// u in [x W, (x + 1) W) (`at` [dim][L]: L tokens transposed), four rows per register tile: per lane the
-/// operations of kernels::dot, so the bits of one thread per token (key_rows_scan).
+/// u in [x W, (x + 1) W) (`at` [dim][L]: L tokens transposed), K rows per register tile so that K x L / W
+/// = 8 independent multiply-add chains keep both FMA pipes busy: per lane the operations of kernels::dot,
+/// so the bits of one thread per token (key_rows_scan).
 template <int L, class RowOf, class OnRow>
 KOKKOS_INLINE_FUNCTION void token_rows_scan(const float* at, int dim, long first, long end, RowOf row_of,
                                             OnRow on_row) {
-  constexpr int K = 4;
+  constexpr int V = L / simd::width, K = 8 / V > 0 ? 8 / V : 1;
   using row_ptr = decltype(row_of(first));
   long i = first;
   for (; i + K <= end; i += K) {
