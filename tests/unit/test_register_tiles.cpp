@@ -114,6 +114,37 @@ TEST_CASE("token_rows_max is the row-order argmax of route and the maximum of no
       }
 }
 
+// Device-callable functors for the scans (nvcc rejects host lambdas called from KOKKOS_INLINE_FUNCTIONs).
+struct NoveltyAndRoute {  // the score pass: the novelty maximum over every row, the route's from `first`
+  kvmem::kernels::LaneArgmax<L>* novelty;
+  kvmem::kernels::LaneArgmax<L>* route;
+  long first;
+  KOKKOS_INLINE_FUNCTION void operator()(long i, int x, const kvmem::kernels::simd::vec& s) const {
+    novelty->keep(i, x, s, false);
+    if (i >= first) route->keep(i, x, s, i == first);
+  }
+};
+struct Continue {  // the route pass over the appended rows
+  kvmem::kernels::LaneArgmax<L>* route;
+  KOKKOS_INLINE_FUNCTION void operator()(long i, int x, const kvmem::kernels::simd::vec& s) const {
+    route->keep(i, x, s, false);
+  }
+};
+struct OneToken {  // one thread per token: the scores as they come, and the route's argmax
+  const float* key;
+  RowOf row_of;
+  int dim;
+  long first;
+  float* best;
+  long* best_row;
+  int* wrong_bits;
+  KOKKOS_INLINE_FUNCTION void operator()(long i, float s) const {
+    const float want = kvmem::kernels::dot(key, row_of(i), dim);
+    if (Kokkos::bit_cast<unsigned>(s) != Kokkos::bit_cast<unsigned>(want)) ++*wrong_bits;
+    if (s > *best || i == first) *best = s, *best_row = i;
+  }
+};
+
 TEST_CASE("a route continued over the appended rows from the score pass's best row is one scan of every row",
           "[simd][update]") {
   // update_state's score pass scans rows [0, m) once for the novelty maximum and the route's best row among
@@ -128,42 +159,35 @@ TEST_CASE("a route continued over the appended rows from the score pass's best r
   const auto at = transpose(tokens, dim);
   const RowOf row_of{rows.data(), dim};
   namespace k = kvmem::kernels;
+  const float inf = std::numeric_limits<float>::infinity();
   for (long first = 0; first <= 2; ++first)
     for (long m = first + 1; m <= 12; ++m)
       for (long end = m; end <= 12; ++end) {
         INFO("first " << first << ", m " << m << ", end " << end);
-        float whole[L], part[L];
-        int whole_row[L], part_row[L];
+        float whole[L], part[L], novelty_best[L], novelty_want[L];
+        int whole_row[L], part_row[L], novelty_row[L];
         k::token_rows_max<L>(at.data(), dim, first, end, true, row_of, whole, whole_row);
+        k::token_rows_max<L>(at.data(), dim, 0, m, false, row_of, novelty_want, novelty_row);
         k::LaneArgmax<L> novelty, route;
-        novelty.start(-std::numeric_limits<float>::infinity(), 0);
-        route.start(-std::numeric_limits<float>::infinity(), first);
-        k::token_rows_scan<L>(at.data(), dim, 0, m, row_of, [&](long i, int x, const k::simd::vec& sv) {
-          novelty.keep(i, x, sv, false);
-          if (i >= first) route.keep(i, x, sv, i == first);
-        });
+        novelty.start(-inf, 0);
+        route.start(-inf, first);
+        k::token_rows_scan<L>(at.data(), dim, 0, m, row_of, NoveltyAndRoute{&novelty, &route, first});
         route.store(part, part_row);
         k::LaneArgmax<L> continued;
         continued.start(part, part_row);
-        k::token_rows_scan<L>(at.data(), dim, m, end, row_of,
-                              [&](long i, int x, const k::simd::vec& sv) { continued.keep(i, x, sv, false); });
+        k::token_rows_scan<L>(at.data(), dim, m, end, row_of, Continue{&continued});
         continued.store(part, part_row);
-        float novelty_best[L];
-        int novelty_row[L];
         novelty.store(novelty_best, novelty_row);
-        float nov_want[L];
-        k::token_rows_max<L>(at.data(), dim, 0, m, false, row_of, nov_want, novelty_row);
         for (int u = 0; u < L; ++u) {
           CHECK(same_bits(part[u], whole[u]));
           CHECK(part_row[u] == whole_row[u]);
-          CHECK(same_bits(novelty_best[u], nov_want[u]));
-          // One thread per token: key_rows_scan's scores are kernels::dot's.
+          CHECK(same_bits(novelty_best[u], novelty_want[u]));
+          float one = -inf;
           long one_row = first;
-          float one = -std::numeric_limits<float>::infinity();
-          k::key_rows_scan(tokens.data() + std::size_t(u) * dim, dim, first, end, row_of, [&](long i, float sc) {
-            CHECK(same_bits(sc, k::dot(tokens.data() + std::size_t(u) * dim, row_of(i), dim)));
-            if (sc > one || i == first) one = sc, one_row = i;
-          });
+          int wrong_bits = 0;
+          k::key_rows_scan(tokens.data() + std::size_t(u) * dim, dim, first, end, row_of,
+                           OneToken{tokens.data() + std::size_t(u) * dim, row_of, dim, first, &one, &one_row, &wrong_bits});
+          CHECK(wrong_bits == 0);
           CHECK(same_bits(one, whole[u]));
           CHECK(one_row == whole_row[u]);
         }
