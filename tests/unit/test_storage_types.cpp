@@ -197,7 +197,9 @@ TEMPLATE_TEST_CASE("row_dots and an eviction step's row groups over a 16-bit que
   using S = TestType;
   namespace kk = kvmem::kernels;
   constexpr int W = kk::simd::width;
-  for (int dim : {1, W - 1, W, W + 3, 64, 128}) {
+  // bfloat16 rows go through whole blocks of 2 * W channels (channel pairs) first, then blocks of W, then
+  // one channel at a time: dims that end in each of them.
+  for (int dim : {1, W - 1, W, W + 3, 2 * W, 2 * W + 1, 3 * W, 3 * W + 5, 64, 128}) {
     INFO("dim=" << dim);
     const RowGroup<S> g(dim, 31 + dim);
     const auto& q = g.q;
@@ -205,6 +207,11 @@ TEMPLATE_TEST_CASE("row_dots and an eviction step's row groups over a 16-bit que
     float got[W];
     kk::simd::row_dots(q.data(), 1, dim, row.data(), got);
     for (int k = 0; k < W; ++k) CHECK(kvmem_test::same_bits(got[k], kk::dot(q.data(), row[k], dim)));
+    // The decode readout's form: a float32 query in a block's transposed layout (stride 3 here).
+    std::vector<float> q_wide(std::size_t(3) * dim, 7.0f), q_one(dim);
+    for (int c = 0; c < dim; ++c) q_one[c] = q_wide[std::size_t(3) * c] = kvmem::to_float(q[c]);
+    kk::simd::row_dots(q_wide.data(), 3, dim, row.data(), got);
+    for (int k = 0; k < W; ++k) CHECK(kvmem_test::same_bits(got[k], kk::dot(q_one.data(), row[k], dim)));
     constexpr int RW = kk::simd::vector_registers ? W : 1;
     for (int n = 1; n <= RW; ++n) {  // a full group and the short groups at the end of the cache
       float l[RW];
@@ -234,6 +241,37 @@ TEMPLATE_TEST_CASE("row_dots64 gives every row the bits of its float64 chain in 
       for (int c = 0; c < dim; ++c) want += double(kvmem::to_float(q[c])) * double(kvmem::to_float(row[k][c]));
       CHECK(kvmem_test::same_bits(got[k], want));
     }
+  }
+}
+
+TEMPLATE_TEST_CASE("add_weighted_rows gives every channel the bits of its scalar chain over the rows",
+                   "[dtype][simd][readout]", float, bfloat16, float16) {
+  // The value side of the decode readout and of an eviction step: acc[c] = mul_add(w_j, v_j[c], acc[c]),
+  // rows j in order. bfloat16 rows are read as channel pairs with the accumulators reordered once per call.
+  using S = TestType;
+  namespace kk = kvmem::kernels;
+  constexpr int W = kk::simd::width;
+  constexpr int CV = 8;
+  for (long n : {0L, 1L, 5L, 33L}) {
+    INFO("rows=" << n);
+    const auto v_f = kvmem_test::uniform(std::size_t(n) * CV * W + 1, 50 + unsigned(n)),
+               w_f = kvmem_test::uniform(std::size_t(n) + 1, 60 + unsigned(n)),
+               a_f = kvmem_test::uniform(std::size_t(CV) * W, 70 + unsigned(n));
+    std::vector<S> v;
+    for (float x : v_f) v.push_back(kvmem::from_float<S>(8.0f * x));
+    kk::simd::vec r[CV];
+    for (int x = 0; x < CV; ++x) r[x] = kk::simd::load(a_f.data() + x * W);
+    kk::simd::add_weighted_rows(
+        r, n, [&](long j) { return w_f[j]; }, [&](long j) { return v.data() + j * CV * W; });
+    float got[CV * W];
+    for (int x = 0; x < CV; ++x) kk::simd::store(got + x * W, r[x]);
+    long differ = 0;
+    for (int c = 0; c < CV * W; ++c) {
+      float want = a_f[c];
+      for (long j = 0; j < n; ++j) want = kk::mul_add(w_f[j], kvmem::to_float(v[j * CV * W + c]), want);
+      differ += !kvmem_test::same_bits(got[c], want);
+    }
+    CHECK(differ == 0);
   }
 }
 

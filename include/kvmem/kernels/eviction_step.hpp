@@ -238,9 +238,9 @@ KOKKOS_INLINE_FUNCTION void eviction_attend(const Team& team, const EvictionPara
                          [&](long i) { c.logits(b, h, i) = softmax_exp(c.logits(b, h, i) - max_logit); });
     team.team_barrier();
     const float inv = 1.0f / ordered_sum<float>(team, live, [&](long i) { return c.logits(b, h, i); });
-    // Each thread owns a contiguous range of output channels and sums the rows in row order into it: the
-    // inner loop over channels vectorizes (one thread per team on a CPU core takes every channel), and a
-    // GPU team spreads the channels over its threads.
+    // Each thread owns a contiguous range of output channels and sums the rows in row order into it: on a
+    // CPU core (one thread per team takes every channel) a block of register vectors at a time
+    // (simd::add_weighted_rows), and a GPU team spreads the channels over its threads.
     const int per_thread = (Dv + team.team_size() - 1) / team.team_size();
     Kokkos::parallel_for(Kokkos::TeamThreadRange(team, team.team_size()), [&](int t) {
       const int ch0 = t * per_thread, ch1 = ch0 + per_thread < Dv ? ch0 + per_thread : Dv;
@@ -249,6 +249,21 @@ KOKKOS_INLINE_FUNCTION void eviction_attend(const Team& team, const EvictionPara
       constexpr int CW = simd::vector_registers ? 8 * simd::width : 32;
       for (int cb = ch0; cb < ch1; cb += CW) {
         const int n = ch1 - cb < CW ? ch1 - cb : CW;
+        if constexpr (simd::vector_registers) {
+          if (n == CW) {  // a whole block of register vectors (simd::add_weighted_rows: the same chains)
+            simd::vec r[CW / simd::width];
+            for (auto& x : r) x = simd::broadcast(0.0f);
+            simd::add_weighted_rows(
+                r, live, [&](long i) { return c.logits(b, h, i); },
+                [&](long i) { return &c.values(b, h, c.order(b, h, i), cb); });
+            for (int x = 0; x < CW / simd::width; ++x) {
+              float sums[simd::width];
+              simd::store(sums, r[x]);
+              for (int l = 0; l < simd::width; ++l) y[cb + x * simd::width + l] = from_float<out_t>(sums[l] * inv);
+            }
+            continue;
+          }
+        }
         float acc[CW];
         for (int ch = 0; ch < CW; ++ch) acc[ch] = 0.0f;
         for (long i = 0; i < live; ++i) {

@@ -389,11 +389,8 @@ struct QueryBlock {
     for (; c0 + CW <= value_dim; c0 += CW) {
       simd::vec r[CV];
       for (int x = 0; x < CV; ++x) r[x] = simd::mul(simd::load(a + c0 + x * W), corr);
-      for (int j = 0; j < n; ++j) {
-        const auto* vj = value_of(j) + c0;
-        const simd::vec pj = simd::broadcast(probs[j * lanes + u]);
-        for (int x = 0; x < CV; ++x) r[x] = simd::fma(pj, simd::load(vj + x * W), r[x]);
-      }
+      simd::add_weighted_rows(
+          r, n, [&](int j) { return probs[j * lanes + u]; }, [&](int j) { return value_of(j) + c0; });
       for (int x = 0; x < CV; ++x) simd::store(a + c0 + x * W, r[x]);
     }
     return c0;

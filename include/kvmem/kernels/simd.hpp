@@ -12,6 +12,7 @@
 /// engine's flags (-march=native), so it takes the vector width from the compiler instead.
 
 #include <Kokkos_Core.hpp>
+#include <type_traits>
 #include <utility>
 
 #include "../dtype.hpp"
@@ -54,6 +55,13 @@ KOKKOS_INLINE_FUNCTION void store(float* p, const vec& v) { __builtin_memcpy(p, 
 /// that changes no result (GCC's __builtin_prefetch).
 KOKKOS_INLINE_FUNCTION void prefetch(const void* p, long bytes) {
   for (long b = 0; b < bytes; b += 64) __builtin_prefetch(static_cast<const char*>(p) + b);
+}
+/// Makes the compiler read the array `a` back from memory after it was stored (an empty asm that may
+/// change it): its elements are then broadcast straight from memory (a load port) instead of extracted
+/// from the register that was stored (two shuffles per element). Changes no value.
+template <class T, int N>
+KOKKOS_INLINE_FUNCTION void in_memory(T (&a)[N]) {
+  __asm__("" : "+m"(a));
 }
 /// Loads width bfloat16 values from p as float32 (exact): each widened into a float's high 16 bits.
 KOKKOS_INLINE_FUNCTION vec load(const bfloat16* p) {
@@ -177,6 +185,28 @@ KOKKOS_INLINE_FUNCTION void transpose_stage(vec* r) {
 /// r[i][j] <- r[j][i] for the width x width floats of `width` register vectors: log2(width) stages of
 /// lane shuffles (24 for AVX2's 8 x 8), no memory round trip.
 KOKKOS_INLINE_FUNCTION void transpose(vec* r) { detail::transpose_stage<width / 2>(r); }
+
+namespace detail {
+template <int... J>
+KOKKOS_INLINE_FUNCTION void deinterleave(vec& a, vec& b, std::integer_sequence<int, J...>) {
+  const vec even = __builtin_shufflevector(a, b, (2 * J)...), odd = __builtin_shufflevector(a, b, (2 * J + 1)...);
+  a = even, b = odd;
+}
+template <int... J>
+KOKKOS_INLINE_FUNCTION void interleave(vec& a, vec& b, std::integer_sequence<int, J...>) {
+  const vec lo = __builtin_shufflevector(a, b, ((J & 1) ? width + J / 2 : J / 2)...);
+  const vec hi = __builtin_shufflevector(a, b, ((J & 1) ? width + (width + J) / 2 : (width + J) / 2)...);
+  a = lo, b = hi;
+}
+}  // namespace detail
+/// (a, b) = 2 * width consecutive floats -> (a, b) = (the even ones, the odd ones), in order.
+KOKKOS_INLINE_FUNCTION void deinterleave(vec& a, vec& b) {
+  detail::deinterleave(a, b, std::make_integer_sequence<int, width>{});
+}
+/// The inverse of deinterleave: (even, odd) -> 2 * width consecutive floats.
+KOKKOS_INLINE_FUNCTION void interleave(vec& a, vec& b) {
+  detail::interleave(a, b, std::make_integer_sequence<int, width>{});
+}
 #else
 inline constexpr bool vector_registers = false;
 inline constexpr int width = 8;
@@ -196,6 +226,9 @@ KOKKOS_INLINE_FUNCTION void store(float* p, const vec& v) {
 }
 /// No prefetch in the portable form (device code: the GPU's own memory pipeline).
 KOKKOS_INLINE_FUNCTION void prefetch(const void*, long) {}
+/// Nothing to do in the portable form (the vector form's in_memory keeps a stored array in memory).
+template <class T, int N>
+KOKKOS_INLINE_FUNCTION void in_memory(T (&)[N]) {}
 KOKKOS_INLINE_FUNCTION vec broadcast(float x) {
   vec v;
   for (int i = 0; i < width; ++i) v.lane[i] = x;
@@ -282,25 +315,106 @@ KOKKOS_INLINE_FUNCTION void lane_dots(const float* at, int dim, const Row* const
     for (int x = 0; x < V; ++x) finish(k, x, s[k][x]);
 }
 
+namespace detail {
+/// Query channels [c0, c0 + N) of q (stride q_stride, a storage type other than float32) widened to
+/// float32 into qc [N] and kept in memory (in_memory), so that each is broadcast by a load port: one vector
+/// widening per `width` channels where they are contiguous, to_float per channel otherwise.
+template <int N, class Q>
+KOKKOS_INLINE_FUNCTION void widen_query(const Q* q, long q_stride, int c0, float (&qc)[N]) {
+  if (q_stride == 1)
+    for (int c = 0; c < N; c += width) store(qc + c, load(q + c0 + c));
+  else
+    for (int c = 0; c < N; ++c) qc[c] = to_float(q[(c0 + c) * q_stride]);
+  in_memory(qc);
+}
+}  // namespace detail
+
 /// out[k] = sum_c q[c * q_stride] * rows[k][c] for the `width` rows k, channels c in increasing order, one
 /// fma a step: per row the chain of kernels::dot (the same bits), advanced in vector lanes. One query
 /// against a register's width of rows (the readout's decode step, an eviction step's logits): width
 /// channels of the rows are loaded as width vectors and transposed in registers, so each fma moves every
-/// row's chain on by one channel; channels past the last multiple of width continue the chains one row at
-/// a time. `out` [width]. The query and the rows may be of any storage type (converted as they are read).
+/// row's chain on by one channel. bfloat16 rows are transposed as pairs of channels (2 * width channels of
+/// a row in one vector, the transpose moving 32-bit pairs, each pair then split exactly into its even and
+/// odd channel by a shift and a mask): half the shuffles per channel, and no widening instruction. Channels
+/// past the last multiple of width continue the chains one row at a time. `out` [width]. The query and the
+/// rows may be of any storage type (converted as they are read); a query other than float32 is widened
+/// once per block of channels (detail::widen_query).
 template <class Q, class Row>
 KOKKOS_INLINE_FUNCTION void row_dots(const Q* q, long q_stride, int dim, const Row* const* rows, float* out) {
+  constexpr bool float_query = std::is_same_v<std::remove_cv_t<Q>, float>;
   vec s = broadcast(0.0f);
   int c0 = 0;
+#if defined(KVMEM_SIMD_VECTOR_EXTENSIONS) && defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
+  if constexpr (std::is_same_v<std::remove_cv_t<Row>, bfloat16>) {
+    for (; c0 + 2 * width <= dim; c0 += 2 * width) {
+      float qc[2 * width];
+      if constexpr (!float_query) detail::widen_query(q, q_stride, c0, qc);
+      vec t[width];  // row k's channels c0 + 2p (low 16 bits) and c0 + 2p + 1 (high) in its 32-bit word p
+      for (int k = 0; k < width; ++k) t[k] = load(reinterpret_cast<const float*>(rows[k] + c0));
+      transpose(t);  // t[p] holds channel pair p of every row
+      for (int p = 0; p < width; ++p) {
+        const ivec w = reinterpret_cast<ivec>(t[p]);
+        const vec even = reinterpret_cast<vec>(w << 16), odd = reinterpret_cast<vec>(w & ~0xffff);
+        if constexpr (float_query) {
+          s = fma(even, broadcast(q[(c0 + 2 * p) * q_stride]), s);
+          s = fma(odd, broadcast(q[(c0 + 2 * p + 1) * q_stride]), s);
+        } else {
+          s = fma(even, broadcast(qc[2 * p]), s);
+          s = fma(odd, broadcast(qc[2 * p + 1]), s);
+        }
+      }
+    }
+  }
+#endif
   for (; c0 + width <= dim; c0 += width) {
+    float qc[width];
+    if constexpr (!float_query) detail::widen_query(q, q_stride, c0, qc);
     vec t[width];
     for (int k = 0; k < width; ++k) t[k] = load(rows[k] + c0);
     transpose(t);  // t[c] holds channel c0 + c of every row
-    for (int c = 0; c < width; ++c) s = fma(t[c], broadcast_from(q + (c0 + c) * q_stride), s);
+    for (int c = 0; c < width; ++c) {
+      if constexpr (float_query)
+        s = fma(t[c], broadcast(q[(c0 + c) * q_stride]), s);
+      else
+        s = fma(t[c], broadcast(qc[c]), s);
+    }
   }
   store(out, s);
   for (int c = c0; c < dim; ++c)
     for (int k = 0; k < width; ++k) out[k] = mul_add(to_float(q[c * q_stride]), to_float(rows[k][c]), out[k]);
+}
+
+/// r[x] lane l (channel x * width + l of a block of CV * width channels) += sum_{j < n} weight_of(j) *
+/// row_of(j)[x * width + l], rows j in order, one fma per row and channel: per channel the chain
+/// `r = mul_add(w_j, v_j[c], r)`, so the bits of the scalar loop. The value side of a readout or an
+/// eviction step (probabilities times value rows). row_of(j) points at the block's first channel of value
+/// row j, of any storage type. bfloat16 rows (CV even) are read as 32-bit channel pairs split by a shift and
+/// a mask into an even-channel and an odd-channel vector, with the accumulators reordered to match once
+/// per call (deinterleave / interleave): no widening instruction per row.
+template <int CV, class WeightOf, class RowOf>
+KOKKOS_INLINE_FUNCTION void add_weighted_rows(vec (&r)[CV], long n, WeightOf weight_of, RowOf row_of) {
+  using row_t = std::remove_cv_t<std::remove_pointer_t<decltype(row_of(0L))>>;
+#if defined(KVMEM_SIMD_VECTOR_EXTENSIONS) && defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
+  if constexpr (std::is_same_v<row_t, bfloat16> && CV % 2 == 0) {
+    for (int x = 0; x < CV; x += 2) deinterleave(r[x], r[x + 1]);
+    for (long j = 0; j < n; ++j) {
+      const vec w = broadcast(weight_of(j));
+      const row_t* v = row_of(j);
+      for (int x = 0; x < CV; x += 2) {
+        const ivec p = reinterpret_cast<ivec>(load(reinterpret_cast<const float*>(v + x * width)));
+        r[x] = fma(w, reinterpret_cast<vec>(p << 16), r[x]);
+        r[x + 1] = fma(w, reinterpret_cast<vec>(p & ~0xffff), r[x + 1]);
+      }
+    }
+    for (int x = 0; x < CV; x += 2) interleave(r[x], r[x + 1]);
+    return;
+  }
+#endif
+  for (long j = 0; j < n; ++j) {
+    const vec w = broadcast(weight_of(j));
+    const row_t* v = row_of(j);
+    for (int x = 0; x < CV; ++x) r[x] = fma(w, load(v + x * width), r[x]);
+  }
 }
 
 /// out[k] = sum_c q[c] * rows[k][c] in float64 for the `width` rows k: per row one float64 chain over the
@@ -321,8 +435,20 @@ KOKKOS_INLINE_FUNCTION void row_dots64(const Q* q, int dim, const Row* const* ro
     vec t[width];
     for (int k = 0; k < width; ++k) t[k] = load(rows[k] + c0);
     transpose(t);  // t[c] holds channel c0 + c of every row
+    // The block's query channels widened to float64 once, as two vectors, then each broadcast from memory.
+    double qd[width];
+    {
+      const vec qf = load(q + c0);
+      fhalf a, b;
+      __builtin_memcpy(&a, &qf, sizeof a);
+      __builtin_memcpy(&b, reinterpret_cast<const char*>(&qf) + sizeof a, sizeof b);
+      const dhalf da = __builtin_convertvector(a, dhalf), db = __builtin_convertvector(b, dhalf);
+      __builtin_memcpy(qd, &da, sizeof da);
+      __builtin_memcpy(qd + H, &db, sizeof db);
+    }
+    in_memory(qd);
     for (int c = 0; c < width; ++c) {
-      const double qc = static_cast<double>(to_float(q[c0 + c]));
+      const double qc = qd[c];
       fhalf a, b;
       __builtin_memcpy(&a, &t[c], sizeof a);
       __builtin_memcpy(&b, reinterpret_cast<const char*>(&t[c]) + sizeof a, sizeof b);
