@@ -24,6 +24,11 @@
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
 #endif
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
+// bfloat16 rows read as 32-bit pairs of channels (transposed_blocks, add_weighted_rows): the lower-addressed
+// channel in the low 16 bits.
+#define KVMEM_SIMD_CHANNEL_PAIRS 1
+#endif
 #endif
 
 namespace kvmem::kernels::simd {
@@ -315,70 +320,85 @@ KOKKOS_INLINE_FUNCTION void lane_dots(const float* at, int dim, const Row* const
     for (int x = 0; x < V; ++x) finish(k, x, s[k][x]);
 }
 
-namespace detail {
-/// Query channels [c0, c0 + N) of q (stride q_stride, a storage type other than float32) widened to
-/// float32 into qc [N] and kept in memory (in_memory), so that each is broadcast by a load port: one vector
-/// widening per `width` channels where they are contiguous, to_float per channel otherwise.
-template <int N, class Q>
-KOKKOS_INLINE_FUNCTION void widen_query(const Q* q, long q_stride, int c0, float (&qc)[N]) {
-  if (q_stride == 1)
-    for (int c = 0; c < N; c += width) store(qc + c, load(q + c0 + c));
-  else
-    for (int c = 0; c < N; ++c) qc[c] = to_float(q[(c0 + c) * q_stride]);
-  in_memory(qc);
-}
-}  // namespace detail
+/// The most channels in one block of transposed_blocks for rows of storage type Row: 2 * width for
+/// bfloat16 rows under vector extensions (channel pairs), width otherwise.
+template <class Row>
+inline constexpr int transposed_block_channels =
+#if defined(KVMEM_SIMD_CHANNEL_PAIRS)
+    std::is_same_v<std::remove_cv_t<Row>, bfloat16> ? 2 * width : width;
+#else
+    width;
+#endif
 
-/// out[k] = sum_c q[c * q_stride] * rows[k][c] for the `width` rows k, channels c in increasing order, one
-/// fma a step: per row the chain of kernels::dot (the same bits), advanced in vector lanes. One query
-/// against a register's width of rows (the readout's decode step, an eviction step's logits): width
-/// channels of the rows are loaded as width vectors and transposed in registers, so each fma moves every
-/// row's chain on by one channel. bfloat16 rows are transposed as pairs of channels (2 * width channels of
-/// a row in one vector, the transpose moving 32-bit pairs, each pair then split exactly into its even and
-/// odd channel by a shift and a mask): half the shuffles per channel, and no widening instruction. Channels
-/// past the last multiple of width continue the chains one row at a time. `out` [width]. The query and the
-/// rows may be of any storage type (converted as they are read); a query other than float32 is widened
-/// once per block of channels (detail::widen_query).
-template <class Q, class Row>
-KOKKOS_INLINE_FUNCTION void row_dots(const Q* q, long q_stride, int dim, const Row* const* rows, float* out) {
-  constexpr bool float_query = std::is_same_v<std::remove_cv_t<Q>, float>;
-  vec s = broadcast(0.0f);
+/// Walks the channels of `width` rows in increasing order, transposed in registers so that one vector
+/// holds channel c of every row (lane k: rows[k][c], widened exactly to float32): on_block(c0, n) for each
+/// block of n channels [c0, c0 + n) (n a std::integral_constant), then on_channel(c, t) for each of its
+/// channels in order. Blocks of `width` channels (width rows loaded as width vectors, log2(width) stages
+/// of shuffles); bfloat16 rows first in blocks of 2 * width channels transposed as 32-bit channel pairs,
+/// each pair then split exactly into its even and odd channel by a shift and a mask (half the shuffles
+/// per channel, no widening instruction). Returns the first channel past the last whole block (the caller
+/// takes the rest one row at a time). The rows of row_dots and row_dots64.
+template <class Row, class OnBlock, class OnChannel>
+KOKKOS_INLINE_FUNCTION int transposed_blocks(int dim, const Row* const* rows, OnBlock&& on_block,
+                                             OnChannel&& on_channel) {
   int c0 = 0;
-#if defined(KVMEM_SIMD_VECTOR_EXTENSIONS) && defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
+#if defined(KVMEM_SIMD_CHANNEL_PAIRS)
   if constexpr (std::is_same_v<std::remove_cv_t<Row>, bfloat16>) {
     for (; c0 + 2 * width <= dim; c0 += 2 * width) {
-      float qc[2 * width];
-      if constexpr (!float_query) detail::widen_query(q, q_stride, c0, qc);
       vec t[width];  // row k's channels c0 + 2p (low 16 bits) and c0 + 2p + 1 (high) in its 32-bit word p
       for (int k = 0; k < width; ++k) t[k] = load(reinterpret_cast<const float*>(rows[k] + c0));
       transpose(t);  // t[p] holds channel pair p of every row
+      on_block(c0, std::integral_constant<int, 2 * width>{});
       for (int p = 0; p < width; ++p) {
         const ivec w = reinterpret_cast<ivec>(t[p]);
-        const vec even = reinterpret_cast<vec>(w << 16), odd = reinterpret_cast<vec>(w & ~0xffff);
-        if constexpr (float_query) {
-          s = fma(even, broadcast(q[(c0 + 2 * p) * q_stride]), s);
-          s = fma(odd, broadcast(q[(c0 + 2 * p + 1) * q_stride]), s);
-        } else {
-          s = fma(even, broadcast(qc[2 * p]), s);
-          s = fma(odd, broadcast(qc[2 * p + 1]), s);
-        }
+        on_channel(c0 + 2 * p, reinterpret_cast<vec>(w << 16));
+        on_channel(c0 + 2 * p + 1, reinterpret_cast<vec>(w & ~0xffff));
       }
     }
   }
 #endif
   for (; c0 + width <= dim; c0 += width) {
-    float qc[width];
-    if constexpr (!float_query) detail::widen_query(q, q_stride, c0, qc);
     vec t[width];
     for (int k = 0; k < width; ++k) t[k] = load(rows[k] + c0);
     transpose(t);  // t[c] holds channel c0 + c of every row
-    for (int c = 0; c < width; ++c) {
-      if constexpr (float_query)
-        s = fma(t[c], broadcast(q[(c0 + c) * q_stride]), s);
-      else
-        s = fma(t[c], broadcast(qc[c]), s);
-    }
+    on_block(c0, std::integral_constant<int, width>{});
+    for (int c = 0; c < width; ++c) on_channel(c0 + c, t[c]);
   }
+  return c0;
+}
+
+/// out[k] = sum_c q[c * q_stride] * rows[k][c] for the `width` rows k, channels c in increasing order, one
+/// fma a step: per row the chain of kernels::dot (the same bits), advanced in vector lanes. One query
+/// against a register's width of rows (the readout's decode step, an eviction step's logits), the rows'
+/// channels transposed in registers (transposed_blocks), so each fma moves every row's chain on by one
+/// channel; channels past the last whole block continue the chains one row at a time. `out` [width]. The
+/// query and the rows may be of any storage type (converted as they are read); a query other than float32
+/// is widened once per block, each channel then broadcast from memory (not widened once per fma through a
+/// general register).
+template <class Q, class Row>
+KOKKOS_INLINE_FUNCTION void row_dots(const Q* q, long q_stride, int dim, const Row* const* rows, float* out) {
+  constexpr bool float_query = std::is_same_v<std::remove_cv_t<Q>, float>;
+  vec s = broadcast(0.0f);
+  float qc[transposed_block_channels<Row>];  // a 16-bit query's block, widened
+  int block = 0;
+  const int c0 = transposed_blocks(
+      dim, rows,
+      [&](int b0, auto n) {
+        block = b0;
+        if constexpr (!float_query) {
+          if (q_stride == 1)
+            for (int c = 0; c < n; c += width) store(qc + c, load(q + b0 + c));
+          else
+            for (int c = 0; c < n; ++c) qc[c] = to_float(q[(b0 + c) * q_stride]);
+          in_memory(qc);
+        }
+      },
+      [&](int c, const vec& t) {
+        if constexpr (float_query)
+          s = fma(t, broadcast(q[c * q_stride]), s);
+        else
+          s = fma(t, broadcast(qc[c - block]), s);
+      });
   store(out, s);
   for (int c = c0; c < dim; ++c)
     for (int k = 0; k < width; ++k) out[k] = mul_add(to_float(q[c * q_stride]), to_float(rows[k][c]), out[k]);
@@ -394,7 +414,7 @@ KOKKOS_INLINE_FUNCTION void row_dots(const Q* q, long q_stride, int dim, const R
 template <int CV, class WeightOf, class RowOf>
 KOKKOS_INLINE_FUNCTION void add_weighted_rows(vec (&r)[CV], long n, WeightOf weight_of, RowOf row_of) {
   using row_t = std::remove_cv_t<std::remove_pointer_t<decltype(row_of(0L))>>;
-#if defined(KVMEM_SIMD_VECTOR_EXTENSIONS) && defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
+#if defined(KVMEM_SIMD_CHANNEL_PAIRS)
   if constexpr (std::is_same_v<row_t, bfloat16> && CV % 2 == 0) {
     for (int x = 0; x < CV; x += 2) deinterleave(r[x], r[x + 1]);
     for (long j = 0; j < n; ++j) {
@@ -420,8 +440,9 @@ KOKKOS_INLINE_FUNCTION void add_weighted_rows(vec (&r)[CV], long n, WeightOf wei
 /// out[k] = sum_c q[c] * rows[k][c] in float64 for the `width` rows k: per row one float64 chain over the
 /// channels in increasing order, each product of the two float32 values exact in float64 (so fused or not,
 /// every step rounds once: the bits of the scalar chain `s += double(q[c]) * rows[k][c]`). With vector
-/// registers the rows' chains advance in vector lanes: width channels of the rows loaded as float32 vectors,
-/// transposed (as row_dots does) and widened to float64. `out` [width]. Query and rows of any storage type.
+/// registers the rows' chains advance in vector lanes: the rows' channels transposed as float32 vectors
+/// (transposed_blocks, as row_dots) and widened to float64. `out` [width]. Query and rows of any storage
+/// type.
 template <class Q, class Row>
 KOKKOS_INLINE_FUNCTION void row_dots64(const Q* q, int dim, const Row* const* rows, double* out) {
   int c0 = 0;
@@ -430,32 +451,34 @@ KOKKOS_INLINE_FUNCTION void row_dots64(const Q* q, int dim, const Row* const* ro
   constexpr int H = width / 2;
   typedef float fhalf __attribute__((vector_size(H * sizeof(float))));
   typedef double dhalf __attribute__((vector_size(H * sizeof(double))));
+  auto widen = [](const vec& v, dhalf& a, dhalf& b) {
+    fhalf x, y;
+    __builtin_memcpy(&x, &v, sizeof x);
+    __builtin_memcpy(&y, reinterpret_cast<const char*>(&v) + sizeof x, sizeof y);
+    a = __builtin_convertvector(x, dhalf), b = __builtin_convertvector(y, dhalf);
+  };
   dhalf lo = {}, hi = {};
-  for (; c0 + width <= dim; c0 += width) {
-    vec t[width];
-    for (int k = 0; k < width; ++k) t[k] = load(rows[k] + c0);
-    transpose(t);  // t[c] holds channel c0 + c of every row
-    // The block's query channels widened to float64 once, as two vectors, then each broadcast from memory.
-    double qd[width];
-    {
-      const vec qf = load(q + c0);
-      fhalf a, b;
-      __builtin_memcpy(&a, &qf, sizeof a);
-      __builtin_memcpy(&b, reinterpret_cast<const char*>(&qf) + sizeof a, sizeof b);
-      const dhalf da = __builtin_convertvector(a, dhalf), db = __builtin_convertvector(b, dhalf);
-      __builtin_memcpy(qd, &da, sizeof da);
-      __builtin_memcpy(qd + H, &db, sizeof db);
-    }
-    in_memory(qd);
-    for (int c = 0; c < width; ++c) {
-      const double qc = qd[c];
-      fhalf a, b;
-      __builtin_memcpy(&a, &t[c], sizeof a);
-      __builtin_memcpy(&b, reinterpret_cast<const char*>(&t[c]) + sizeof a, sizeof b);
-      lo += qc * __builtin_convertvector(a, dhalf);
-      hi += qc * __builtin_convertvector(b, dhalf);
-    }
-  }
+  double qd[transposed_block_channels<Row>];  // the block's query channels in float64, broadcast from memory
+  int block = 0;
+  c0 = transposed_blocks(
+      dim, rows,
+      [&](int b0, auto n) {
+        block = b0;
+        for (int c = 0; c < n; c += width) {
+          dhalf a, b;
+          widen(load(q + b0 + c), a, b);
+          __builtin_memcpy(qd + c, &a, sizeof a);
+          __builtin_memcpy(qd + c + H, &b, sizeof b);
+        }
+        in_memory(qd);
+      },
+      [&](int c, const vec& t) {
+        const double qc = qd[c - block];
+        dhalf a, b;
+        widen(t, a, b);
+        lo += qc * a;
+        hi += qc * b;
+      });
   __builtin_memcpy(out, &lo, sizeof lo);
   __builtin_memcpy(out + H, &hi, sizeof hi);
 #else
