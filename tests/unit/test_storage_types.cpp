@@ -229,17 +229,36 @@ TEMPLATE_TEST_CASE("row_dots64 gives every row the bits of its float64 chain in 
   using S = TestType;
   namespace kk = kvmem::kernels;
   constexpr int W = kk::simd::width;
-  for (int dim : {1, W - 1, W, W + 3, 64, 128, 131}) {
+  for (int dim : {1, W - 1, W, W + 3, 2 * W, 3 * W + 5, 64, 128, 131}) {
     INFO("dim=" << dim);
     const RowGroup<S> g(dim, 41 + dim);
     const auto& q = g.q;
     const auto& row = g.row;
     double got[W];
     kk::simd::row_dots64(q.data(), dim, row.data(), got);
+    double want[W];
     for (int k = 0; k < W; ++k) {
-      double want = 0.0;
-      for (int c = 0; c < dim; ++c) want += double(kvmem::to_float(q[c])) * double(kvmem::to_float(row[k][c]));
-      CHECK(kvmem_test::same_bits(got[k], want));
+      want[k] = 0.0;
+      for (int c = 0; c < dim; ++c) want[k] += double(kvmem::to_float(q[c])) * double(kvmem::to_float(row[k][c]));
+      CHECK(kvmem_test::same_bits(got[k], want[k]));
+    }
+    // Both chains from one walk of the rows (an eviction step of H2O or TOVA): the bits of the two apart,
+    // for a full row group and for the short groups taken one row at a time.
+    float got32[W];
+    kk::simd::row_dots_both(q.data(), dim, row.data(), got32, got);
+    for (int k = 0; k < W; ++k) {
+      CHECK(kvmem_test::same_bits(got32[k], kk::dot(q.data(), row[k], dim)));
+      CHECK(kvmem_test::same_bits(got[k], want[k]));
+    }
+    constexpr int RW = kk::simd::vector_registers ? W : 1;
+    for (int n = 1; n <= RW; ++n) {
+      float l[RW];
+      double l64[RW];
+      kk::row_group_dots_both<RW>(q.data(), dim, row.data(), n, l, l64);
+      for (int k = 0; k < n; ++k) {
+        CHECK(kvmem_test::same_bits(l[k], kk::dot(q.data(), row[k], dim)));
+        CHECK(kvmem_test::same_bits(l64[k], want[k]));
+      }
     }
   }
 }

@@ -193,6 +193,27 @@ KOKKOS_INLINE_FUNCTION void row_group_dots(const Q* q, int dim, const Row* const
   for (int k = 0; k < n; ++k) l[k] = dot(q, rows[k], dim);
 }
 
+/// row_group_dots into l [n] and, per row, the float64 chain s += double(q[c]) * rows[k][c] in channel
+/// order into l64 [n]: through simd::row_dots_both (one walk of the rows' channels for both) for a full
+/// group of RW = simd::width rows, one row at a time otherwise. The same bits as the two apart.
+template <int RW, class Q, class Row>
+KOKKOS_INLINE_FUNCTION void row_group_dots_both(const Q* q, int dim, const Row* const* rows, int n, float* l,
+                                                double* l64) {
+  if constexpr (RW > 1) {
+    static_assert(RW == simd::width, "row_dots_both takes a register's width of rows");
+    if (n == RW) {
+      simd::row_dots_both(q, dim, rows, l, l64);
+      return;
+    }
+  }
+  for (int k = 0; k < n; ++k) {
+    l[k] = dot(q, rows[k], dim);
+    double s = 0.0;
+    for (int c = 0; c < dim; ++c) s += static_cast<double>(to_float(q[c])) * to_float(rows[k][c]);
+    l64[k] = s;
+  }
+}
+
 /// Steps 4-5 on (b, h): out(g) [Dv] = softmax over the cached rows, in position order, of query(g) [D] .
 /// k / sqrt(D), times the values, for the group's query heads g < G (one softmax; float32, mul_add and
 /// softmax_exp as the other readouts); then, for scorers that need them, the float64 probabilities summed
@@ -202,8 +223,9 @@ KOKKOS_INLINE_FUNCTION void row_group_dots(const Q* q, int dim, const Row* const
 /// a contiguous range of channels, summed in float32 registers and stored once, rounded to out's storage
 /// type). Where a thread has vector registers (simd::vector_registers: CPUs), a thread takes a group of
 /// rows at once, each row's dot product still its own chain in channel order (simd::row_dots for the
-/// float32 logits, simd::row_dots64 for the float64 probabilities), so the bits are those of one row at a
-/// time; elsewhere (GPUs) a thread takes one row.
+/// float32 logits; simd::row_dots_both, one walk of the key rows for both, where the scorer also reads the
+/// float64 probabilities), so the bits are those of one row at a time; elsewhere (GPUs) a thread takes one
+/// row.
 template <class Team, class Scorer, class Cache, class QueryOf, class OutOf>
 KOKKOS_INLINE_FUNCTION void eviction_attend(const Team& team, const EvictionParams& p, const Cache& c,
                                             const Scorer& scorer, long b, int h, const QueryOf& query_of,
@@ -218,6 +240,8 @@ KOKKOS_INLINE_FUNCTION void eviction_attend(const Team& team, const EvictionPara
     auto key_row = [&](long i) -> const key_t* { return &c.keys(b, h, c.order(b, h, i), 0); };
     float max_logit = neg_inf();
     constexpr int RW = simd::vector_registers ? simd::width : 1;  // rows per thread step (row_dots)
+    // The float64 logits of the scorers that read probabilities come from the same walk of the key rows.
+    [[maybe_unused]] const double scale_d = 1.0 / Kokkos::sqrt(static_cast<double>(D));
     Kokkos::parallel_reduce(
         Kokkos::TeamThreadRange(team, (live + RW - 1) / RW),
         [&](long r, float& m) {
@@ -226,7 +250,13 @@ KOKKOS_INLINE_FUNCTION void eviction_attend(const Team& team, const EvictionPara
           const key_t* rows[RW];
           for (int k = 0; k < RW; ++k) rows[k] = key_row(i0 + (k < n ? k : 0));
           float l[RW];
-          row_group_dots<RW>(qv, D, rows, n, l);
+          if constexpr (Scorer::needs_probabilities) {
+            double l64[RW];
+            row_group_dots_both<RW>(qv, D, rows, n, l, l64);
+            for (int k = 0; k < n; ++k) c.logits64(b, h, i0 + k) = l64[k] * scale_d;
+          } else {
+            row_group_dots<RW>(qv, D, rows, n, l);
+          }
           for (int k = 0; k < n; ++k) {
             const float lk = l[k] * p.scale;
             c.logits(b, h, i0 + k) = lk;
@@ -276,33 +306,12 @@ KOKKOS_INLINE_FUNCTION void eviction_attend(const Team& team, const EvictionPara
     });
     // The probabilities the scorer reads, in float64 (spec §6 "needs P"): only for scorers that ask.
     if constexpr (Scorer::needs_probabilities) {
-      const double scale_d = 1.0 / Kokkos::sqrt(static_cast<double>(D));
       double max_d = -Kokkos::Experimental::infinity_v<double>;
-      // Rows whose float64 chains one thread advances together: a register's width (simd::row_dots64) on a
-      // CPU, one elsewhere.
-      constexpr int R = simd::vector_registers ? simd::width : 1;
       Kokkos::parallel_reduce(
-          Kokkos::TeamThreadRange(team, (live + R - 1) / R),
-          [&](long r, double& m) {
-            const long i0 = r * R;
-            const int n = live - i0 < R ? static_cast<int>(live - i0) : R;
-            const key_t* kk[R];
-            double s[R];
-            for (int k = 0; k < R; ++k) kk[k] = key_row(i0 + (k < n ? k : 0));
-            if constexpr (R == simd::width) {
-              simd::row_dots64(qv, D, kk, s);
-            } else {
-              for (int k = 0; k < R; ++k) s[k] = 0.0;
-              for (int ch = 0; ch < D; ++ch) {
-                const double qc = to_float(qv[ch]);
-                for (int k = 0; k < R; ++k) s[k] += qc * to_float(kk[k][ch]);
-              }
-            }
-            for (int k = 0; k < n; ++k) {
-              const double sk = s[k] * scale_d;
-              c.logits64(b, h, i0 + k) = sk;
-              m = sk > m ? sk : m;
-            }
+          Kokkos::TeamThreadRange(team, live),
+          [&](long i, double& m) {
+            const double sk = c.logits64(b, h, i);
+            m = sk > m ? sk : m;
           },
           Kokkos::Max<double>(max_d));
       Kokkos::parallel_for(Kokkos::TeamThreadRange(team, live),

@@ -367,41 +367,56 @@ KOKKOS_INLINE_FUNCTION int transposed_blocks(int dim, const Row* const* rows, On
   return c0;
 }
 
+namespace detail {
+/// The float32 chains of row_dots over a walk of transposed_blocks: one vector s, lane k row k's chain
+/// `s = mul_add(q[c], rows[k][c], s)` in channel order. A query other than float32 is widened once per
+/// block and each channel broadcast from memory (not widened once per fma through a general register).
+template <class Q, class Row>
+struct DotChains {
+  static constexpr bool float_query = std::is_same_v<std::remove_cv_t<Q>, float>;
+  const Q* q;
+  long q_stride;
+  vec s = broadcast(0.0f);
+  float qc[transposed_block_channels<Row>];  // a 16-bit query's block, widened
+  int block = 0;
+  template <class N>
+  KOKKOS_INLINE_FUNCTION void begin(int b0, N n) {
+    block = b0;
+    if constexpr (!float_query) {
+      if (q_stride == 1)
+        for (int c = 0; c < n; c += width) store(qc + c, load(q + b0 + c));
+      else
+        for (int c = 0; c < n; ++c) qc[c] = to_float(q[(b0 + c) * q_stride]);
+      in_memory(qc);
+    }
+  }
+  KOKKOS_INLINE_FUNCTION void add(int c, const vec& t) {
+    if constexpr (float_query)
+      s = fma(t, broadcast(q[c * q_stride]), s);
+    else
+      s = fma(t, broadcast(qc[c - block]), s);
+  }
+  /// out [width]: the chains, continued one row at a time over channels [c0, dim).
+  KOKKOS_INLINE_FUNCTION void finish(int c0, int dim, const Row* const* rows, float* out) const {
+    store(out, s);
+    for (int c = c0; c < dim; ++c)
+      for (int k = 0; k < width; ++k) out[k] = mul_add(to_float(q[c * q_stride]), to_float(rows[k][c]), out[k]);
+  }
+};
+}  // namespace detail
+
 /// out[k] = sum_c q[c * q_stride] * rows[k][c] for the `width` rows k, channels c in increasing order, one
 /// fma a step: per row the chain of kernels::dot (the same bits), advanced in vector lanes. One query
 /// against a register's width of rows (the readout's decode step, an eviction step's logits), the rows'
 /// channels transposed in registers (transposed_blocks), so each fma moves every row's chain on by one
 /// channel; channels past the last whole block continue the chains one row at a time. `out` [width]. The
-/// query and the rows may be of any storage type (converted as they are read); a query other than float32
-/// is widened once per block, each channel then broadcast from memory (not widened once per fma through a
-/// general register).
+/// query and the rows may be of any storage type (converted as they are read; detail::DotChains).
 template <class Q, class Row>
 KOKKOS_INLINE_FUNCTION void row_dots(const Q* q, long q_stride, int dim, const Row* const* rows, float* out) {
-  constexpr bool float_query = std::is_same_v<std::remove_cv_t<Q>, float>;
-  vec s = broadcast(0.0f);
-  float qc[transposed_block_channels<Row>];  // a 16-bit query's block, widened
-  int block = 0;
+  detail::DotChains<Q, Row> chains{q, q_stride};
   const int c0 = transposed_blocks(
-      dim, rows,
-      [&](int b0, auto n) {
-        block = b0;
-        if constexpr (!float_query) {
-          if (q_stride == 1)
-            for (int c = 0; c < n; c += width) store(qc + c, load(q + b0 + c));
-          else
-            for (int c = 0; c < n; ++c) qc[c] = to_float(q[(b0 + c) * q_stride]);
-          in_memory(qc);
-        }
-      },
-      [&](int c, const vec& t) {
-        if constexpr (float_query)
-          s = fma(t, broadcast(q[c * q_stride]), s);
-        else
-          s = fma(t, broadcast(qc[c - block]), s);
-      });
-  store(out, s);
-  for (int c = c0; c < dim; ++c)
-    for (int k = 0; k < width; ++k) out[k] = mul_add(to_float(q[c * q_stride]), to_float(rows[k][c]), out[k]);
+      dim, rows, [&](int b0, auto n) { chains.begin(b0, n); }, [&](int c, const vec& t) { chains.add(c, t); });
+  chains.finish(c0, dim, rows, out);
 }
 
 /// r[x] lane l (channel x * width + l of a block of CV * width channels) += sum_{j < n} weight_of(j) *
@@ -437,55 +452,91 @@ KOKKOS_INLINE_FUNCTION void add_weighted_rows(vec (&r)[CV], long n, WeightOf wei
   }
 }
 
-/// out[k] = sum_c q[c] * rows[k][c] in float64 for the `width` rows k: per row one float64 chain over the
-/// channels in increasing order, each product of the two float32 values exact in float64 (so fused or not,
-/// every step rounds once: the bits of the scalar chain `s += double(q[c]) * rows[k][c]`). With vector
-/// registers the rows' chains advance in vector lanes: the rows' channels transposed as float32 vectors
-/// (transposed_blocks, as row_dots) and widened to float64. `out` [width]. Query and rows of any storage
-/// type.
-template <class Q, class Row>
-KOKKOS_INLINE_FUNCTION void row_dots64(const Q* q, int dim, const Row* const* rows, double* out) {
-  int c0 = 0;
 #if defined(KVMEM_SIMD_VECTOR_EXTENSIONS)
-  // The rows' float64 chains in two register vectors of width / 2 doubles (rows [0, width / 2) and the rest).
-  constexpr int H = width / 2;
+namespace detail {
+/// The float64 chains of row_dots64 over a walk of transposed_blocks: two register vectors of width / 2
+/// doubles (rows [0, width / 2) and the rest), lane k row k's chain `s += double(q[c]) * rows[k][c]`.
+template <class Q, class Row>
+struct DotChains64 {
+  static constexpr int H = width / 2;
   typedef float fhalf __attribute__((vector_size(H * sizeof(float))));
   typedef double dhalf __attribute__((vector_size(H * sizeof(double))));
-  auto widen = [](const vec& v, dhalf& a, dhalf& b) {
+  const Q* q;
+  dhalf lo = {}, hi = {};
+  double qd[transposed_block_channels<Row>];  // the block's query channels in float64, broadcast from memory
+  int block = 0;
+  static KOKKOS_INLINE_FUNCTION void widen(const vec& v, dhalf& a, dhalf& b) {
     fhalf x, y;
     __builtin_memcpy(&x, &v, sizeof x);
     __builtin_memcpy(&y, reinterpret_cast<const char*>(&v) + sizeof x, sizeof y);
     a = __builtin_convertvector(x, dhalf), b = __builtin_convertvector(y, dhalf);
-  };
-  dhalf lo = {}, hi = {};
-  double qd[transposed_block_channels<Row>];  // the block's query channels in float64, broadcast from memory
-  int block = 0;
-  c0 = transposed_blocks(
-      dim, rows,
-      [&](int b0, auto n) {
-        block = b0;
-        for (int c = 0; c < n; c += width) {
-          dhalf a, b;
-          widen(load(q + b0 + c), a, b);
-          __builtin_memcpy(qd + c, &a, sizeof a);
-          __builtin_memcpy(qd + c + H, &b, sizeof b);
-        }
-        in_memory(qd);
-      },
-      [&](int c, const vec& t) {
-        const double qc = qd[c - block];
-        dhalf a, b;
-        widen(t, a, b);
-        lo += qc * a;
-        hi += qc * b;
-      });
-  __builtin_memcpy(out, &lo, sizeof lo);
-  __builtin_memcpy(out + H, &hi, sizeof hi);
+  }
+  template <class N>
+  KOKKOS_INLINE_FUNCTION void begin(int b0, N n) {
+    block = b0;
+    for (int c = 0; c < n; c += width) {
+      dhalf a, b;
+      widen(load(q + b0 + c), a, b);
+      __builtin_memcpy(qd + c, &a, sizeof a);
+      __builtin_memcpy(qd + c + H, &b, sizeof b);
+    }
+    in_memory(qd);
+  }
+  KOKKOS_INLINE_FUNCTION void add(int c, const vec& t) {
+    const double qc = qd[c - block];
+    dhalf a, b;
+    widen(t, a, b);
+    lo += qc * a;
+    hi += qc * b;
+  }
+  /// out [width]: the chains, continued one row at a time over channels [c0, dim).
+  KOKKOS_INLINE_FUNCTION void finish(int c0, int dim, const Row* const* rows, double* out) const {
+    __builtin_memcpy(out, &lo, sizeof lo);
+    __builtin_memcpy(out + H, &hi, sizeof hi);
+    for (int c = c0; c < dim; ++c)
+      for (int k = 0; k < width; ++k) out[k] += static_cast<double>(to_float(q[c])) * to_float(rows[k][c]);
+  }
+};
+}  // namespace detail
+#endif
+
+/// out[k] = sum_c q[c] * rows[k][c] in float64 for the `width` rows k: per row one float64 chain over the
+/// channels in increasing order, each product of the two float32 values exact in float64 (so fused or not,
+/// every step rounds once: the bits of the scalar chain `s += double(q[c]) * rows[k][c]`). With vector
+/// registers the rows' chains advance in vector lanes: the rows' channels transposed as float32 vectors
+/// (transposed_blocks, as row_dots) and widened to float64 (detail::DotChains64). `out` [width]. Query and
+/// rows of any storage type.
+template <class Q, class Row>
+KOKKOS_INLINE_FUNCTION void row_dots64(const Q* q, int dim, const Row* const* rows, double* out) {
+#if defined(KVMEM_SIMD_VECTOR_EXTENSIONS)
+  detail::DotChains64<Q, Row> chains{q};
+  const int c0 = transposed_blocks(
+      dim, rows, [&](int b0, auto n) { chains.begin(b0, n); }, [&](int c, const vec& t) { chains.add(c, t); });
+  chains.finish(c0, dim, rows, out);
 #else
   for (int k = 0; k < width; ++k) out[k] = 0.0;
-#endif
-  for (int c = c0; c < dim; ++c)
+  for (int c = 0; c < dim; ++c)
     for (int k = 0; k < width; ++k) out[k] += static_cast<double>(to_float(q[c])) * to_float(rows[k][c]);
+#endif
+}
+
+/// row_dots (stride 1) into out [width] and row_dots64 into out64 [width] in one walk of the rows'
+/// channels: each transposed channel vector feeds both rows' chains, so the bits of the two calls with one
+/// transpose instead of two (an eviction step whose scorer reads float64 probabilities).
+template <class Q, class Row>
+KOKKOS_INLINE_FUNCTION void row_dots_both(const Q* q, int dim, const Row* const* rows, float* out, double* out64) {
+#if defined(KVMEM_SIMD_VECTOR_EXTENSIONS)
+  detail::DotChains<Q, Row> chains{q, 1};
+  detail::DotChains64<Q, Row> chains64{q};
+  const int c0 = transposed_blocks(
+      dim, rows, [&](int b0, auto n) { chains.begin(b0, n), chains64.begin(b0, n); },
+      [&](int c, const vec& t) { chains.add(c, t), chains64.add(c, t); });
+  chains.finish(c0, dim, rows, out);
+  chains64.finish(c0, dim, rows, out64);
+#else
+  row_dots(q, 1, dim, rows, out);
+  row_dots64(q, dim, rows, out64);
+#endif
 }
 
 }  // namespace kvmem::kernels::simd
