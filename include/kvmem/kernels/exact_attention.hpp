@@ -39,7 +39,6 @@ void exact_causal_attention(const ExecSpace& exec, const In& q, const InKV& k, c
   require(v.extent(1) == k.extent(1) && y.extent(1) == q.extent(1) && y.extent(3) == v.extent(3), "v/y extents",
           v.extent(1), "v must match k's heads and y must be [B, Hq, T, Dv]");
   if (B == 0 || T == 0) return;
-  constexpr int QB = readout_query_block;
   const GroupLanes gl(Hq / Hkv, T);
   const float sqrt_d = Kokkos::sqrt(static_cast<float>(D));
   // Dynamic schedule: a causal query block's work grows with its position, so equal shares of the league
@@ -63,7 +62,7 @@ void exact_causal_attention(const ExecSpace& exec, const In& q, const InKV& k, c
         scratch_t scratch(team.team_scratch(level), floats);
         QueryBlock blk;
         blk.carve(scratch.data(), static_cast<int>((last - first) * n), D, Dv, packed);
-        Kokkos::parallel_for(Kokkos::TeamThreadRange(team, QB), [&](int u) {
+        Kokkos::parallel_for(Kokkos::TeamThreadRange(team, blk.read_lanes()), [&](int u) {
           const long hq = t.first_head + u % n;
           blk.load(u, u < blk.queries ? &q(b, hq, first + u / n, 0) : nullptr);
           blk.scales[u] = (tau ? tau[hq] : 1.0f) / sqrt_d;  // as merge::Defaults::logit_scale

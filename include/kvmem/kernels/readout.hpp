@@ -163,6 +163,10 @@ struct QueryBlock {
     tile_keys = packed ? probs + lanes * tile + lanes : nullptr;  // after the corrections [lanes]
     tile_values = packed ? tile_keys + long(tile) * d : nullptr;
   }
+  /// The lanes that attend_block reads, to be load()ed: lane 0 alone for a block of one live query (the
+  /// decode form: logits_one, add_tile on lane 0), every lane otherwise (the register tiles read the padding
+  /// lanes, which load() zeroes).
+  KOKKOS_INLINE_FUNCTION int read_lanes() const { return queries == 1 ? 1 : lanes; }
   /// Whether attend_block widens the key tiles of storage type K into tile_keys / tile_values before the
   /// register tiles read them: for keys narrower than float32, in a block with room (carve's `packed`) and
   /// more than one live query. A packed key is widened once per tile instead of once per register tile
@@ -632,10 +636,11 @@ void readout(const ExecSpace& exec, const MemoryConfig& cfg, const LayerWeightsR
         const long last = Kokkos::min(p(b, query_end), first + gl.positions);
         if (first >= last) return;
         const long m = p(b, read_rows), wb = p(b, window_begin_pos), off = p(b, input_offset);
+        const long wb_slot = ring.slot(wb);  // the window's positions [wb, last) fit the ring's slots
         scratch_t scratch(team.team_scratch(level), floats);
         QueryBlock blk;
         blk.carve(scratch.data(), static_cast<int>((last - first) * n), D, Dv, packed);
-        Kokkos::parallel_for(Kokkos::TeamThreadRange(team, QB), [&](int u) {
+        Kokkos::parallel_for(Kokkos::TeamThreadRange(team, blk.read_lanes()), [&](int u) {
           const long hq = t.first_head + u % n;
           const typename QueriesIn::value_type* qu = u < blk.queries ? &q(b, hq, first + u / n - off, 0) : nullptr;
           blk.load(u, qu);
@@ -649,8 +654,8 @@ void readout(const ExecSpace& exec, const MemoryConfig& cfg, const LayerWeightsR
             [&](long i) { return Merge::row_bias(rows.row(b, h, i)); });
         attend_block<Traits::spread>(
             team, blk, blk.scales + QB, last - wb, [&](int u) { return first + u / n + 1 - wb; },
-            [&](long j) { return &ring.keys(b, h, ring.slot(wb + j), 0); },
-            [&](long j) { return &ring.values(b, h, ring.slot(wb + j), 0); }, NoBias{});
+            [&](long j) { return &ring.keys(b, h, ring.slot_after(wb_slot, j), 0); },
+            [&](long j) { return &ring.values(b, h, ring.slot_after(wb_slot, j), 0); }, NoBias{});
         Kokkos::parallel_for(Kokkos::TeamThreadRange(team, blk.queries),
                              [&](int u) { blk.finish(u, &y(b, t.first_head + u % n, first + u / n - off, 0)); });
         if (lse.data() != nullptr)

@@ -118,6 +118,12 @@ struct WindowRing {
   }
   [[nodiscard]] KOKKOS_INLINE_FUNCTION long slots() const { return static_cast<long>(keys.extent(2)); }
   [[nodiscard]] KOKKOS_INLINE_FUNCTION long slot(long position) const { return position % slots(); }
+  /// slot(first + j) for 0 <= j < slots(), given first_slot = slot(first): one compare instead of a
+  /// division (a readout walks the window's positions in order).
+  [[nodiscard]] KOKKOS_INLINE_FUNCTION long slot_after(long first_slot, long j) const {
+    const long s = first_slot + j;
+    return s < slots() ? s : s - slots();
+  }
 };
 
 }  // namespace kvmem::state
