@@ -32,7 +32,7 @@ KOKKOS_INLINE_FUNCTION float select_bits(bool c, float a, float b) {
 /// and a degree-6 polynomial (Cephes expf): within 1 ulp of glibc expf on [-86, 0], 0 below -87, NaN for
 /// NaN. Plain arithmetic (mul_add, integer bit operations, select_bits), so the compiler vectorizes a loop
 /// of them and a lane of a vector gives the same bits as the scalar call.
-KOKKOS_INLINE_FUNCTION float softmax_exp(float x) {
+KOKKOS_FORCEINLINE_FUNCTION float softmax_exp(float x) {
   const bool in_range = x > -87.0f;  // false for -inf, NaN and underflow
   float xc = select_bits(in_range, x, -87.0f);
   xc = select_bits(xc < 88.0f, xc, 88.0f);
@@ -255,7 +255,16 @@ struct QueryBlock {
     const float old_max = max_logit[u];
     const float new_max = tile_max > old_max ? tile_max : old_max;
     const float correction = softmax_exp(old_max - new_max);
-    for (int j = 0; j < n; ++j) probs[j * lanes + u] = softmax_exp(logits[j * lanes + u] - new_max);
+    if constexpr (simd::vector_registers) {
+      // Lane u's column of the tile gathered into a contiguous block first, so that the exponentials run
+      // in vector lanes (each lane the scalar softmax_exp's bits).
+      float e[tile];
+      for (int j = 0; j < n; ++j) e[j] = logits[j * lanes + u] - new_max;
+      for (int j = 0; j < n; ++j) e[j] = softmax_exp(e[j]);
+      for (int j = 0; j < n; ++j) probs[j * lanes + u] = e[j];
+    } else {
+      for (int j = 0; j < n; ++j) probs[j * lanes + u] = softmax_exp(logits[j * lanes + u] - new_max);
+    }
     float norm = mul_add(normalizer[u], correction, probs[u]);
     for (int j = 1; j < n; ++j) norm += probs[j * lanes + u];
     normalizer[u] = norm;
