@@ -263,6 +263,21 @@ TEMPLATE_TEST_CASE("row_dots64 gives every row the bits of its float64 chain in 
   }
 }
 
+namespace {
+// Device-callable accessors for add_weighted_rows (nvcc rejects host lambdas called from its
+// KOKKOS_INLINE_FUNCTIONs): weight j and row j of a contiguous [n][row_len] block.
+struct WeightAt {
+  const float* w;
+  KOKKOS_INLINE_FUNCTION float operator()(long j) const { return w[j]; }
+};
+template <class S>
+struct RowAt {
+  const S* v;
+  long row_len;
+  KOKKOS_INLINE_FUNCTION const S* operator()(long j) const { return v + j * row_len; }
+};
+}  // namespace
+
 TEMPLATE_TEST_CASE("add_weighted_rows gives every channel the bits of its scalar chain over the rows",
                    "[dtype][simd][readout]", float, bfloat16, float16) {
   // The value side of the decode readout and of an eviction step: acc[c] = mul_add(w_j, v_j[c], acc[c]),
@@ -280,8 +295,7 @@ TEMPLATE_TEST_CASE("add_weighted_rows gives every channel the bits of its scalar
     for (float x : v_f) v.push_back(kvmem::from_float<S>(8.0f * x));
     kk::simd::vec r[CV];
     for (int x = 0; x < CV; ++x) r[x] = kk::simd::load(a_f.data() + x * W);
-    kk::simd::add_weighted_rows(
-        r, n, [&](long j) { return w_f[j]; }, [&](long j) { return v.data() + j * CV * W; });
+    kk::simd::add_weighted_rows(r, n, WeightAt{w_f.data()}, RowAt<S>{v.data(), CV * W});
     float got[CV * W];
     for (int x = 0; x < CV; ++x) kk::simd::store(got + x * W, r[x]);
     long differ = 0;

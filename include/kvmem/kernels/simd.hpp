@@ -379,8 +379,10 @@ struct DotChains {
   vec s = broadcast(0.0f);
   float qc[transposed_block_channels<Row>];  // a 16-bit query's block, widened
   int block = 0;
+  KOKKOS_INLINE_FUNCTION DotChains(const Q* query, long stride) : q(query), q_stride(stride) {}
   template <class N>
-  KOKKOS_INLINE_FUNCTION void begin(int b0, N n) {
+  KOKKOS_INLINE_FUNCTION void begin(int b0, N) {
+    constexpr int n = N::value;
     block = b0;
     if constexpr (!float_query) {
       if (q_stride == 1)
@@ -413,7 +415,7 @@ struct DotChains {
 /// query and the rows may be of any storage type (converted as they are read; detail::DotChains).
 template <class Q, class Row>
 KOKKOS_INLINE_FUNCTION void row_dots(const Q* q, long q_stride, int dim, const Row* const* rows, float* out) {
-  detail::DotChains<Q, Row> chains{q, q_stride};
+  detail::DotChains<Q, Row> chains(q, q_stride);
   const int c0 = transposed_blocks(
       dim, rows, [&](int b0, auto n) { chains.begin(b0, n); }, [&](int c, const vec& t) { chains.add(c, t); });
   chains.finish(c0, dim, rows, out);
@@ -465,6 +467,7 @@ struct DotChains64 {
   dhalf lo = {}, hi = {};
   double qd[transposed_block_channels<Row>];  // the block's query channels in float64, broadcast from memory
   int block = 0;
+  KOKKOS_INLINE_FUNCTION explicit DotChains64(const Q* query) : q(query) {}
   static KOKKOS_INLINE_FUNCTION void widen(const vec& v, dhalf& a, dhalf& b) {
     fhalf x, y;
     __builtin_memcpy(&x, &v, sizeof x);
@@ -472,7 +475,8 @@ struct DotChains64 {
     a = __builtin_convertvector(x, dhalf), b = __builtin_convertvector(y, dhalf);
   }
   template <class N>
-  KOKKOS_INLINE_FUNCTION void begin(int b0, N n) {
+  KOKKOS_INLINE_FUNCTION void begin(int b0, N) {
+    constexpr int n = N::value;
     block = b0;
     for (int c = 0; c < n; c += width) {
       dhalf a, b;
@@ -509,7 +513,7 @@ struct DotChains64 {
 template <class Q, class Row>
 KOKKOS_INLINE_FUNCTION void row_dots64(const Q* q, int dim, const Row* const* rows, double* out) {
 #if defined(KVMEM_SIMD_VECTOR_EXTENSIONS)
-  detail::DotChains64<Q, Row> chains{q};
+  detail::DotChains64<Q, Row> chains(q);
   const int c0 = transposed_blocks(
       dim, rows, [&](int b0, auto n) { chains.begin(b0, n); }, [&](int c, const vec& t) { chains.add(c, t); });
   chains.finish(c0, dim, rows, out);
@@ -526,8 +530,8 @@ KOKKOS_INLINE_FUNCTION void row_dots64(const Q* q, int dim, const Row* const* ro
 template <class Q, class Row>
 KOKKOS_INLINE_FUNCTION void row_dots_both(const Q* q, int dim, const Row* const* rows, float* out, double* out64) {
 #if defined(KVMEM_SIMD_VECTOR_EXTENSIONS)
-  detail::DotChains<Q, Row> chains{q, 1};
-  detail::DotChains64<Q, Row> chains64{q};
+  detail::DotChains<Q, Row> chains(q, 1);
+  detail::DotChains64<Q, Row> chains64(q);
   const int c0 = transposed_blocks(
       dim, rows, [&](int b0, auto n) { chains.begin(b0, n), chains64.begin(b0, n); },
       [&](int c, const vec& t) { chains.add(c, t), chains64.add(c, t); });
