@@ -204,3 +204,40 @@ TEST_CASE("exact attention gives the same bits in register tiles and spread, in 
   check(kvmem::bfloat16{});
   check(kvmem::float16{});
 }
+
+namespace {
+/// A tile form with `N` query blocks per team (TileTraits::blocks_per_team; kernels::attend_blocks).
+template <class Form, int N>
+struct BlocksPerTeam : Form {
+  static constexpr int blocks_per_team = N;
+};
+}  // namespace
+
+TEST_CASE("exact attention gives the same bits for one, two or three query blocks per team, in every storage type",
+          "[readout][tiles][exact]") {
+  // attend_blocks: a team's blocks share each key tile (and its float32 widening); every lane runs the
+  // operations it runs alone. Shapes whose last team holds fewer blocks than the others, blocks that read
+  // fewer tiles than the team's last (causal), G = 4 blocks of 8 positions, and a decode step.
+  struct Shape {
+    long B, Hq, Hkv, T, D, Dv, first;
+  };
+  const Shape shapes[] = {{1, 2, 2, 100, 40, 24, 0}, {2, 8, 2, 77, 33, 17, 0}, {1, 4, 1, 45, 16, 8, 30},
+                          {1, 8, 2, 1, 64, 64, 100}};
+  auto check = [&]<class T>(T) {
+    for (const auto& s : shapes) {
+      const long Tk = s.first + s.T;
+      const auto q = random_view<T>("q", s.B, s.Hq, s.T, s.D, 31, 2.0f);
+      const auto k = random_view<T>("k", s.B, s.Hkv, Tk, s.D, 32);
+      const auto v = random_view<T>("v", s.B, s.Hkv, Tk, s.Dv, 33);
+      const auto one = exact_y<BlocksPerTeam<kk::RegisterTiles, 1>>(q, k, v, s.first);
+      INFO(kvmem::dtype_name<T> << " B " << s.B << " Hq " << s.Hq << " Hkv " << s.Hkv << " T " << s.T << " D " << s.D
+                                  << " first " << s.first);
+      CHECK(first_difference(one, exact_y<BlocksPerTeam<kk::RegisterTiles, 2>>(q, k, v, s.first)) == -1);
+      CHECK(first_difference(one, exact_y<BlocksPerTeam<kk::RegisterTiles, 3>>(q, k, v, s.first)) == -1);
+      CHECK(first_difference(one, exact_y<BlocksPerTeam<kk::SpreadTiles, 2>>(q, k, v, s.first)) == -1);
+    }
+  };
+  check(0.0f);
+  check(kvmem::bfloat16{});
+  check(kvmem::float16{});
+}

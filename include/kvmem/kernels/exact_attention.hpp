@@ -39,7 +39,8 @@ void exact_causal_attention(const ExecSpace& exec, const In& q, const InKV& k, c
   require(v.extent(1) == k.extent(1) && y.extent(1) == q.extent(1) && y.extent(3) == v.extent(3), "v/y extents",
           v.extent(1), "v must match k's heads and y must be [B, Hq, T, Dv]");
   if (B == 0 || T == 0) return;
-  const GroupLanes gl(Hq / Hkv, T);
+  constexpr int NB = Traits::blocks_per_team;
+  const GroupLanes gl(Hq / Hkv, T, NB);
   const float sqrt_d = Kokkos::sqrt(static_cast<float>(D));
   // Dynamic schedule: a causal query block's work grows with its position, so equal shares of the league
   // are unequal work (with a static split over 2 threads of one head, one thread did 3/4 of it). Each team
@@ -49,7 +50,7 @@ void exact_causal_attention(const ExecSpace& exec, const In& q, const InKV& k, c
   using scratch_t = Kokkos::View<float*, typename ExecSpace::scratch_memory_space, Kokkos::MemoryUnmanaged>;
   // Room for a widened key tile where keys are stored in 16 bits (QueryBlock::packs).
   constexpr bool packed = !std::is_same_v<std::remove_cv_t<typename InKV::value_type>, float>;
-  const long floats = QueryBlock::scratch_floats(D, Dv, packed);
+  const long floats = QueryBlock::team_floats(NB, D, Dv, packed);
   policy_t policy(exec, gl.league(B, Hkv), Kokkos::AUTO);
   const int level = scratch_level(policy, scratch_t::shmem_size(floats));
   policy = policy.set_scratch_size(level, Kokkos::PerTeam(scratch_t::shmem_size(floats)));
@@ -58,21 +59,31 @@ void exact_causal_attention(const ExecSpace& exec, const In& q, const InKV& k, c
       "kvmem::exact_causal_attention", policy, KOKKOS_LAMBDA(const member_t& team) {
         const auto t = gl.team(team.league_rank(), Hkv);
         const long b = t.b, h = t.h, n = t.heads;
-        const long first = t.block * gl.positions, last = Kokkos::min(T, first + gl.positions);
         scratch_t scratch(team.team_scratch(level), floats);
-        QueryBlock blk;
-        blk.carve(scratch.data(), static_cast<int>((last - first) * n), D, Dv, packed);
-        Kokkos::parallel_for(Kokkos::TeamThreadRange(team, blk.read_lanes()), [&](int u) {
-          const long hq = t.first_head + u % n;
-          blk.load(u, u < blk.queries ? &q(b, hq, first + u / n, 0) : nullptr);
-          blk.scales[u] = (tau ? tau[hq] : 1.0f) / sqrt_d;  // as merge::Defaults::logit_scale
-        });
+        QueryBlock blks[NB];
+        long firsts[NB];
+        int nb = 0;  // the team's blocks that hold queries
+        for (; nb < NB && (t.block + nb) * gl.positions < T; ++nb) {
+          const long first = (t.block + nb) * gl.positions, last = Kokkos::min(T, first + gl.positions);
+          firsts[nb] = first;
+          blks[nb].carve_in_team(scratch.data(), nb, static_cast<int>((last - first) * n), D, Dv, packed);
+        }
+        for (int i = 0; i < nb; ++i)
+          Kokkos::parallel_for(Kokkos::TeamThreadRange(team, blks[i].read_lanes()), [&](int u) {
+            const long hq = t.first_head + u % n;
+            blks[i].load(u, u < blks[i].queries ? &q(b, hq, firsts[i] + u / n, 0) : nullptr);
+            blks[i].scales[u] = (tau ? tau[hq] : 1.0f) / sqrt_d;  // as merge::Defaults::logit_scale
+          });
         team.team_barrier();
-        attend_block<Traits::spread>(
-            team, blk, blk.scales, P0 + last, [&](int u) { return P0 + first + u / n + 1; },
-            [&](long j) { return &k(b, h, j, 0); }, [&](long j) { return &v(b, h, j, 0); }, NoBias{});
-        Kokkos::parallel_for(Kokkos::TeamThreadRange(team, blk.queries),
-                             [&](int u) { blk.finish(u, &y(b, t.first_head + u % n, first + u / n, 0)); });
+        const long last_key = P0 + firsts[nb - 1] + blks[nb - 1].queries / n;  // keys of the team's last query
+        attend_blocks<Traits::spread, NB>(
+            team, blks, nb, [&](int i) { return blks[i].scales; }, last_key,
+            [&](int i, int u) { return P0 + firsts[i] + u / n + 1; }, [&](long j) { return &k(b, h, j, 0); },
+            [&](long j) { return &v(b, h, j, 0); }, NoBias{});
+        for (int i = 0; i < nb; ++i)
+          Kokkos::parallel_for(Kokkos::TeamThreadRange(team, blks[i].queries), [&](int u) {
+            blks[i].finish(u, &y(b, t.first_head + u % n, firsts[i] + u / n, 0));
+          });
       });
 }
 

@@ -150,6 +150,16 @@ struct QueryBlock {
     return long(d) * lanes + 4L * lanes + long(lanes) * dv + 2L * lanes * tile + lanes +
            (packed ? long(tile) * (d + dv) : 0L);
   }
+  /// Scratch floats of a team's nb query blocks (attend_blocks): the first with room for the packed tile.
+  KOKKOS_INLINE_FUNCTION static constexpr long team_floats(int nb, int d, int dv, bool packed = false) {
+    return scratch_floats(d, dv, packed) + (nb - 1) * scratch_floats(d, dv, false);
+  }
+  /// Lays out block i of a team's blocks in `team_scratch` (team_floats floats), after the blocks before
+  /// it, for `n` live queries; block 0 holds the packed tile that the team's blocks share.
+  KOKKOS_INLINE_FUNCTION void carve_in_team(float* team_scratch, int i, int n, int d, int dv, bool packed = false) {
+    const long offset = i == 0 ? 0L : scratch_floats(d, dv, packed) + (i - 1) * scratch_floats(d, dv, false);
+    carve(team_scratch + offset, n, d, dv, packed && i == 0);
+  }
   /// Lays the block out in `scratch` (scratch_floats(d, dv, packed) floats) for `n` live queries.
   KOKKOS_INLINE_FUNCTION void carve(float* scratch, int n, int d, int dv, bool packed = false) {
     queries = n, dim = d, value_dim = dv;
@@ -493,61 +503,99 @@ KOKKOS_INLINE_FUNCTION void attend_tile(const Member& team, const QueryBlock& bl
   team.team_barrier();
 }
 
-/// Folds keys [0, count(u)) into lane u of `blk` for every live lane, tile by tile from key 0 (the tiles
-/// of attend): logit = q_u · key_of(j) * scale[u] + bias_of(j), values value_of(j). `max_count` is the
-/// largest count(u). key_of/value_of return pointers to elements of one storage type (float, bfloat16 or
-/// float16), widened to float32 in registers, or first into the block's packed tile (QueryBlock::packs).
+/// One key tile in the spread form (TileTraits SpreadTiles): a thread per (key, lane) logit, per lane softmax
+/// step and per (lane, channel) sum; the same operations per lane as attend_tile. keys_of(u): keys of the
+/// tile that lane u reads; key_at(j), value_at(j), bias_of(j0 + j) for j in [0, n). Ends with a team barrier.
+template <class Member, class KeysOf, class KeyAt, class ValueAt, class BiasOf>
+KOKKOS_INLINE_FUNCTION void attend_tile_spread(const Member& team, const QueryBlock& blk, const float* scale, long j0,
+                                               int n, KeysOf keys_of, KeyAt key_at, ValueAt value_at,
+                                               BiasOf bias_of) {
+  const int lanes = blk.queries;
+  Kokkos::parallel_for(Kokkos::TeamThreadRange(team, n * lanes), [&](int e) {
+    const int j = e / lanes, u = e % lanes;
+    blk.logit(u, j, key_at(j), scale[u], bias_of(j0 + j));
+  });
+  team.team_barrier();
+  float* corrections = blk.probs + QueryBlock::tile * QueryBlock::lanes;
+  Kokkos::parallel_for(Kokkos::TeamThreadRange(team, lanes), [&](int u) {
+    const int nu = keys_of(u);
+    if (nu > 0) corrections[u] = blk.softmax_one(u, nu);
+  });
+  team.team_barrier();
+  const int dv = blk.value_dim;
+  Kokkos::parallel_for(Kokkos::TeamThreadRange(team, lanes * dv), [&](int e) {
+    const int u = e / dv, c = e % dv, nu = keys_of(u);
+    if (nu > 0) blk.accumulate_channel(u, c, nu, corrections[u], value_at);
+  });
+  team.team_barrier();
+}
+
+/// Folds keys [0, count_of(i, u)) into lane u of block blks[i], for the nb <= NB blocks of a team that read
+/// the same keys (consecutive query positions of one kv-head), tile by tile from key 0 (the tiles of
+/// attend): logit = q_u · key_of(j) * scale_of(i)[u] + bias_of(j), values value_of(j). `max_count` is the
+/// largest count over every lane of every block. key_of/value_of return pointers to elements of one storage
+/// type (float, bfloat16 or float16), widened to float32 in registers, or first into blks[0]'s packed tile
+/// (QueryBlock::packs) once for all the blocks. Each tile is read once for the nb blocks while it is in the
+/// nearest cache; every lane runs the operations it runs alone (attend_block), so nb changes no bit.
 /// Collective over `team`; ends with a team barrier.
 /// `Spread` (TileTraits<ExecSpace>::spread) picks how the team covers a tile, not a bit of the result.
+template <bool Spread = false, int NB = 1, class Member, class ScaleOf, class CountOf, class KeyOf, class ValueOf,
+          class BiasOf>
+KOKKOS_INLINE_FUNCTION void attend_blocks(const Member& team, const QueryBlock* blks, int nb, ScaleOf scale_of,
+                                          long max_count, CountOf count_of, KeyOf key_of, ValueOf value_of,
+                                          BiasOf bias_of) {
+  constexpr int KT = readout_key_tile, L = QueryBlock::lanes;
+  using key_type = std::remove_pointer_t<decltype(key_of(0L))>;
+  long lane_count[NB][L];  // count_of once per lane, not once per tile
+  long block_count[NB];    // the most keys a lane of the block reads
+  for (int i = 0; i < nb; ++i) {
+    block_count[i] = 0;
+    for (int u = 0; u < L; ++u) {
+      lane_count[i][u] = u < blks[i].queries ? count_of(i, u) : 0;
+      block_count[i] = lane_count[i][u] > block_count[i] ? lane_count[i][u] : block_count[i];
+    }
+  }
+  const bool packed = !Spread && blks[0].packs<key_type>();
+  for (long j0 = 0; j0 < max_count; j0 += KT) {
+    const int n = static_cast<int>(max_count - j0 < KT ? max_count - j0 : KT);
+    auto key_at = [&](int j) { return key_of(j0 + j); };
+    auto values = [&](int j) { return value_of(j0 + j); };
+    if (packed) {
+      pack_tile(team, blks[0], n, key_at, values);
+      team.team_barrier();
+    }
+    for (int i = 0; i < nb; ++i) {
+      if (block_count[i] <= j0) continue;  // no lane of block i reads this tile (same on every thread)
+      const long* counts = lane_count[i];
+      auto keys_of = [&](int u) {  // keys of this tile that lane u of block i reads
+        const long count = counts[u];
+        return static_cast<int>(count <= j0 ? 0 : (count - j0 < KT ? count - j0 : KT));
+      };
+      const QueryBlock& blk = blks[i];
+      if constexpr (Spread) {
+        attend_tile_spread(team, blk, scale_of(i), j0, n, keys_of, key_at, values, bias_of);
+      } else if (packed) {
+        const float* pk = blks[0].tile_keys;
+        const float* pv = blks[0].tile_values;
+        const long d = blk.dim, dv = blk.value_dim;
+        attend_tile(
+            team, blk, scale_of(i), j0, n, keys_of, [&](int j) { return pk + j * d; },
+            [&](int j) { return pv + j * dv; }, bias_of);
+      } else {
+        attend_tile(team, blk, scale_of(i), j0, n, keys_of, key_at, values, bias_of);
+      }
+    }
+  }
+}
+
+/// attend_blocks for one block: keys [0, count_of(u)) into lane u of `blk` with logit scales scale[u];
+/// `max_count` is the largest count_of(u).
 template <bool Spread = false, class Member, class CountOf, class KeyOf, class ValueOf, class BiasOf>
 KOKKOS_INLINE_FUNCTION void attend_block(const Member& team, const QueryBlock& blk, const float* scale, long max_count,
                                          CountOf count_of, KeyOf key_of, ValueOf value_of, BiasOf bias_of) {
-  constexpr int KT = readout_key_tile;
-  using key_type = std::remove_pointer_t<decltype(key_of(0L))>;
-  long lane_count[QueryBlock::lanes];  // count_of once per lane, not once per tile
-  for (int u = 0; u < QueryBlock::lanes; ++u) lane_count[u] = u < blk.queries ? count_of(u) : 0;
-  const bool packed = blk.packs<key_type>();
-  for (long j0 = 0; j0 < max_count; j0 += KT) {
-    const int n = static_cast<int>(max_count - j0 < KT ? max_count - j0 : KT);
-    auto keys_of = [&](int u) {  // keys of this tile that lane u reads
-      const long count = lane_count[u];
-      return static_cast<int>(count <= j0 ? 0 : (count - j0 < KT ? count - j0 : KT));
-    };
-    auto key_at = [&](int j) { return key_of(j0 + j); };
-    auto values = [&](int j) { return value_of(j0 + j); };
-    if constexpr (Spread) {
-      // TileTraits: a thread per (key, lane) logit, per lane softmax step and per (lane, channel) sum.
-      const int lanes = blk.queries;
-      Kokkos::parallel_for(Kokkos::TeamThreadRange(team, n * lanes), [&](int e) {
-        const int j = e / lanes, u = e % lanes;
-        blk.logit(u, j, key_of(j0 + j), scale[u], bias_of(j0 + j));
-      });
-      team.team_barrier();
-      float* corrections = blk.probs + QueryBlock::tile * QueryBlock::lanes;
-      Kokkos::parallel_for(Kokkos::TeamThreadRange(team, lanes), [&](int u) {
-        const int nu = keys_of(u);
-        if (nu > 0) corrections[u] = blk.softmax_one(u, nu);
-      });
-      team.team_barrier();
-      const int dv = blk.value_dim;
-      Kokkos::parallel_for(Kokkos::TeamThreadRange(team, lanes * dv), [&](int e) {
-        const int u = e / dv, c = e % dv, nu = keys_of(u);
-        if (nu > 0) blk.accumulate_channel(u, c, nu, corrections[u], values);
-      });
-      team.team_barrier();
-    } else if (packed) {
-      pack_tile(team, blk, n, key_at, values);
-      team.team_barrier();
-      const float* pk = blk.tile_keys;
-      const float* pv = blk.tile_values;
-      const long d = blk.dim, dv = blk.value_dim;
-      attend_tile(
-          team, blk, scale, j0, n, keys_of, [&](int j) { return pk + j * d; }, [&](int j) { return pv + j * dv; },
-          bias_of);
-    } else {
-      attend_tile(team, blk, scale, j0, n, keys_of, key_at, values, bias_of);
-    }
-  }
+  attend_blocks<Spread, 1>(
+      team, &blk, 1, [&](int) { return scale; }, max_count, [&](int, int u) { return count_of(u); }, key_of,
+      value_of, bias_of);
 }
 
 /// Which queries the lanes of one query block hold under GQA: the query heads of a kv-head's group read the
@@ -563,27 +611,33 @@ struct GroupLanes {
   int positions = 1;     ///< positions per block: readout_query_block / heads
   long head_groups = 1;  ///< blocks of heads per kv-head: ceil(G / heads)
   long blocks = 1;       ///< position blocks: ceil(max_queries / positions)
+  int per_team = 1;      ///< consecutive position blocks per team (TileTraits::blocks_per_team)
+  long team_blocks = 1;  ///< teams per (sequence, head group): ceil(blocks / per_team)
 
-  /// The layout for group size G >= 1 and at most max_queries >= 1 positions per sequence.
-  GroupLanes(long G, long max_queries)
+  /// The layout for group size G >= 1, at most max_queries >= 1 positions per sequence and up to
+  /// `blocks_per_team` >= 1 position blocks per team (they read each key tile once for all of them).
+  GroupLanes(long G, long max_queries, int blocks_per_team = 1)
       : group(G),
         heads(static_cast<int>(G < readout_query_block ? G : readout_query_block)),
         positions(readout_query_block / heads),
         head_groups((G + heads - 1) / heads),
-        blocks((max_queries + positions - 1) / positions) {}
+        blocks((max_queries + positions - 1) / positions),
+        per_team(blocks_per_team),
+        team_blocks((blocks + blocks_per_team - 1) / blocks_per_team) {}
   /// Teams for B sequences of Hkv kv-heads.
-  [[nodiscard]] long league(long B, long Hkv) const { return B * Hkv * head_groups * blocks; }
+  [[nodiscard]] long league(long B, long Hkv) const { return B * Hkv * head_groups * team_blocks; }
 
-  /// One team's block: sequence b, kv-head h, query heads [first_head, first_head + heads), position block
-  /// index `block` (positions block x positions + [0, positions) from the caller's first query).
+  /// One team's blocks: sequence b, kv-head h, query heads [first_head, first_head + heads), position block
+  /// indices [block, block + per_team) (block x positions + [0, positions) from the caller's first query;
+  /// the last team's blocks may run past the queries).
   struct Team {
     long b, h, first_head, block;
     int heads;
   };
   KOKKOS_INLINE_FUNCTION Team team(long league_rank, long Hkv) const {
     Team t{};
-    t.block = league_rank % blocks;
-    long rest = league_rank / blocks;
+    t.block = (league_rank % team_blocks) * per_team;
+    long rest = league_rank / team_blocks;
     const long hg = rest % head_groups;
     rest /= head_groups;
     t.h = rest % Hkv;
@@ -606,9 +660,10 @@ struct GroupLanes {
 /// stride; their element type, that of the state's read caches and of the window (the storage type T) may
 /// be float, bfloat16 or float16, read as float32, with float32 logits, softmax and sums (docs/numerics.md).
 /// Query head hq reads kv-head hq / G (GQA). `max_queries` bounds query_end - query_begin.
-/// A team computes a block of readout_query_block queries of one kv-head's group (GroupLanes: the query
-/// heads that share the kv-head, at consecutive positions; QueryBlock, attend_block), in a fixed order: the
-/// same bits on every run of a backend, for any block layout and on any thread count.
+/// A team computes Traits::blocks_per_team consecutive blocks of readout_query_block queries of one kv-head's
+/// group (GroupLanes: the query heads that share the kv-head, at consecutive positions; QueryBlock,
+/// attend_blocks: one pass over the keys for all of them), in a fixed order: the same bits on every run of
+/// a backend, for any block layout and on any thread count.
 /// When `lse` [B, Hq, >= max_queries] is not empty, lse(b, hq, u - query_begin) also receives each query's
 /// log-sum-exp max + log(normalizer) (for row eviction, score::RowEviction); otherwise nothing is paid.
 /// `Traits` (TileTraits<ExecSpace>) picks how a team covers a key tile; it changes no bit.
@@ -622,9 +677,9 @@ void readout(const ExecSpace& exec, const MemoryConfig& cfg, const LayerWeightsR
              long max_queries, const Lse& lse = Lse{}) {
   const long B = static_cast<long>(plan.device.extent(0));
   if (max_queries <= 0 || B == 0) return;
-  constexpr int QB = readout_query_block;
+  constexpr int QB = readout_query_block, NB = Traits::blocks_per_team;
   const int Hkv = cfg.kv_heads, D = cfg.head_dim, Dv = cfg.value_dim;
-  const GroupLanes gl(cfg.group(), max_queries);
+  const GroupLanes gl(cfg.group(), max_queries, NB);
   const auto p = plan.device;
   // Dynamic schedule: a causal query block's work grows with its position, so equal shares of the league
   // are unequal work (with a static split over 2 threads of one head, one thread did 3/4 of it). Each team
@@ -633,7 +688,7 @@ void readout(const ExecSpace& exec, const MemoryConfig& cfg, const LayerWeightsR
   using member_t = typename policy_t::member_type;
   using scratch_t = Kokkos::View<float*, typename ExecSpace::scratch_memory_space, Kokkos::MemoryUnmanaged>;
   constexpr bool packed = !std::is_same_v<T, float>;  // room for a widened key tile (QueryBlock::packs)
-  const long floats = QueryBlock::scratch_floats(D, Dv, packed);
+  const long floats = QueryBlock::team_floats(NB, D, Dv, packed);
   policy_t policy(exec, gl.league(B, Hkv), Kokkos::AUTO);
   const int level = scratch_level(policy, scratch_t::shmem_size(floats));
   policy = policy.set_scratch_size(level, Kokkos::PerTeam(scratch_t::shmem_size(floats)));
@@ -641,37 +696,49 @@ void readout(const ExecSpace& exec, const MemoryConfig& cfg, const LayerWeightsR
       "kvmem::readout", policy, KOKKOS_LAMBDA(const member_t& team) {
         const auto t = gl.team(team.league_rank(), Hkv);
         const long b = t.b, h = t.h, n = t.heads;
-        const long first = p(b, query_begin) + t.block * gl.positions;
-        const long last = Kokkos::min(p(b, query_end), first + gl.positions);
-        if (first >= last) return;
+        const long begin = p(b, query_begin), end = p(b, query_end);
+        scratch_t scratch(team.team_scratch(level), floats);
+        QueryBlock blks[NB];
+        long firsts[NB];
+        int nb = 0;  // the team's blocks that hold queries of row b
+        for (; nb < NB && begin + (t.block + nb) * gl.positions < end; ++nb) {
+          const long first = begin + (t.block + nb) * gl.positions, last = Kokkos::min(end, first + gl.positions);
+          firsts[nb] = first;
+          blks[nb].carve_in_team(scratch.data(), nb, static_cast<int>((last - first) * n), D, Dv, packed);
+        }
+        if (nb == 0) return;
         const long m = p(b, read_rows), wb = p(b, window_begin_pos), off = p(b, input_offset);
         const long wb_slot = ring.slot(wb);  // the window's positions [wb, last) fit the ring's slots
-        scratch_t scratch(team.team_scratch(level), floats);
-        QueryBlock blk;
-        blk.carve(scratch.data(), static_cast<int>((last - first) * n), D, Dv, packed);
-        Kokkos::parallel_for(Kokkos::TeamThreadRange(team, blk.read_lanes()), [&](int u) {
-          const long hq = t.first_head + u % n;
-          const typename QueriesIn::value_type* qu = u < blk.queries ? &q(b, hq, first + u / n - off, 0) : nullptr;
-          blk.load(u, qu);
-          blk.scales[u] = qu ? Merge::logit_scale(w.tau_state[hq], qu, D) : 0.0f;
-          blk.scales[QB + u] = qu ? Merge::logit_scale(w.tau_window[hq], qu, D) : 0.0f;
-        });
+        for (int i = 0; i < nb; ++i)
+          Kokkos::parallel_for(Kokkos::TeamThreadRange(team, blks[i].read_lanes()), [&](int u) {
+            const long hq = t.first_head + u % n;
+            const typename QueriesIn::value_type* qu =
+                u < blks[i].queries ? &q(b, hq, firsts[i] + u / n - off, 0) : nullptr;
+            blks[i].load(u, qu);
+            blks[i].scales[u] = qu ? Merge::logit_scale(w.tau_state[hq], qu, D) : 0.0f;
+            blks[i].scales[QB + u] = qu ? Merge::logit_scale(w.tau_window[hq], qu, D) : 0.0f;
+          });
         team.team_barrier();
-        attend_block<Traits::spread>(
-            team, blk, blk.scales, m, [&](int) { return m; }, [&](long i) { return &rows.read_keys(b, h, i, 0); },
-            [&](long i) { return &rows.read_values(b, h, i, 0); },
+        attend_blocks<Traits::spread, NB>(
+            team, blks, nb, [&](int i) { return blks[i].scales; }, m, [&](int, int) { return m; },
+            [&](long i) { return &rows.read_keys(b, h, i, 0); }, [&](long i) { return &rows.read_values(b, h, i, 0); },
             [&](long i) { return Merge::row_bias(rows.row(b, h, i)); });
-        attend_block<Traits::spread>(
-            team, blk, blk.scales + QB, last - wb, [&](int u) { return first + u / n + 1 - wb; },
+        const long last = firsts[nb - 1] + blks[nb - 1].queries / n;  // one past the team's last position
+        attend_blocks<Traits::spread, NB>(
+            team, blks, nb, [&](int i) { return blks[i].scales + QB; }, last - wb,
+            [&](int i, int u) { return firsts[i] + u / n + 1 - wb; },
             [&](long j) { return &ring.keys(b, h, ring.slot_after(wb_slot, j), 0); },
             [&](long j) { return &ring.values(b, h, ring.slot_after(wb_slot, j), 0); }, NoBias{});
-        Kokkos::parallel_for(Kokkos::TeamThreadRange(team, blk.queries),
-                             [&](int u) { blk.finish(u, &y(b, t.first_head + u % n, first + u / n - off, 0)); });
-        if (lse.data() != nullptr)
-          Kokkos::parallel_for(Kokkos::TeamThreadRange(team, blk.queries), [&](int u) {
-            lse(b, t.first_head + u % n, first + u / n - p(b, query_begin)) =
-                blk.max_logit[u] + Kokkos::log(blk.normalizer[u]);
-          });
+        for (int i = 0; i < nb; ++i) {
+          const QueryBlock& blk = blks[i];
+          const long first = firsts[i];
+          Kokkos::parallel_for(Kokkos::TeamThreadRange(team, blk.queries),
+                               [&](int u) { blk.finish(u, &y(b, t.first_head + u % n, first + u / n - off, 0)); });
+          if (lse.data() != nullptr)
+            Kokkos::parallel_for(Kokkos::TeamThreadRange(team, blk.queries), [&](int u) {
+              lse(b, t.first_head + u % n, first + u / n - begin) = blk.max_logit[u] + Kokkos::log(blk.normalizer[u]);
+            });
+        }
       });
 }
 
