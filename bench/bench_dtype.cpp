@@ -2,8 +2,12 @@
 // position P (4096) and a prefill of T (2048) tokens of exact attention, KVM fixed-256 and H2O eviction (budget 256), with
 // tokens held in float32, bfloat16 and float16, on the engines' shape B = 8, Hkv = 8, D = 128 (G = 1).
 //
-//   kvmem_bench_dtype [--grid=standard|quick] [--steps=64] [Google Benchmark flags, e.g.
-//                     --benchmark_out=dtype.json --benchmark_out_format=json]
+//   kvmem_bench_dtype [--grid=standard|quick] [--steps=64] [--batch=8] [--position=P] [Google Benchmark
+//                     flags, e.g. --benchmark_out=dtype.json --benchmark_out_format=json]
+//
+// --batch sets B (sequences) and --position the decode position (default: the grid's), e.g. --batch=128
+// --position=1024 --benchmark_filter=decode/kvm for a KVM state (740 MB in float32) larger than a server's
+// last-level cache, the case where a decode step streams its state from memory.
 //
 // Names: dtype/<decode|prefill>/<memory>/<F32|BF16|F16>/<pos:P | T:T>/D:.../threads:N. Every memory's
 // float32 row runs first; the 16-bit rows report vs_f32 = their time / the float32 time (decode: the mean
@@ -15,11 +19,15 @@
 
 #include <kvmem/dtype.hpp>
 
+#include <cstdio>
+
 namespace {
 
 using namespace kvbench;
 
 long g_steps = 64;
+long g_batch = 8;      // B of the shape (--batch)
+long g_position = 0;   // decode position (--position; 0: the grid's)
 
 template <class S>
 using tokens4 = Kokkos::View<S****, Kokkos::LayoutRight, space_t>;
@@ -201,8 +209,8 @@ void add_memory(const Shape& shape, long pos, long T) {
 }
 
 void register_grid(const std::string& grid) {
-  const long pos = grid == "quick" ? 1024 : 4096, T = grid == "quick" ? 512 : 2048;
-  const Shape shape{0, 128, 1, 8, 8, all_threads()};
+  const long pos = g_position > 0 ? g_position : (grid == "quick" ? 1024 : 4096), T = grid == "quick" ? 512 : 2048;
+  const Shape shape{0, 128, 1, static_cast<int>(g_batch), 8, all_threads()};
   add_memory<Exact>(shape, pos, T);
   add_memory<KvmFixed>(shape, pos, T);
   add_memory<EvictH2o>(shape, pos, T);
@@ -213,5 +221,12 @@ void register_grid(const std::string& grid) {
 int main(int argc, char** argv) {
   const std::string grid = kvbench::take_flag(argc, argv, "grid", "standard");
   g_steps = std::stol(kvbench::take_flag(argc, argv, "steps", "64"));
+  g_batch = std::stol(kvbench::take_flag(argc, argv, "batch", "8"));
+  g_position = std::stol(kvbench::take_flag(argc, argv, "position", "0"));
+  if (g_steps < 1 || g_batch < 1 || g_position < 0) {
+    std::fprintf(stderr, "kvmem_bench_dtype: --steps (%ld) and --batch (%ld) must be >= 1, --position (%ld) >= 0\n",
+                 g_steps, g_batch, g_position);
+    return 2;
+  }
   return kvbench::benchmark_main(argc, argv, grid, /*ceilings=*/false, register_grid);
 }
