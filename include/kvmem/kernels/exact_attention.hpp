@@ -61,13 +61,14 @@ void exact_causal_attention(const ExecSpace& exec, const In& q, const InKV& k, c
         const long b = t.b, h = t.h, n = t.heads;
         scratch_t scratch(team.team_scratch(level), floats);
         QueryBlock blks[NB];
-        long firsts[NB];
+        long firsts[NB] = {};
         int nb = 0;  // the team's blocks that hold queries
         for (; nb < NB && (t.block + nb) * gl.positions < T; ++nb) {
           const long first = (t.block + nb) * gl.positions, last = Kokkos::min(T, first + gl.positions);
           firsts[nb] = first;
           blks[nb].carve_in_team(scratch.data(), nb, static_cast<int>((last - first) * n), D, Dv, packed);
         }
+        if (nb == 0) return;  // none: the league holds no empty team
         for (int i = 0; i < nb; ++i)
           Kokkos::parallel_for(Kokkos::TeamThreadRange(team, blks[i].read_lanes()), [&](int u) {
             const long hq = t.first_head + u % n;

@@ -699,7 +699,7 @@ void readout(const ExecSpace& exec, const MemoryConfig& cfg, const LayerWeightsR
         const long begin = p(b, query_begin), end = p(b, query_end);
         scratch_t scratch(team.team_scratch(level), floats);
         QueryBlock blks[NB];
-        long firsts[NB];
+        long firsts[NB] = {};
         int nb = 0;  // the team's blocks that hold queries of row b
         for (; nb < NB && begin + (t.block + nb) * gl.positions < end; ++nb) {
           const long first = begin + (t.block + nb) * gl.positions, last = Kokkos::min(end, first + gl.positions);
