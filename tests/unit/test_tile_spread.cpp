@@ -179,25 +179,25 @@ TEMPLATE_TEST_CASE("a query block over 16-bit keys gives the same bits with its 
   }
 }
 
-TEST_CASE("exact attention gives the same bits in register tiles and spread, in every storage type",
-          "[readout][tiles][exact]") {
-  struct Shape {
-    long B, Hq, Hkv, T, D, Dv, first;
-  };
-  // GQA G = 4, G = 1 with odd dims, G = 40 (two head groups per kv-head), decode steps at position 100.
-  const Shape shapes[] = {{2, 8, 2, 77, 40, 24, 0}, {1, 3, 3, 70, 33, 17, 0}, {1, 40, 1, 9, 16, 8, 0},
-                          {2, 8, 2, 1, 64, 64, 100}};
+namespace {
+/// An exact-attention shape: q [B, Hq, T, D] at positions [first, first + T) against k, v of first + T tokens.
+struct ExactShape {
+  long B, Hq, Hkv, T, D, Dv, first;
+};
+
+/// For every storage type (float32, bfloat16, float16) and shape: random q, k, v (seeds seed, seed + 1,
+/// seed + 2) rounded to the type, then compare(q, k, v, first) with the type and shape as context.
+template <std::size_t N, class Compare>
+void for_each_exact_case(const ExactShape (&shapes)[N], unsigned seed, Compare compare) {
   auto check = [&]<class T>(T) {
     for (const auto& s : shapes) {
       const long Tk = s.first + s.T;
-      const auto q = random_view<T>("q", s.B, s.Hq, s.T, s.D, 21, 2.0f);
-      const auto k = random_view<T>("k", s.B, s.Hkv, Tk, s.D, 22);
-      const auto v = random_view<T>("v", s.B, s.Hkv, Tk, s.Dv, 23);
-      const auto tiled = exact_y<kk::RegisterTiles>(q, k, v, s.first);
-      const auto spread = exact_y<kk::SpreadTiles>(q, k, v, s.first);
+      const auto q = random_view<T>("q", s.B, s.Hq, s.T, s.D, seed, 2.0f);
+      const auto k = random_view<T>("k", s.B, s.Hkv, Tk, s.D, seed + 1);
+      const auto v = random_view<T>("v", s.B, s.Hkv, Tk, s.Dv, seed + 2);
       INFO(kvmem::dtype_name<T> << " B " << s.B << " Hq " << s.Hq << " Hkv " << s.Hkv << " T " << s.T << " D " << s.D
                                   << " first " << s.first);
-      CHECK(first_difference(tiled, spread) == -1);
+      compare(q, k, v, s.first);
     }
   };
   check(0.0f);
@@ -205,7 +205,6 @@ TEST_CASE("exact attention gives the same bits in register tiles and spread, in 
   check(kvmem::float16{});
 }
 
-namespace {
 /// A tile form with `N` query blocks per team (TileTraits::blocks_per_team; kernels::attend_blocks).
 template <class Form, int N>
 struct BlocksPerTeam : Form {
@@ -213,31 +212,28 @@ struct BlocksPerTeam : Form {
 };
 }  // namespace
 
+TEST_CASE("exact attention gives the same bits in register tiles and spread, in every storage type",
+          "[readout][tiles][exact]") {
+  // GQA G = 4, G = 1 with odd dims, G = 40 (two head groups per kv-head), decode steps at position 100.
+  const ExactShape shapes[] = {{2, 8, 2, 77, 40, 24, 0}, {1, 3, 3, 70, 33, 17, 0}, {1, 40, 1, 9, 16, 8, 0},
+                               {2, 8, 2, 1, 64, 64, 100}};
+  for_each_exact_case(shapes, 21, [](const auto& q, const auto& k, const auto& v, long first) {
+    CHECK(first_difference(exact_y<kk::RegisterTiles>(q, k, v, first), exact_y<kk::SpreadTiles>(q, k, v, first)) ==
+          -1);
+  });
+}
+
 TEST_CASE("exact attention gives the same bits for one, two or three query blocks per team, in every storage type",
           "[readout][tiles][exact]") {
   // attend_blocks: a team's blocks share each key tile (and its float32 widening); every lane runs the
   // operations it runs alone. Shapes whose last team holds fewer blocks than the others, blocks that read
   // fewer tiles than the team's last (causal), G = 4 blocks of 8 positions, and a decode step.
-  struct Shape {
-    long B, Hq, Hkv, T, D, Dv, first;
-  };
-  const Shape shapes[] = {{1, 2, 2, 100, 40, 24, 0}, {2, 8, 2, 77, 33, 17, 0}, {1, 4, 1, 45, 16, 8, 30},
-                          {1, 8, 2, 1, 64, 64, 100}};
-  auto check = [&]<class T>(T) {
-    for (const auto& s : shapes) {
-      const long Tk = s.first + s.T;
-      const auto q = random_view<T>("q", s.B, s.Hq, s.T, s.D, 31, 2.0f);
-      const auto k = random_view<T>("k", s.B, s.Hkv, Tk, s.D, 32);
-      const auto v = random_view<T>("v", s.B, s.Hkv, Tk, s.Dv, 33);
-      const auto one = exact_y<BlocksPerTeam<kk::RegisterTiles, 1>>(q, k, v, s.first);
-      INFO(kvmem::dtype_name<T> << " B " << s.B << " Hq " << s.Hq << " Hkv " << s.Hkv << " T " << s.T << " D " << s.D
-                                  << " first " << s.first);
-      CHECK(first_difference(one, exact_y<BlocksPerTeam<kk::RegisterTiles, 2>>(q, k, v, s.first)) == -1);
-      CHECK(first_difference(one, exact_y<BlocksPerTeam<kk::RegisterTiles, 3>>(q, k, v, s.first)) == -1);
-      CHECK(first_difference(one, exact_y<BlocksPerTeam<kk::SpreadTiles, 2>>(q, k, v, s.first)) == -1);
-    }
-  };
-  check(0.0f);
-  check(kvmem::bfloat16{});
-  check(kvmem::float16{});
+  const ExactShape shapes[] = {{1, 2, 2, 100, 40, 24, 0}, {2, 8, 2, 77, 33, 17, 0}, {1, 4, 1, 45, 16, 8, 30},
+                               {1, 8, 2, 1, 64, 64, 100}};
+  for_each_exact_case(shapes, 31, [](const auto& q, const auto& k, const auto& v, long first) {
+    const auto one = exact_y<BlocksPerTeam<kk::RegisterTiles, 1>>(q, k, v, first);
+    CHECK(first_difference(one, exact_y<BlocksPerTeam<kk::RegisterTiles, 2>>(q, k, v, first)) == -1);
+    CHECK(first_difference(one, exact_y<BlocksPerTeam<kk::RegisterTiles, 3>>(q, k, v, first)) == -1);
+    CHECK(first_difference(one, exact_y<BlocksPerTeam<kk::SpreadTiles, 2>>(q, k, v, first)) == -1);
+  });
 }
