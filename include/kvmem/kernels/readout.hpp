@@ -28,29 +28,49 @@ KOKKOS_INLINE_FUNCTION float select_bits(bool c, float a, float b) {
   return Kokkos::bit_cast<float>((Kokkos::bit_cast<unsigned>(a) & mask) | (Kokkos::bit_cast<unsigned>(b) & ~mask));
 }
 
+namespace detail {
+// The operations of softmax_exp on one float and, lane by lane the same, on a register vector of floats.
+KOKKOS_FORCEINLINE_FUNCTION float splat(float, float c) { return c; }
+KOKKOS_FORCEINLINE_FUNCTION float fma_of(float a, float b, float c) { return mul_add(a, b, c); }
+KOKKOS_FORCEINLINE_FUNCTION float pick(bool c, float a, float b) { return select_bits(c, a, b); }
+KOKKOS_FORCEINLINE_FUNCTION int bits_of(float x) { return Kokkos::bit_cast<int>(x); }
+KOKKOS_FORCEINLINE_FUNCTION float float_of(int x) { return Kokkos::bit_cast<float>(x); }
+KOKKOS_FORCEINLINE_FUNCTION simd::vec splat(const simd::vec&, float c) { return simd::broadcast(c); }
+KOKKOS_FORCEINLINE_FUNCTION simd::vec fma_of(const simd::vec& a, const simd::vec& b, const simd::vec& c) {
+  return simd::fma(a, b, c);
+}
+KOKKOS_FORCEINLINE_FUNCTION simd::vec pick(const simd::ivec& m, const simd::vec& a, const simd::vec& b) {
+  return simd::select(m, a, b);
+}
+KOKKOS_FORCEINLINE_FUNCTION simd::ivec bits_of(const simd::vec& x) { return simd::as_int(x); }
+KOKKOS_FORCEINLINE_FUNCTION simd::vec float_of(const simd::ivec& x) { return simd::as_float(x); }
+}  // namespace detail
+
 /// exp(x) for the softmax, where x = logit - running max <= 0 (or -inf): Cody-Waite reduction by ln 2
 /// and a degree-6 polynomial (Cephes expf): within 1 ulp of glibc expf on [-86, 0], 0 below -87, NaN for
-/// NaN. Plain arithmetic (mul_add, integer bit operations, select_bits), so the compiler vectorizes a loop
-/// of them and a lane of a vector gives the same bits as the scalar call.
-KOKKOS_FORCEINLINE_FUNCTION float softmax_exp(float x) {
-  const bool in_range = x > -87.0f;  // false for -inf, NaN and underflow
-  float xc = select_bits(in_range, x, -87.0f);
-  xc = select_bits(xc < 88.0f, xc, 88.0f);
-  const float magic = 12582912.0f;  // 1.5 * 2^23: t's low mantissa bits hold round(x / ln 2)
-  const float t = mul_add(xc, 1.44269504088896341f, magic);
-  const float n = t - magic;
-  float r = mul_add(n, -0.693359375f, xc);  // ln 2 = 0.693359375 - 2.12194440e-4, hi part exact in n
-  r = mul_add(n, 2.12194440e-4f, r);
-  float poly = 1.9875691500e-4f;
-  poly = mul_add(poly, r, 1.3981999507e-3f);
-  poly = mul_add(poly, r, 8.3334519073e-3f);
-  poly = mul_add(poly, r, 4.1665795894e-2f);
-  poly = mul_add(poly, r, 1.6666665459e-1f);
-  poly = mul_add(poly, r, 5.0000001201e-1f);
-  const float e = mul_add(poly, r * r, r) + 1.0f;
-  const int n_int = Kokkos::bit_cast<int>(t) - Kokkos::bit_cast<int>(magic);
-  const float result = e * Kokkos::bit_cast<float>((n_int + 127) << 23);
-  return select_bits(in_range, result, select_bits(x == x, 0.0f, x));
+/// NaN. Plain arithmetic (mul_add, integer bit operations, select_bits). F is float, or a register vector
+/// of floats on a CPU (simd::vec: QueryBlock::softmax_lanes), whose every lane gives the float call's bits.
+template <class F>
+KOKKOS_FORCEINLINE_FUNCTION F softmax_exp(F x) {
+  using detail::fma_of, detail::pick, detail::splat;
+  const auto in_range = x > splat(x, -87.0f);  // false for -inf, NaN and underflow
+  F xc = pick(in_range, x, splat(x, -87.0f));
+  xc = pick(xc < splat(x, 88.0f), xc, splat(x, 88.0f));
+  const F magic = splat(x, 12582912.0f);  // 1.5 * 2^23: t's low mantissa bits hold round(x / ln 2)
+  const F t = fma_of(xc, splat(x, 1.44269504088896341f), magic);
+  const F n = t - magic;
+  F r = fma_of(n, splat(x, -0.693359375f), xc);  // ln 2 = 0.693359375 - 2.12194440e-4, hi part exact in n
+  r = fma_of(n, splat(x, 2.12194440e-4f), r);
+  F poly = splat(x, 1.9875691500e-4f);
+  poly = fma_of(poly, r, splat(x, 1.3981999507e-3f));
+  poly = fma_of(poly, r, splat(x, 8.3334519073e-3f));
+  poly = fma_of(poly, r, splat(x, 4.1665795894e-2f));
+  poly = fma_of(poly, r, splat(x, 1.6666665459e-1f));
+  poly = fma_of(poly, r, splat(x, 5.0000001201e-1f));
+  const F e = fma_of(poly, r * r, r) + splat(x, 1.0f);
+  const auto n_int = detail::bits_of(t) - detail::bits_of(magic);
+  const F result = e * detail::float_of((n_int + 127) << 23);
+  return pick(in_range, result, pick(x == x, splat(x, 0.0f), x));
 }
 
 /// Running online-softmax state of one query: max logit, normalizer and the un-normalized output
@@ -128,10 +148,13 @@ struct QueryBlock {
   static constexpr int lanes = readout_query_block;
   static constexpr int tile = readout_key_tile;
   static_assert(lanes % simd::width == 0, "a query block fills whole register vectors");
-  /// Keys per register tile of the logits (logits_lanes): NK keys x lanes / width vectors of accumulators.
-  static constexpr int qk_keys = 8 * simd::width / lanes > 0 ? 8 * simd::width / lanes : 1;
-  /// Lanes and channel vectors per register tile of the value product (accumulate_lanes).
-  static constexpr int pv_lanes = 4, pv_vectors = 2;
+  /// Keys per register tile of the logits (logits_lanes): NK keys x lanes / width vectors of accumulators,
+  /// half the target's register vectors (16 under AVX-512: 8 keys, 2 vectors of lanes each).
+  static constexpr int qk_keys =
+      simd::registers / 2 * simd::width / lanes > 0 ? simd::registers / 2 * simd::width / lanes : 1;
+  /// Lanes and channel vectors per register tile of the value product (accumulate_lanes): pv_lanes x
+  /// pv_vectors accumulators, half the target's register vectors (4 x 4 under AVX-512).
+  static constexpr int pv_lanes = 4, pv_vectors = simd::registers / 2 / pv_lanes;
   int queries = 0;  ///< live queries (lanes [queries, lanes) hold zero queries)
   int dim = 0, value_dim = 0;
   float* qt = nullptr;          ///< [dim][lanes] queries, transposed
@@ -287,79 +310,105 @@ struct QueryBlock {
   /// add_tile, so the same bits; the max, exponentials and normalizer sums vectorize across lanes instead
   /// of waiting on one lane's chain. Writes corrections [lanes]; the values follow with accumulate().
   KOKKOS_INLINE_FUNCTION void softmax_lanes(const int* n, int n_max, float* corrections) const {
-    float tile_max[lanes], new_max[lanes], norm[lanes];
-    for (int u = 0; u < lanes; ++u) tile_max[u] = neg_inf();
-    for (int j = 0; j < n_max; ++j)
-      for (int u = 0; u < lanes; ++u) {
-        const float l = logits[j * lanes + u];
-        tile_max[u] = select_bits((j < n[u]) & (l > tile_max[u]), l, tile_max[u]);
-      }
-    for (int u = 0; u < lanes; ++u) {
-      new_max[u] = select_bits(tile_max[u] > max_logit[u], tile_max[u], max_logit[u]);
-      corrections[u] = softmax_exp(max_logit[u] - new_max[u]);
+    // In register vectors: the compiler's own vectorization of scalar loops may pick narrower ones.
+    constexpr int W = simd::width, V = lanes / W;
+    using simd::vec, simd::ivec, simd::load, simd::store, simd::select;
+    vec tile_max[V], old_max[V], new_max[V], corr[V], norm[V];
+    ivec count[V];
+    for (int x = 0; x < V; ++x) {
+      tile_max[x] = simd::broadcast(neg_inf());
+      old_max[x] = load(max_logit + x * W);
+      count[x] = simd::load_int(n + x * W);
     }
     for (int j = 0; j < n_max; ++j)
-      for (int u = 0; u < lanes; ++u) probs[j * lanes + u] = softmax_exp(logits[j * lanes + u] - new_max[u]);
-    for (int u = 0; u < lanes; ++u) norm[u] = mul_add(normalizer[u], corrections[u], probs[u]);
+      for (int x = 0; x < V; ++x) {
+        const vec l = load(logits + j * lanes + x * W);
+        tile_max[x] = select((simd::broadcast_int(j) < count[x]) & (l > tile_max[x]), l, tile_max[x]);
+      }
+    for (int x = 0; x < V; ++x) {
+      new_max[x] = select(tile_max[x] > old_max[x], tile_max[x], old_max[x]);
+      corr[x] = softmax_exp(old_max[x] - new_max[x]);
+      store(corrections + x * W, corr[x]);
+    }
+    for (int j = 0; j < n_max; ++j)
+      for (int x = 0; x < V; ++x)
+        store(probs + j * lanes + x * W, softmax_exp(load(logits + j * lanes + x * W) - new_max[x]));
+    for (int x = 0; x < V; ++x) norm[x] = simd::fma(load(normalizer + x * W), corr[x], load(probs + x * W));
     for (int j = 1; j < n_max; ++j)
-      for (int u = 0; u < lanes; ++u) norm[u] = select_bits(j < n[u], norm[u] + probs[j * lanes + u], norm[u]);
-    for (int u = 0; u < lanes; ++u) {
-      normalizer[u] = select_bits(n[u] > 0, norm[u], normalizer[u]);
-      max_logit[u] = select_bits(n[u] > 0, new_max[u], max_logit[u]);
+      for (int x = 0; x < V; ++x)
+        norm[x] = select(simd::broadcast_int(j) < count[x], norm[x] + load(probs + j * lanes + x * W), norm[x]);
+    for (int x = 0; x < V; ++x) {
+      const ivec live = count[x] > simd::broadcast_int(0);
+      store(normalizer + x * W, select(live, norm[x], load(normalizer + x * W)));
+      store(max_logit + x * W, select(live, new_max[x], old_max[x]));
     }
   }
 
-  /// accumulate() for `count` lanes at once (lane[i], each with n[i] >= 1 keys of the tile): a register
-  /// tile of pv_lanes lanes x pv_vectors register vectors of output channels; each value row is loaded
-  /// once for the group's lanes, each probability broadcast once for its channels. Keys [0, min n) run for
-  /// the whole group, each lane's remaining keys after them. Per lane and channel the same operations in
-  /// the same key order as accumulate(), so the same bits.
+  /// accumulate() for `count` lanes at once (lane[i], each with n[i] >= 1 keys of the tile): register tiles
+  /// of pv_lanes lanes x pv_vectors register vectors of output channels (then pv_vectors / 2, ... for the
+  /// channels left); each value row is loaded once for the group's lanes, each probability broadcast once
+  /// for its channels. Keys [0, min n) run for the whole group, each lane's remaining keys after them. Per
+  /// lane and channel the same operations in the same key order as accumulate(), so the same bits.
   template <class ValueOf>
   KOKKOS_INLINE_FUNCTION void accumulate_lanes(const int* lane, const int* n, const float* corrections, int count,
                                                ValueOf value_of) const {
-    constexpr int UQ = pv_lanes, CV = pv_vectors, W = simd::width, CW = CV * W;
+    constexpr int UQ = pv_lanes;
     int i0 = 0;
     for (; i0 + UQ <= count; i0 += UQ) {
-      int common = n[i0];
-      for (int i = 1; i < UQ; ++i) common = n[i0 + i] < common ? n[i0 + i] : common;
-      float* a[UQ];
-      const float* pr[UQ];
-      for (int i = 0; i < UQ; ++i) a[i] = acc + long(lane[i0 + i]) * value_dim, pr[i] = probs + lane[i0 + i];
-      int c0 = 0;
-      for (; c0 + CW <= value_dim; c0 += CW) {
-        simd::vec r[UQ][CV];
-        for (int i = 0; i < UQ; ++i) {
-          const simd::vec corr = simd::broadcast(corrections[lane[i0 + i]]);
-          for (int x = 0; x < CV; ++x) r[i][x] = simd::mul(simd::load(a[i] + c0 + x * W), corr);
-        }
-        for (int j = 0; j < common; ++j) {
-          const auto* vj = value_of(j) + c0;
-          simd::vec v[CV];
-          for (int x = 0; x < CV; ++x) v[x] = simd::load(vj + x * W);
-          for (int i = 0; i < UQ; ++i) {
-            const simd::vec pj = simd::broadcast(pr[i][j * lanes]);
-            for (int x = 0; x < CV; ++x) r[i][x] = simd::fma(pj, v[x], r[i][x]);
-          }
-        }
-        for (int i = 0; i < UQ; ++i) {
-          for (int j = common; j < n[i0 + i]; ++j) {
-            const auto* vj = value_of(j) + c0;
-            const simd::vec pj = simd::broadcast(pr[i][j * lanes]);
-            for (int x = 0; x < CV; ++x) r[i][x] = simd::fma(pj, simd::load(vj + x * W), r[i][x]);
-          }
-          for (int x = 0; x < CV; ++x) simd::store(a[i] + c0 + x * W, r[i][x]);
-        }
-      }
+      int c0 = accumulate_group<pv_vectors>(lane + i0, n + i0, corrections, value_of, 0);
+      if constexpr (pv_vectors > 2) c0 = accumulate_group<2>(lane + i0, n + i0, corrections, value_of, c0);
+      if constexpr (pv_vectors > 1) c0 = accumulate_group<1>(lane + i0, n + i0, corrections, value_of, c0);
       for (int i = 0; i < UQ; ++i) {
+        float* a = acc + long(lane[i0 + i]) * value_dim;
+        const float* pr = probs + lane[i0 + i];
         const float corr = corrections[lane[i0 + i]];
         for (int c = c0; c < value_dim; ++c) {
-          float r = a[i][c] * corr;
-          for (int j = 0; j < n[i0 + i]; ++j) r = mul_add(pr[i][j * lanes], to_float(value_of(j)[c]), r);
-          a[i][c] = r;
+          float r = a[c] * corr;
+          for (int j = 0; j < n[i0 + i]; ++j) r = mul_add(pr[j * lanes], to_float(value_of(j)[c]), r);
+          a[c] = r;
         }
       }
     }
     for (; i0 < count; ++i0) accumulate(lane[i0], n[i0], corrections[lane[i0]], value_of);
+  }
+
+  /// One register tile size of accumulate_lanes: channels [c0, ...) of the pv_lanes lanes lane[0, pv_lanes)
+  /// in groups of CV register vectors, as long as a whole group fits in value_dim; returns the first
+  /// channel left.
+  template <int CV, class ValueOf>
+  KOKKOS_INLINE_FUNCTION int accumulate_group(const int* lane, const int* n, const float* corrections,
+                                              ValueOf value_of, int c0) const {
+    constexpr int UQ = pv_lanes, W = simd::width, CW = CV * W;
+    int common = n[0];
+    for (int i = 1; i < UQ; ++i) common = n[i] < common ? n[i] : common;
+    float* a[UQ];
+    const float* pr[UQ];
+    for (int i = 0; i < UQ; ++i) a[i] = acc + long(lane[i]) * value_dim, pr[i] = probs + lane[i];
+    for (; c0 + CW <= value_dim; c0 += CW) {
+      simd::vec r[UQ][CV];
+      for (int i = 0; i < UQ; ++i) {
+        const simd::vec corr = simd::broadcast(corrections[lane[i]]);
+        for (int x = 0; x < CV; ++x) r[i][x] = simd::mul(simd::load(a[i] + c0 + x * W), corr);
+      }
+      for (int j = 0; j < common; ++j) {
+        const auto* vj = value_of(j) + c0;
+        simd::vec v[CV];
+        for (int x = 0; x < CV; ++x) v[x] = simd::load(vj + x * W);
+        for (int i = 0; i < UQ; ++i) {
+          const simd::vec pj = simd::broadcast(pr[i][j * lanes]);
+          for (int x = 0; x < CV; ++x) r[i][x] = simd::fma(pj, v[x], r[i][x]);
+        }
+      }
+      for (int i = 0; i < UQ; ++i) {
+        for (int j = common; j < n[i]; ++j) {
+          const auto* vj = value_of(j) + c0;
+          const simd::vec pj = simd::broadcast(pr[i][j * lanes]);
+          for (int x = 0; x < CV; ++x) r[i][x] = simd::fma(pj, simd::load(vj + x * W), r[i][x]);
+        }
+        for (int x = 0; x < CV; ++x) simd::store(a[i] + c0 + x * W, r[i][x]);
+      }
+    }
+    return c0;
   }
 
   /// Channel c of accumulate(): acc_u[c] = acc_u[c] * correction + sum_{j < n} probs[j][u] v_j[c], in key

@@ -45,6 +45,14 @@ inline constexpr int width = 8;
 #else
 inline constexpr int width = 4;
 #endif
+/// Register vectors a thread has: 32 under AVX-512, 16 otherwise. Register tiles hold half of them as
+/// accumulators (QueryBlock::qk_keys, pv_vectors): enough independent fma chains to keep two fma units
+/// busy through the fma latency, with room left for the operands.
+#if defined(__AVX512F__)
+inline constexpr int registers = 32;
+#else
+inline constexpr int registers = 16;
+#endif
 /// One register vector of `width` floats (a GCC vector extension type, e.g. __m256 under AVX2).
 typedef float vec __attribute__((vector_size(width * sizeof(float))));
 
@@ -145,12 +153,13 @@ KOKKOS_INLINE_FUNCTION vec mul(const vec& a, const vec& b) { return a * b; }
 typedef int ivec __attribute__((vector_size(width * sizeof(int))));
 /// Lane mask of a > b (false where either is NaN).
 KOKKOS_INLINE_FUNCTION ivec greater(const vec& a, const vec& b) { return a > b; }
-/// m ? a : b per lane.
-KOKKOS_INLINE_FUNCTION vec select(const ivec& m, const vec& a, const vec& b) {
-  return reinterpret_cast<vec>((reinterpret_cast<ivec>(a) & m) | (reinterpret_cast<ivec>(b) & ~m));
-}
-/// m ? a : b per lane.
-KOKKOS_INLINE_FUNCTION ivec select(const ivec& m, const ivec& a, const ivec& b) { return (a & m) | (b & ~m); }
+/// m ? a : b per lane, for a mask m of all-ones / zero lanes (a comparison's): one blend instruction.
+KOKKOS_INLINE_FUNCTION vec select(const ivec& m, const vec& a, const vec& b) { return m ? a : b; }
+/// m ? a : b per lane (m a comparison's mask).
+KOKKOS_INLINE_FUNCTION ivec select(const ivec& m, const ivec& a, const ivec& b) { return m ? a : b; }
+/// The bits of each lane as an int, and back.
+KOKKOS_INLINE_FUNCTION ivec as_int(const vec& v) { return reinterpret_cast<ivec>(v); }
+KOKKOS_INLINE_FUNCTION vec as_float(const ivec& v) { return reinterpret_cast<vec>(v); }
 /// Every lane x.
 KOKKOS_INLINE_FUNCTION ivec broadcast_int(int x) { return ivec{} + x; }
 /// Stores v to p [width].
@@ -215,6 +224,8 @@ KOKKOS_INLINE_FUNCTION void interleave(vec& a, vec& b) {
 #else
 inline constexpr bool vector_registers = false;
 inline constexpr int width = 8;
+/// Register vectors the register tiles assume (the portable form: the compiler's choice).
+inline constexpr int registers = 16;
 /// The portable form: width floats that the compiler keeps in registers or spreads over its own vectors.
 struct vec {
   float lane[width];
@@ -257,6 +268,62 @@ KOKKOS_INLINE_FUNCTION vec mul(const vec& a, const vec& b) {
 struct ivec {
   int lane[width];
 };
+namespace detail {
+KOKKOS_INLINE_FUNCTION float lane_of(const vec& v, int i) { return v.lane[i]; }
+KOKKOS_INLINE_FUNCTION int lane_of(const ivec& v, int i) { return v.lane[i]; }
+KOKKOS_INLINE_FUNCTION float lane_of(float x, int) { return x; }
+KOKKOS_INLINE_FUNCTION int lane_of(int x, int) { return x; }
+/// R whose lane i is op(lane i of a, lane i of b); a scalar operand counts for every lane.
+template <class R, class A, class B, class Op>
+KOKKOS_INLINE_FUNCTION R lanewise(const A& a, const B& b, Op op) {
+  R r;
+  for (int i = 0; i < width; ++i) r.lane[i] = op(lane_of(a, i), lane_of(b, i));
+  return r;
+}
+}  // namespace detail
+// The operators GCC's vector extensions give the vector form, lane by lane (comparisons: -1 true, 0 false).
+KOKKOS_INLINE_FUNCTION vec operator+(const vec& a, const vec& b) {
+  return detail::lanewise<vec>(a, b, [](float x, float y) { return x + y; });
+}
+KOKKOS_INLINE_FUNCTION vec operator-(const vec& a, const vec& b) {
+  return detail::lanewise<vec>(a, b, [](float x, float y) { return x - y; });
+}
+KOKKOS_INLINE_FUNCTION vec operator*(const vec& a, const vec& b) {
+  return detail::lanewise<vec>(a, b, [](float x, float y) { return x * y; });
+}
+KOKKOS_INLINE_FUNCTION ivec operator<(const vec& a, const vec& b) {
+  return detail::lanewise<ivec>(a, b, [](float x, float y) { return x < y ? -1 : 0; });
+}
+KOKKOS_INLINE_FUNCTION ivec operator>(const vec& a, const vec& b) { return b < a; }
+KOKKOS_INLINE_FUNCTION ivec operator==(const vec& a, const vec& b) {
+  return detail::lanewise<ivec>(a, b, [](float x, float y) { return x == y ? -1 : 0; });
+}
+KOKKOS_INLINE_FUNCTION ivec operator<(const ivec& a, const ivec& b) {
+  return detail::lanewise<ivec>(a, b, [](int x, int y) { return x < y ? -1 : 0; });
+}
+KOKKOS_INLINE_FUNCTION ivec operator>(const ivec& a, const ivec& b) { return b < a; }
+KOKKOS_INLINE_FUNCTION ivec operator&(const ivec& a, const ivec& b) {
+  return detail::lanewise<ivec>(a, b, [](int x, int y) { return x & y; });
+}
+KOKKOS_INLINE_FUNCTION ivec operator+(const ivec& a, int b) {
+  return detail::lanewise<ivec>(a, b, [](int x, int y) { return x + y; });
+}
+KOKKOS_INLINE_FUNCTION ivec operator-(const ivec& a, const ivec& b) {
+  return detail::lanewise<ivec>(a, b, [](int x, int y) { return x - y; });
+}
+KOKKOS_INLINE_FUNCTION ivec operator<<(const ivec& a, int b) {
+  return detail::lanewise<ivec>(a, b, [](int x, int y) { return static_cast<int>(static_cast<unsigned>(x) << y); });
+}
+KOKKOS_INLINE_FUNCTION ivec as_int(const vec& v) {
+  ivec r;
+  for (int i = 0; i < width; ++i) r.lane[i] = Kokkos::bit_cast<int>(v.lane[i]);
+  return r;
+}
+KOKKOS_INLINE_FUNCTION vec as_float(const ivec& v) {
+  vec r;
+  for (int i = 0; i < width; ++i) r.lane[i] = Kokkos::bit_cast<float>(v.lane[i]);
+  return r;
+}
 KOKKOS_INLINE_FUNCTION ivec greater(const vec& a, const vec& b) {
   ivec m;
   for (int i = 0; i < width; ++i) m.lane[i] = a.lane[i] > b.lane[i] ? -1 : 0;
