@@ -310,20 +310,39 @@ struct QueryBlock {
   /// add_tile, so the same bits; the max, exponentials and normalizer sums vectorize across lanes instead
   /// of waiting on one lane's chain. Writes corrections [lanes]; the values follow with accumulate().
   KOKKOS_INLINE_FUNCTION void softmax_lanes(const int* n, int n_max, float* corrections) const {
-    // In register vectors: the compiler's own vectorization of scalar loops may pick narrower ones.
+    bool every_key = true;  // every lane folds all n_max keys (every tile but a causal diagonal's or padding's)
+    for (int u = 0; u < lanes; ++u) every_key = every_key && n[u] == n_max;
+    if (every_key)
+      softmax_vectors<false>(n, n_max, corrections);
+    else
+      softmax_vectors<true>(n, n_max, corrections);
+  }
+
+  /// softmax_lanes in register vectors (the compiler's own vectorization of scalar loops may pick narrower
+  /// ones): `Masked`, lane u folds its first n[u] keys; otherwise every lane folds n_max keys (no masks). The
+  /// normalizer sums in the loop that writes the probabilities, in key order.
+  template <bool Masked>
+  KOKKOS_INLINE_FUNCTION void softmax_vectors(const int* n, int n_max, float* corrections) const {
     constexpr int W = simd::width, V = lanes / W;
     using simd::vec, simd::ivec, simd::load, simd::store, simd::select;
     vec tile_max[V], old_max[V], new_max[V], corr[V], norm[V];
     ivec count[V];
     for (int x = 0; x < V; ++x) {
       tile_max[x] = simd::broadcast(neg_inf());
+      norm[x] = simd::broadcast(0.0f);
       old_max[x] = load(max_logit + x * W);
       count[x] = simd::load_int(n + x * W);
     }
+    auto folds = [&](int j, int x, const ivec& m) {  // m, and whether the lanes fold key j
+      if constexpr (Masked)
+        return (simd::broadcast_int(j) < count[x]) & m;
+      else
+        return m;
+    };
     for (int j = 0; j < n_max; ++j)
       for (int x = 0; x < V; ++x) {
         const vec l = load(logits + j * lanes + x * W);
-        tile_max[x] = select((simd::broadcast_int(j) < count[x]) & (l > tile_max[x]), l, tile_max[x]);
+        tile_max[x] = select(folds(j, x, l > tile_max[x]), l, tile_max[x]);
       }
     for (int x = 0; x < V; ++x) {
       new_max[x] = select(tile_max[x] > old_max[x], tile_max[x], old_max[x]);
@@ -331,12 +350,16 @@ struct QueryBlock {
       store(corrections + x * W, corr[x]);
     }
     for (int j = 0; j < n_max; ++j)
-      for (int x = 0; x < V; ++x)
-        store(probs + j * lanes + x * W, softmax_exp(load(logits + j * lanes + x * W) - new_max[x]));
-    for (int x = 0; x < V; ++x) norm[x] = simd::fma(load(normalizer + x * W), corr[x], load(probs + x * W));
-    for (int j = 1; j < n_max; ++j)
-      for (int x = 0; x < V; ++x)
-        norm[x] = select(simd::broadcast_int(j) < count[x], norm[x] + load(probs + j * lanes + x * W), norm[x]);
+      for (int x = 0; x < V; ++x) {
+        const vec p = softmax_exp(load(logits + j * lanes + x * W) - new_max[x]);
+        store(probs + j * lanes + x * W, p);
+        if (j == 0)
+          norm[x] = simd::fma(load(normalizer + x * W), corr[x], p);
+        else if constexpr (Masked)
+          norm[x] = select(simd::broadcast_int(j) < count[x], norm[x] + p, norm[x]);
+        else
+          norm[x] = norm[x] + p;
+      }
     for (int x = 0; x < V; ++x) {
       const ivec live = count[x] > simd::broadcast_int(0);
       store(normalizer + x * W, select(live, norm[x], load(normalizer + x * W)));
