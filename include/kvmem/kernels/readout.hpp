@@ -48,7 +48,8 @@ KOKKOS_FORCEINLINE_FUNCTION simd::vec float_of(const simd::ivec& x) { return sim
 
 /// exp(x) for the softmax, where x = logit - running max <= 0 (or -inf): Cody-Waite reduction by ln 2
 /// and a degree-6 polynomial (Cephes expf): within 1 ulp of glibc expf on [-86, 0], 0 below -87, NaN for
-/// NaN. Plain arithmetic (mul_add, integer bit operations, select_bits). F is float, or a register vector
+/// NaN. Plain arithmetic (mul_add, integer bit operations, select_bits; simd::fma and simd::select on a
+/// vector). F is float, or a register vector
 /// of floats on a CPU (simd::vec: QueryBlock::softmax_lanes), whose every lane gives the float call's bits.
 template <class F>
 KOKKOS_FORCEINLINE_FUNCTION F softmax_exp(F x) {
@@ -378,6 +379,7 @@ struct QueryBlock {
     constexpr int UQ = pv_lanes;
     int i0 = 0;
     for (; i0 + UQ <= count; i0 += UQ) {
+      static_assert(pv_vectors == 1 || pv_vectors == 2 || pv_vectors == 4, "tile sizes 4, 2, 1 cover the channels");
       int c0 = accumulate_group<pv_vectors>(lane + i0, n + i0, corrections, value_of, 0);
       if constexpr (pv_vectors > 2) c0 = accumulate_group<2>(lane + i0, n + i0, corrections, value_of, c0);
       if constexpr (pv_vectors > 1) c0 = accumulate_group<1>(lane + i0, n + i0, corrections, value_of, c0);

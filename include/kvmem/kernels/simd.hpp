@@ -45,10 +45,11 @@ inline constexpr int width = 8;
 #else
 inline constexpr int width = 4;
 #endif
-/// Register vectors a thread has: 32 under AVX-512, 16 otherwise. Register tiles hold half of them as
-/// accumulators (QueryBlock::qk_keys, pv_vectors): enough independent fma chains to keep two fma units
-/// busy through the fma latency, with room left for the operands.
-#if defined(__AVX512F__)
+/// Register vectors the register tiles assume a thread has: 32 under AVX-512 (and on AArch64), 16
+/// otherwise. Register tiles hold half of them as accumulators (QueryBlock::qk_keys, pv_vectors): enough
+/// independent fma chains to keep two fma units busy through the fma latency, with room left for the
+/// operands.
+#if defined(__AVX512F__) || defined(__aarch64__)
 inline constexpr int registers = 32;
 #else
 inline constexpr int registers = 16;
@@ -157,8 +158,9 @@ KOKKOS_INLINE_FUNCTION ivec greater(const vec& a, const vec& b) { return a > b; 
 KOKKOS_INLINE_FUNCTION vec select(const ivec& m, const vec& a, const vec& b) { return m ? a : b; }
 /// m ? a : b per lane (m a comparison's mask).
 KOKKOS_INLINE_FUNCTION ivec select(const ivec& m, const ivec& a, const ivec& b) { return m ? a : b; }
-/// The bits of each lane as an int, and back.
+/// The bits of each lane as an int.
 KOKKOS_INLINE_FUNCTION ivec as_int(const vec& v) { return reinterpret_cast<ivec>(v); }
+/// The float whose bits each lane holds (the inverse of as_int).
 KOKKOS_INLINE_FUNCTION vec as_float(const ivec& v) { return reinterpret_cast<vec>(v); }
 /// Every lane x.
 KOKKOS_INLINE_FUNCTION ivec broadcast_int(int x) { return ivec{} + x; }
