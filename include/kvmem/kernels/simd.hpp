@@ -10,6 +10,9 @@
 /// (KOKKOS_ARCH_AVX2 and friends), and distribution packages of Kokkos (Debian's 5.2.2) are configured
 /// for a generic CPU, where its native simd is one scalar. kvmem is header-only and compiled with the
 /// engine's flags (-march=native), so it takes the vector width from the compiler instead.
+///
+/// Defining KVMEM_SIMD_PORTABLE takes the portable form on the host too (the form device code and
+/// nvcc builds compile; tests/CMakeLists.txt runs the tile-form bit tests in it as "portable: ...").
 
 #include <Kokkos_Core.hpp>
 #include <type_traits>
@@ -19,7 +22,7 @@
 #include "vector_ops.hpp"
 
 #if defined(__GNUC__) && !defined(__CUDACC__) && !defined(__HIPCC__) && !defined(__SYCL_DEVICE_ONLY__) && \
-    (defined(__AVX__) || defined(__SSE2__) || defined(__ARM_NEON))
+    !defined(KVMEM_SIMD_PORTABLE) && (defined(__AVX__) || defined(__SSE2__) || defined(__ARM_NEON))
 #define KVMEM_SIMD_VECTOR_EXTENSIONS 1
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
