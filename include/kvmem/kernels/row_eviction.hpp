@@ -6,21 +6,40 @@
 /// decoded token (docs/reliability.md).
 
 #include <Kokkos_Core.hpp>
+#include <type_traits>
 
 #include "../config.hpp"
 #include "../policy/layer_weights.hpp"
 #include "../state/state_rows.hpp"
+#include "scratch.hpp"
+#include "simd.hpp"
 #include "step_plan.hpp"
+#include "tile_traits.hpp"
 #include "vector_ops.hpp"
 
 namespace kvmem::kernels {
 
+/// State rows per team of the register-tile form of accumulate_row_attention: the rows' read keys in
+/// vector lanes (a multiple of the register vector's width).
+inline constexpr int row_attention_lanes = 16;
+
 /// stats(b, h, i) = policy.attended(stats, p_u) for every query u of the step in position order and every
 /// state row i < read_rows, with p_u = sum over the G query heads hq of the group of
-/// exp(logit(u, i) - lse(b, hq, u - query_begin)), logit as in readout() (Merge::logit_scale and
-/// Merge::row_bias), lse [B, Hq, max_queries] the log-sum-exp the readout wrote. float64 sums in a fixed
-/// order, so prefill (many queries per step) and decode (one) give the same bits.
-template <class Merge, class Policy, class ExecSpace, StorageType T, class QueriesIn, class Lse>
+/// exp(logit(u, i) - lse(b, hq, u - query_begin)) in head order, logit = mul_add(dot(q_u, read_key_i),
+/// Merge::logit_scale(tau_state[hq], q_u), Merge::row_bias(row i)) as in readout(), lse [B, Hq,
+/// max_queries] the log-sum-exp the readout wrote. The logit is float32 (kernels::dot's chain), each
+/// probability and every sum float64, in that fixed order, so prefill (many queries per step) and decode
+/// (one) give the same bits, and both forms below give the bits of the per-row loop (tests/unit/
+/// test_row_attention.cpp):
+/// - Traits::spread (GPUs): one thread per (sequence, kv-head, row), the loop as written above;
+/// - register tiles (CPUs): a team per (sequence, kv-head, row_attention_lanes rows), the rows' read keys
+///   widened and transposed into team scratch once per step ([D][lanes] floats), then the step's (query,
+///   head) pairs in order, a register tile of them at a time against every row of the team
+///   (simd::lane_dots: per (row, pair) kernels::dot's chain), the float64 exponentials and sums per row.
+/// `max_rows` bounds read_rows over the batch (rows, >= 0). Source: H2O (Zhang et al., 2023, Sec. 3) over
+/// state rows; the kvm-paper's readout logit (Sec. 4), the ovq-paper's (Sec. 3.2).
+template <class Merge, class Policy, class ExecSpace, StorageType T, class QueriesIn, class Lse,
+          class Traits = TileTraits<ExecSpace>>
 void accumulate_row_attention(const ExecSpace& exec, const MemoryConfig& cfg, const LayerWeightsRef& w,
                               const state::StateRows<typename ExecSpace::memory_space, T>& rows,
                               const StepPlan<typename ExecSpace::memory_space>& plan, const QueriesIn& q,
@@ -29,26 +48,74 @@ void accumulate_row_attention(const ExecSpace& exec, const MemoryConfig& cfg, co
   if (B == 0 || max_rows <= 0) return;
   const int G = cfg.group(), D = cfg.head_dim;
   const auto p = plan.device;
-  Kokkos::parallel_for(
-      "kvmem::row_attn", Kokkos::RangePolicy<ExecSpace>(exec, 0, B * H * max_rows), KOKKOS_LAMBDA(long idx) {
-        const long i = idx % max_rows, h = (idx / max_rows) % H, b = idx / (max_rows * H);
-        if (i >= p(b, read_rows)) return;
-        const long first = p(b, query_begin), last = p(b, query_end), off = p(b, input_offset);
-        const float bias = Merge::row_bias(rows.row(b, h, i));
-        double stat = rows.stats(b, h, i);
-        for (long u = first; u < last; ++u) {
-          double mass = 0.0;
-          for (int g = 0; g < G; ++g) {
-            const long hq = h * G + g;
-            const auto* qu = &q(b, hq, u - off, 0);
-            const float logit = mul_add(dot(qu, &rows.read_keys(b, h, i, 0), D),
-                                        Merge::logit_scale(w.tau_state[hq], qu, D), bias);
-            mass += Kokkos::exp(static_cast<double>(logit) - static_cast<double>(lse(b, hq, u - first)));
+  using q_ptr = std::add_pointer_t<std::add_const_t<typename QueriesIn::value_type>>;
+  // The logit's factor for query qu of head hq, and the probability exp(logit - lse) of query u of head hq.
+  auto scale_of = [=] KOKKOS_FUNCTION(long hq, q_ptr qu) { return Merge::logit_scale(w.tau_state[hq], qu, D); };
+  auto probability = [=] KOKKOS_FUNCTION(float logit, long b, long hq, long u) {
+    return Kokkos::exp(static_cast<double>(logit) - static_cast<double>(lse(b, hq, u - p(b, query_begin))));
+  };
+  if constexpr (Traits::spread) {
+    Kokkos::parallel_for(
+        "kvmem::row_attn", Kokkos::RangePolicy<ExecSpace>(exec, 0, B * H * max_rows), KOKKOS_LAMBDA(long idx) {
+          const long i = idx % max_rows, h = (idx / max_rows) % H, b = idx / (max_rows * H);
+          if (i >= p(b, read_rows)) return;
+          const long first = p(b, query_begin), last = p(b, query_end), off = p(b, input_offset);
+          const float bias = Merge::row_bias(rows.row(b, h, i));
+          double stat = rows.stats(b, h, i);
+          for (long u = first; u < last; ++u) {
+            double mass = 0.0;
+            for (int g = 0; g < G; ++g) {
+              const long hq = h * G + g;
+              const auto* qu = &q(b, hq, u - off, 0);
+              mass += probability(mul_add(dot(qu, &rows.read_keys(b, h, i, 0), D), scale_of(hq, qu), bias), b, hq, u);
+            }
+            stat = policy.attended(stat, mass);
           }
-          stat = policy.attended(stat, mass);
+          rows.stats(b, h, i) = stat;
+        });
+  } else {
+    constexpr int L = row_attention_lanes, K = simd::width * 8 / L > 0 ? simd::width * 8 / L : 1;
+    static_assert(L % simd::width == 0, "the rows of a team fill whole register vectors");
+    const long tiles = (max_rows + L - 1) / L;
+    using policy_t = Kokkos::TeamPolicy<ExecSpace>;
+    int level = 0;
+    const auto team_policy = with_float_scratch(policy_t(exec, B * H * tiles, 1), long(D) * L, level);
+    Kokkos::parallel_for("kvmem::row_attn", team_policy, KOKKOS_LAMBDA(const typename policy_t::member_type& team) {
+      const long idx = team.league_rank();
+      const long i0 = (idx % tiles) * L, h = (idx / tiles) % H, b = idx / (tiles * H);
+      const int n = static_cast<int>(Kokkos::min(static_cast<long>(L), p(b, read_rows) - i0));
+      if (n <= 0) return;
+      float* at = static_cast<float*>(team.team_scratch(level).get_shmem(sizeof(float) * D * L));
+      for (int c = 0; c < D; ++c)
+        for (int r = 0; r < L; ++r) at[c * L + r] = r < n ? to_float(rows.read_keys(b, h, i0 + r, c)) : 0.0f;
+      float bias[L];
+      double stat[L], mass[L];
+      for (int r = 0; r < n; ++r)
+        bias[r] = Merge::row_bias(rows.row(b, h, i0 + r)), stat[r] = rows.stats(b, h, i0 + r), mass[r] = 0.0;
+      const long first = p(b, query_begin), off = p(b, input_offset), pairs = (p(b, query_end) - first) * G;
+      float dots[K][L];
+      for (long e0 = 0; e0 < pairs; e0 += K) {  // pair e: query first + e / G of head h G + e % G
+        const int kn = static_cast<int>(Kokkos::min(static_cast<long>(K), pairs - e0));
+        q_ptr qs[K];
+        for (int k = 0; k < kn; ++k) qs[k] = &q(b, h * G + (e0 + k) % G, first + (e0 + k) / G - off, 0);
+        auto keep = [&](int k0) {
+          return [&, k0](int k, int x, const simd::vec& s) { simd::store(&dots[k0 + k][x * simd::width], s); };
+        };
+        if (kn == K)
+          simd::lane_dots<L, K>(at, D, qs, keep(0));
+        else
+          for (int k = 0; k < kn; ++k) simd::lane_dots<L, 1>(at, D, &qs[k], keep(k));
+        for (int k = 0; k < kn; ++k) {
+          const long e = e0 + k, hq = h * G + e % G, u = first + e / G;
+          const float scale = scale_of(hq, qs[k]);
+          for (int r = 0; r < n; ++r) mass[r] += probability(mul_add(dots[k][r], scale, bias[r]), b, hq, u);
+          if (e % G == G - 1)
+            for (int r = 0; r < n; ++r) stat[r] = policy.attended(stat[r], mass[r]), mass[r] = 0.0;
         }
-        rows.stats(b, h, i) = stat;
-      });
+      }
+      for (int r = 0; r < n; ++r) rows.stats(b, h, i0 + r) = stat[r];
+    });
+  }
 }
 
 /// After a fold left rows_before + append_count rows, evicts p(b, rows_evicted) of them per (b, h): the
