@@ -15,8 +15,11 @@
 ///              and the route only continues over the appended rows,
 ///   6. group   the routed tokens by row (each row's tokens one run, in token order),
 ///   7. fold    per row, its routed tokens in token order, then refresh the row's read caches.
-/// The same kernels serve KVM's first-chunk copy (every token appended), so prefill and decode produce
-/// identical bits. Their Kokkos labels are kvmem::stage ... kvmem::fold: at most 15 characters, which a
+/// A pass runs only where some sequence of the batch has its work, as the plan's host mirror says: score
+/// where a block is ranked, select and append where tokens found rows; without either (a fixed budget after
+/// its first block) the route pass stages its tokens' memory keys, and an update is three launches (route,
+/// group, fold). The same kernels serve KVM's first-chunk copy (every token appended), so prefill and
+/// decode produce identical bits. Their Kokkos labels are kvmem::stage ... kvmem::fold: at most 15 characters, which a
 /// std::string holds without a heap allocation (Kokkos copies the label at every launch; decode must not
 /// allocate).
 
@@ -196,6 +199,22 @@ KOKKOS_INLINE_FUNCTION bool seeding(long rows_before) {
   return !Merge::first_chunk_verbatim && rows_before == 0;
 }
 
+/// Tokens of sequence b's block that found new rows (the plan `p` [B, plan_fields], its device view or its
+/// host mirror): the plan's growth M* - m, or one fewer when seeding (row 0 is founded by the fold).
+template <class Merge, class Plan>
+KOKKOS_INLINE_FUNCTION long selected_tokens(const Plan& p, long b) {
+  const long app = p(b, append_count);
+  return seeding<Merge>(p(b, rows_before)) ? (app > 1 ? app - 1 : 0) : app;
+}
+
+/// Whether sequence b's block is scored and ranked to choose the tokens that found rows: some but not all
+/// of them do, or the rows are founded in score order.
+template <class Merge, class Plan>
+KOKKOS_INLINE_FUNCTION bool ranks_tokens(const Plan& p, long b) {
+  const long n = selected_tokens<Merge>(p, b);
+  return n > 0 && (n < p(b, block_count) || Merge::rows_in_score_order);
+}
+
 /// Folds the block [block_begin, block_begin + block_count) of every plan row into that sequence's
 /// state (all kv-heads). `append_count` is the plan's growth M* - m (spec KVM.md §5.1, OVQ.md §3): that
 /// many tokens found rows, lowest Scorer score first (when seeding, row 0 is one of them). Plan rows with
@@ -222,22 +241,30 @@ void update_state(const ExecSpace& exec, const MemoryConfig& cfg, const LayerWei
   const auto routes = scratch.routes;
   const auto grouped = scratch.grouped;
   using range = Kokkos::RangePolicy<ExecSpace>;
-  // Tokens selected for new rows: M* - m, or one fewer when seeding (row 0 is founded by the fold).
-  auto selected = [=] KOKKOS_FUNCTION(long b) {
-    const long app = p(b, append_count);
-    return seeding<Merge>(p(b, rows_before)) ? (app > 1 ? app - 1 : 0) : app;
-  };
-  auto must_rank = [=] KOKKOS_FUNCTION(long b) {
-    const long n = selected(b);
-    return n > 0 && (n < p(b, block_count) || Merge::rows_in_score_order);
+  auto selected = [=] KOKKOS_FUNCTION(long b) { return selected_tokens<Merge>(p, b); };
+  auto must_rank = [=] KOKKOS_FUNCTION(long b) { return ranks_tokens<Merge>(p, b); };
+  // The passes with work in some sequence of the batch, from the plan's host mirror (no read of device
+  // data): score only where a block is ranked, select and append only where tokens found rows. Where
+  // neither runs (a fixed budget after its first block, a plateau after it filled) the route pass stages
+  // its own tokens' memory keys: an update is then three launches (route, group, fold) instead of seven.
+  bool any_rank = false, any_selected = false;
+  for (long b = 0; b < B; ++b) {
+    if (plan.host(b, block_count) <= 0) continue;
+    any_rank = any_rank || ranks_tokens<Merge>(plan.host, b);
+    any_selected = any_selected || selected_tokens<Merge>(plan.host, b) > 0;
+  }
+  const bool stage_in_route = !any_rank && !any_selected;
+  // The memory key of token j of sequence b's block, into keys(b, h, j).
+  auto stage = [=] KOKKOS_FUNCTION(long b, long h, long j) {
+    Merge::memory_key(cfg, w, &ring.keys(b, h, ring.slot(p(b, block_begin) + j), 0), &keys(b, h, j, 0));
   };
 
   // 1. stage: memory keys.
-  Kokkos::parallel_for("kvmem::stage", range(exec, 0, B * H * C), KOKKOS_LAMBDA(long idx) {
-    const long j = idx % C, h = (idx / C) % H, b = idx / (C * H);
-    if (j >= p(b, block_count)) return;
-    Merge::memory_key(cfg, w, &ring.keys(b, h, ring.slot(p(b, block_begin) + j), 0), &keys(b, h, j, 0));
-  });
+  if (!stage_in_route)
+    Kokkos::parallel_for("kvmem::stage", range(exec, 0, B * H * C), KOKKOS_LAMBDA(long idx) {
+      const long j = idx % C, h = (idx / C) % H, b = idx / (C * H);
+      if (j < p(b, block_count)) stage(b, h, j);
+    });
   // The rows a token of sequence b may join: [first, end) (step 5).
   const long sinks = cfg.sinks;
   auto route_rows = [=] KOKKOS_FUNCTION(long b, long& first, long& end) {
@@ -259,100 +286,104 @@ void update_state(const ExecSpace& exec, const MemoryConfig& cfg, const LayerWei
   auto seed_score = [=] KOKKOS_FUNCTION(long b, long h, long j) {
     return j == 0 ? -neg_inf() : dot(&keys(b, h, j, 0), &keys(b, h, 0, 0), D);
   };
-  if constexpr (update_in_lanes<ExecSpace> && scores_max_similarity<Scorer>) {
-    constexpr int L = update_lanes;
-    for_token_blocks("kvmem::score", exec, p, B, H, C, D, [=] KOKKOS_FUNCTION(long b, long h, long j0, int n, float* at) {
-      const long m = p(b, rows_before);
-      if (!must_rank(b)) return;
-      if (seeding<Merge>(m)) {
-        for (int u = 0; u < n; ++u) scores(b, h, j0 + u) = seed_score(b, h, j0 + u);
-        return;
-      }
-      for (int c = 0; c < D; ++c)
-        for (int u = 0; u < L; ++u) at[c * L + u] = u < n ? keys(b, h, j0 + u, c) : 0.0f;
-      long first, end;
-      route_rows(b, first, end);
-      LaneArgmax<L> novelty, route;
-      novelty.start(neg_inf(), 0);
-      route.start(neg_inf(), first);
-      token_rows_scan<L>(at, D, 0, m, [&](long i) { return st.decision_key(b, h, i); }, [&](long i, int x, const simd::vec& sv) {
-        novelty.keep(i, x, sv, false);
-        if (i >= first) route.keep(i, x, sv, i == first);
-      });
-      float best[L];
-      int row[L];
-      novelty.store(best, row);
-      for (int u = 0; u < n; ++u) scores(b, h, j0 + u) = best[u];
-      if (!routed_in_score(b)) return;
-      route.store(best, row);
-      for (int u = 0; u < n; ++u) route_scores(b, h, j0 + u) = best[u], routes(b, h, j0 + u) = row[u];
-    });
-  } else {
-    Kokkos::parallel_for("kvmem::score", range(exec, 0, B * H * C), KOKKOS_LAMBDA(long idx) {
-      const long j = idx % C, h = (idx / C) % H, b = idx / (C * H);
-      if (j >= p(b, block_count) || !must_rank(b)) return;
-      const long m = p(b, rows_before);
-      if (seeding<Merge>(m)) {
-        scores(b, h, j) = seed_score(b, h, j);
-      } else if (routed_in_score(b)) {  // Scorer::score's maximum and the route's argmax in one scan
+  if (any_rank) {
+    if constexpr (update_in_lanes<ExecSpace> && scores_max_similarity<Scorer>) {
+      constexpr int L = update_lanes;
+      for_token_blocks("kvmem::score", exec, p, B, H, C, D, [=] KOKKOS_FUNCTION(long b, long h, long j0, int n, float* at) {
+        const long m = p(b, rows_before);
+        if (!must_rank(b)) return;
+        if (seeding<Merge>(m)) {
+          for (int u = 0; u < n; ++u) scores(b, h, j0 + u) = seed_score(b, h, j0 + u);
+          return;
+        }
+        for (int c = 0; c < D; ++c)
+          for (int u = 0; u < L; ++u) at[c * L + u] = u < n ? keys(b, h, j0 + u, c) : 0.0f;
         long first, end;
         route_rows(b, first, end);
-        float novelty = neg_inf(), best = neg_inf();
-        long best_row = first;
-        key_rows_scan(&keys(b, h, j, 0), D, 0, m, [&](long i) { return st.decision_key(b, h, i); }, [&](long i, float sc) {
-          novelty = sc > novelty ? sc : novelty;
-          if (i >= first && (sc > best || i == first)) best = sc, best_row = i;
+        LaneArgmax<L> novelty, route;
+        novelty.start(neg_inf(), 0);
+        route.start(neg_inf(), first);
+        token_rows_scan<L>(at, D, 0, m, [&](long i) { return st.decision_key(b, h, i); }, [&](long i, int x, const simd::vec& sv) {
+          novelty.keep(i, x, sv, false);
+          if (i >= first) route.keep(i, x, sv, i == first);
         });
-        scores(b, h, j) = novelty;
-        route_scores(b, h, j) = best;
-        routes(b, h, j) = best_row;
-      } else {
-        scores(b, h, j) = Scorer::score(&keys(b, h, j, 0), st.decision_key(b, h, 0), m, D);
-      }
-    });
+        float best[L];
+        int row[L];
+        novelty.store(best, row);
+        for (int u = 0; u < n; ++u) scores(b, h, j0 + u) = best[u];
+        if (!routed_in_score(b)) return;
+        route.store(best, row);
+        for (int u = 0; u < n; ++u) route_scores(b, h, j0 + u) = best[u], routes(b, h, j0 + u) = row[u];
+      });
+    } else {
+      Kokkos::parallel_for("kvmem::score", range(exec, 0, B * H * C), KOKKOS_LAMBDA(long idx) {
+        const long j = idx % C, h = (idx / C) % H, b = idx / (C * H);
+        if (j >= p(b, block_count) || !must_rank(b)) return;
+        const long m = p(b, rows_before);
+        if (seeding<Merge>(m)) {
+          scores(b, h, j) = seed_score(b, h, j);
+        } else if (routed_in_score(b)) {  // Scorer::score's maximum and the route's argmax in one scan
+          long first, end;
+          route_rows(b, first, end);
+          float novelty = neg_inf(), best = neg_inf();
+          long best_row = first;
+          key_rows_scan(&keys(b, h, j, 0), D, 0, m, [&](long i) { return st.decision_key(b, h, i); }, [&](long i, float sc) {
+            novelty = sc > novelty ? sc : novelty;
+            if (i >= first && (sc > best || i == first)) best = sc, best_row = i;
+          });
+          scores(b, h, j) = novelty;
+          route_scores(b, h, j) = best;
+          routes(b, h, j) = best_row;
+        } else {
+          scores(b, h, j) = Scorer::score(&keys(b, h, j, 0), st.decision_key(b, h, 0), m, D);
+        }
+      });
+    }
   }
   // 3. select: rank by (score asc, token index asc); the first `selected` found rows. NaN scores (from a
   //    non-finite key) rank after every number, so the ranks stay a permutation of 0..count-1: with plain
   //    `<` every NaN would rank 0, more tokens than planned would found rows, past the rows the host
   //    planned and allocated, or several tokens would write one row.
-  Kokkos::parallel_for("kvmem::select", range(exec, 0, B * H * C), KOKKOS_LAMBDA(long idx) {
-    const long j = idx % C, h = (idx / C) % H, b = idx / (C * H);
-    const long count = p(b, block_count);
-    if (j >= count) return;
-    long rank = j;  // every token selected in token order when no ranking is needed
-    if (must_rank(b)) {
-      const float sj = scores(b, h, j);
-      const bool nan_j = sj != sj;
-      rank = 0;
-      for (long i = 0; i < count; ++i) {
-        const float si = scores(b, h, i);
-        const bool nan_i = si != si;
-        const bool before = nan_i || nan_j ? (nan_j && (!nan_i || i < j)) : (si < sj || (si == sj && i < j));
-        rank += before ? 1 : 0;
+  if (any_selected) {
+    Kokkos::parallel_for("kvmem::select", range(exec, 0, B * H * C), KOKKOS_LAMBDA(long idx) {
+      const long j = idx % C, h = (idx / C) % H, b = idx / (C * H);
+      const long count = p(b, block_count);
+      if (j >= count) return;
+      long rank = j;  // every token selected in token order when no ranking is needed
+      if (must_rank(b)) {
+        const float sj = scores(b, h, j);
+        const bool nan_j = sj != sj;
+        rank = 0;
+        for (long i = 0; i < count; ++i) {
+          const float si = scores(b, h, i);
+          const bool nan_i = si != si;
+          const bool before = nan_i || nan_j ? (nan_j && (!nan_i || i < j)) : (si < sj || (si == sj && i < j));
+          rank += before ? 1 : 0;
+        }
       }
-    }
-    ranks(b, h, j) = rank;
-  });
-  // 4. append: selected tokens become rows base.. in token or score order (spec KVM.md §5.4, OVQ.md §5.1).
-  Kokkos::parallel_for("kvmem::append", range(exec, 0, B * H * C), KOKKOS_LAMBDA(long idx) {
-    const long j = idx % C, h = (idx / C) % H, b = idx / (C * H);
-    const long n = selected(b), m = p(b, rows_before);
-    if (j >= p(b, block_count)) return;
-    if (ranks(b, h, j) >= n) {
-      new_rows(b, h, j) = -1;
-      return;
-    }
-    long order = ranks(b, h, j);
-    if (!Merge::rows_in_score_order) {
-      order = 0;
-      for (long i = 0; i < j; ++i) order += ranks(b, h, i) < n ? 1 : 0;
-    }
-    const long row = (seeding<Merge>(m) ? 1 : m) + order;
-    new_rows(b, h, j) = row;
-    const merge::Row r = st.row(b, h, row);
-    Merge::new_row(cfg, r, &keys(b, h, j, 0), &ring.values(b, h, ring.slot(p(b, block_begin) + j), 0));
-    st.template refresh<Merge>(cfg, w, b, h, row);
-  });
+      ranks(b, h, j) = rank;
+    });
+    // 4. append: selected tokens become rows base.. in token or score order (spec KVM.md §5.4, OVQ.md §5.1).
+    Kokkos::parallel_for("kvmem::append", range(exec, 0, B * H * C), KOKKOS_LAMBDA(long idx) {
+      const long j = idx % C, h = (idx / C) % H, b = idx / (C * H);
+      const long n = selected(b), m = p(b, rows_before);
+      if (j >= p(b, block_count)) return;
+      if (ranks(b, h, j) >= n) {
+        new_rows(b, h, j) = -1;
+        return;
+      }
+      long order = ranks(b, h, j);
+      if (!Merge::rows_in_score_order) {
+        order = 0;
+        for (long i = 0; i < j; ++i) order += ranks(b, h, i) < n ? 1 : 0;
+      }
+      const long row = (seeding<Merge>(m) ? 1 : m) + order;
+      new_rows(b, h, j) = row;
+      const merge::Row r = st.row(b, h, row);
+      Merge::new_row(cfg, r, &keys(b, h, j, 0), &ring.values(b, h, ring.slot(p(b, block_begin) + j), 0));
+      st.template refresh<Merge>(cfg, w, b, h, row);
+    });
+  }
   // 5. route the other tokens: seeding -> row 0; else the argmax over the rows before or after the append,
   //    from the first non-sink row, of the ungated memory key's dot product with the read keys (spec KVM.md
   //    §5.5 and §9 #2-#3, OVQ.md §5.1). The spec's gated key g_j kbar_j has the same argmax for every gate
@@ -361,13 +392,15 @@ void update_state(const ExecSpace& exec, const MemoryConfig& cfg, const LayerWei
   //    (routed_in_score), the scan continues from it over the appended rows: the same comparisons in the
   //    same row order as one scan.
   auto routed = [=] KOKKOS_FUNCTION(long b, long h, long j) {
-    return j < p(b, block_count) && new_rows(b, h, j) < 0;
+    return j < p(b, block_count) && (selected(b) == 0 || new_rows(b, h, j) < 0);
   };
   // The route of a token that found a row (after every row, so such tokens group last).
   constexpr long no_route = Kokkos::Experimental::finite_max_v<long>;
   if constexpr (update_in_lanes<ExecSpace>) {
     constexpr int L = update_lanes;
     for_token_blocks("kvmem::route", exec, p, B, H, C, D, [=] KOKKOS_FUNCTION(long b, long h, long j0, int n, float* at) {
+      if (stage_in_route)
+        for (int u = 0; u < n; ++u) stage(b, h, j0 + u);
       bool any = false;
       for (int u = 0; u < n; ++u) any = any || routed(b, h, j0 + u);
       if (!any || seeding<Merge>(p(b, rows_before))) {
@@ -406,6 +439,7 @@ void update_state(const ExecSpace& exec, const MemoryConfig& cfg, const LayerWei
     Kokkos::parallel_for("kvmem::route", range(exec, 0, B * H * C), KOKKOS_LAMBDA(long idx) {
       const long j = idx % C, h = (idx / C) % H, b = idx / (C * H);
       if (j >= p(b, block_count)) return;
+      if (stage_in_route) stage(b, h, j);
       if (!routed(b, h, j)) {
         routes(b, h, j) = no_route;
         return;
