@@ -13,7 +13,6 @@
 #include <catch2/catch_test_macros.hpp>
 
 #include <Kokkos_Random.hpp>
-#include <array>
 #include <cstdint>
 #include <map>
 #include <string>
@@ -319,10 +318,8 @@ Counts regrowth_cost(bool row_eviction) {
 ///  - 1 fence kvmem::Memory::step: the API promises that y is written when decode() returns;
 ///  - 2 kernels, kvmem::window (the token's key, value and gate into the window ring) and kvmem::readout;
 ///  - on a step that folds a chunk into the state (once per kChunk tokens; the sequences are in lockstep,
-///    so they fold on the same step in one launch each): 7 kernels, kvmem::stage, score, select, append,
-///    route, group and fold (kernels::update_state) where the fold founds rows (the budget granted rows:
-///    the cursors' `granted` grew), else 3, kvmem::route (which then stages the memory keys), group and
-///    fold;
+///    so they fold on the same step in one launch): 1 kernel, kvmem::update (kernels::update_state: stage,
+///    score, select, append, route, group and fold as passes of one team per (sequence, kv-head));
 ///  - with H2O row eviction: kvmem::row_attn on every step (the attention mass of the rows read; every
 ///    step reads rows, the prompt already filled the state and moved the window past it) and
 ///    kvmem::rowevict on a fold step;
@@ -338,34 +335,29 @@ long require_memory_steps(Memory& memory, const Stream& s) {
                  tokens(s.y, 0, kPrompt));
   exec().fence();
   const long capacity_before = memory.rows().capacity(), covered_before = memory.cursor(0).covered;
-  long folds = 0, growing_folds = 0, regrowths = 0;
+  long folds = 0, regrowths = 0;
   bool lockstep = true, doubling = true;
 
   Recorder recorder;
   require_every_step(kPrompt, s.T, [&](long t) {
     const long covered = memory.cursor(0).covered, capacity = memory.rows().capacity();
-    std::array<long, kBatch> granted{};
-    for (long b = 0; b < kBatch; ++b) granted[b] = memory.cursor(b).granted;
     memory.decode(tokens(s.q, t, 1), tokens(s.k, t, 1), tokens(s.v, t, 1), gates(s.gate, t, 1), tokens(s.y, t, 1));
     const bool fold = memory.cursor(0).covered != covered, grew = memory.rows().capacity() != capacity;
-    bool founds = false;
-    for (long b = 0; b < kBatch; ++b) founds = founds || memory.cursor(b).granted != granted[b];
     for (long b = 0; b < kBatch; ++b)
       lockstep = lockstep && memory.cursor(b).covered == memory.cursor(0).covered &&
                  (!fold || memory.cursor(b).covered == covered + kChunk);
     doubling = doubling && (!grew || memory.rows().capacity() == 2 * capacity);
     folds += fold ? 1 : 0;
-    growing_folds += founds ? 1 : 0;
     regrowths += grew ? 1 : 0;
     Counts allowed{.copies = 1, .fences = 1, .kernels = 2};
-    if (fold) allowed.kernels += founds ? 7 : 3;  // stage, score, select, append, route, group, fold; or the last 3
+    if (fold) allowed.kernels += 1;  // kvmem::update
     if (row_eviction) allowed.kernels += fold ? 2 : 1;
     if (grew) allowed = allowed + regrowth;
     return allowed;
   });
   const Log e = g_log;
-  INFO(describe(e) << "folds " << folds << " (" << growing_folds << " founding rows), regrowths " << regrowths
-                   << ", capacity " << capacity_before << " -> " << memory.rows().capacity());
+  INFO(describe(e) << "folds " << folds << ", regrowths " << regrowths << ", capacity " << capacity_before << " -> "
+                   << memory.rows().capacity());
   // The schedule behind the budgets: one fold per chunk of decoded tokens, in lockstep; regrowths double.
   REQUIRE(lockstep);
   REQUIRE(folds == (memory.cursor(0).covered - covered_before) / kChunk);
@@ -376,9 +368,7 @@ long require_memory_steps(Memory& memory, const Stream& s) {
   // The same events by label: kvmem's own exactly, Kokkos' (inside Kokkos::resize) only as regrowths.
   REQUIRE(e.copies == Labels{{plan_upload, kSteps}});
   Labels kernels{{"kvmem::window", kSteps}, {"kvmem::readout", kSteps}};
-  for (const char* k : {"kvmem::stage", "kvmem::score", "kvmem::select", "kvmem::append"})
-    if (growing_folds > 0) kernels[k] = growing_folds;
-  for (const char* k : {"kvmem::route", "kvmem::group", "kvmem::fold"}) kernels[k] = folds;
+  kernels["kvmem::update"] = folds;
   if (row_eviction) {
     kernels["kvmem::row_attn"] = kSteps;
     kernels["kvmem::rowevict"] = folds;

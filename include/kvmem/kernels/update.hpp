@@ -169,28 +169,6 @@ KOKKOS_INLINE_FUNCTION void token_rows_max(const float* at, int dim, long first,
   a.store(best, best_row);
 }
 
-/// Runs body(b, h, j0, n, at) once per block of update_lanes tokens [j0, j0 + n) (n >= 1) of every
-/// (sequence b, kv-head h) whose block holds such tokens, one thread per block; `at` is that thread's
-/// scratch of head_dim x update_lanes floats, for the block's keys transposed (token_rows_max). The body
-/// is a device function (KOKKOS_FUNCTION lambda). `label` names the kernel (at most 15 characters).
-template <class ExecSpace, class Plan, class Body>
-void for_token_blocks(const char* label, const ExecSpace& exec, const Plan& p, long B, long H, long C, int D,
-                      const Body& body) {
-  constexpr int L = update_lanes;
-  const long blocks = (C + L - 1) / L;
-  using policy_t = Kokkos::TeamPolicy<ExecSpace>;
-  int level = 0;
-  const auto policy = with_float_scratch(policy_t(exec, B * H * blocks, 1), long(D) * L, level);
-  Kokkos::parallel_for(label, policy, KOKKOS_LAMBDA(const typename policy_t::member_type& team) {
-    const long idx = team.league_rank();
-    const long j0 = (idx % blocks) * L, h = (idx / blocks) % H, b = idx / (blocks * H);
-    const long count = p(b, block_count);
-    if (j0 >= count) return;
-    const int n = static_cast<int>(Kokkos::min(static_cast<long>(L), count - j0));
-    body(b, h, j0, n, static_cast<float*>(team.team_scratch(level).get_shmem(sizeof(float) * D * L)));
-  });
-}
-
 /// Seeding: the policy commits its first block like any other and no row exists yet (OVQ's m == 0):
 /// tokens are scored against the block's first token, row 0 takes the block's first token and every
 /// token not selected, and selected tokens found rows 1, 2, ... (spec OVQ.md §5.1).
@@ -215,6 +193,20 @@ KOKKOS_INLINE_FUNCTION bool ranks_tokens(const Plan& p, long b) {
   return n > 0 && (n < p(b, block_count) || Merge::rows_in_score_order);
 }
 
+/// Threads per team of update_state's kernel (one team per (sequence, kv-head)): on CPU threads (host
+/// spaces) the threads per (sequence, kv-head), so that a batch of fewer kv-heads than threads still keeps
+/// every thread busy and a batch of many runs one thread per team (no barrier waits); on GPUs a warp
+/// multiple that covers a chunk's tokens, at most 256. `heads` = B x Hkv, `chunk` in tokens.
+template <class ExecSpace>
+int update_team_size(const ExecSpace& exec, long heads, long chunk) {
+  if constexpr (update_in_lanes<ExecSpace>) {
+    const long threads = exec.concurrency();
+    return static_cast<int>(Kokkos::max(1L, Kokkos::min(threads, threads / Kokkos::max(1L, heads))));
+  } else {
+    return static_cast<int>(Kokkos::min(256L, Kokkos::max(32L, (chunk + 31) / 32 * 32)));
+  }
+}
+
 /// Folds the block [block_begin, block_begin + block_count) of every plan row into that sequence's
 /// state (all kv-heads). `append_count` is the plan's growth M* - m (spec KVM.md §5.1, OVQ.md §3): that
 /// many tokens found rows, lowest Scorer score first (when seeding, row 0 is one of them). Plan rows with
@@ -222,6 +214,10 @@ KOKKOS_INLINE_FUNCTION bool ranks_tokens(const Plan& p, long b) {
 /// the read caches are in the storage type T, read as float32; memory keys, scores and every merge sum are
 /// float32, and scores and routes compare with the rows' float32 decision keys (StateRows::decision_key),
 /// so a 16-bit memory takes the float32 memory's decisions on the same window keys (docs/numerics.md).
+/// One kernel, kvmem::update: a team per (sequence, kv-head) runs the passes of the file's header in order,
+/// each over the block's tokens (or blocks of update_lanes tokens, or positions) split over the team's
+/// threads, a team barrier after each; a pass without work in that sequence (score where no block is
+/// ranked, select and append where no token founds a row) is skipped by the whole team.
 template <merge::MergePolicy Merge, score::AppendScorer Scorer, class ExecSpace, StorageType T>
 void update_state(const ExecSpace& exec, const MemoryConfig& cfg, const LayerWeightsRef& w,
                   const state::StateRows<typename ExecSpace::memory_space, T>& st,
@@ -231,7 +227,6 @@ void update_state(const ExecSpace& exec, const MemoryConfig& cfg, const LayerWei
   const long B = static_cast<long>(st.keys.extent(0)), H = static_cast<long>(st.keys.extent(1));
   if (max_block <= 0 || B == 0) return;
   const int D = cfg.head_dim;
-  const long C = max_block;
   const auto p = plan.device;
   const auto keys = scratch.keys;
   const auto scores = scratch.scores;
@@ -240,31 +235,16 @@ void update_state(const ExecSpace& exec, const MemoryConfig& cfg, const LayerWei
   const auto new_rows = scratch.new_rows;
   const auto routes = scratch.routes;
   const auto grouped = scratch.grouped;
-  using range = Kokkos::RangePolicy<ExecSpace>;
+  constexpr int L = update_lanes;
+  constexpr bool lanes = update_in_lanes<ExecSpace>;
+  constexpr bool score_in_lanes = lanes && scores_max_similarity<Scorer>;
   auto selected = [=] KOKKOS_FUNCTION(long b) { return selected_tokens<Merge>(p, b); };
   auto must_rank = [=] KOKKOS_FUNCTION(long b) { return ranks_tokens<Merge>(p, b); };
-  // The passes with work in some sequence of the batch, from the plan's host mirror (no read of device
-  // data): score only where a block is ranked, select and append only where tokens found rows. Where
-  // neither runs (a fixed budget after its first block, a plateau after it filled) the route pass stages
-  // its own tokens' memory keys: an update is then three launches (route, group, fold) instead of seven.
-  bool any_rank = false, any_selected = false;
-  for (long b = 0; b < B; ++b) {
-    if (plan.host(b, block_count) <= 0) continue;
-    any_rank = any_rank || ranks_tokens<Merge>(plan.host, b);
-    any_selected = any_selected || selected_tokens<Merge>(plan.host, b) > 0;
-  }
-  const bool stage_in_route = !any_rank && !any_selected;
-  // The memory key of token j of sequence b's block, into keys(b, h, j).
+
+  // 1. stage: the memory key of token j of sequence b's block, into keys(b, h, j).
   auto stage = [=] KOKKOS_FUNCTION(long b, long h, long j) {
     Merge::memory_key(cfg, w, &ring.keys(b, h, ring.slot(p(b, block_begin) + j), 0), &keys(b, h, j, 0));
   };
-
-  // 1. stage: memory keys.
-  if (!stage_in_route)
-    Kokkos::parallel_for("kvmem::stage", range(exec, 0, B * H * C), KOKKOS_LAMBDA(long idx) {
-      const long j = idx % C, h = (idx / C) % H, b = idx / (C * H);
-      if (j < p(b, block_count)) stage(b, h, j);
-    });
   // The rows a token of sequence b may join: [first, end) (step 5).
   const long sinks = cfg.sinks;
   auto route_rows = [=] KOKKOS_FUNCTION(long b, long& first, long& end) {
@@ -282,203 +262,180 @@ void update_state(const ExecSpace& exec, const MemoryConfig& cfg, const LayerWei
     const long m = p(b, rows_before);
     return scores_max_similarity<Scorer> && must_rank(b) && !seeding<Merge>(m) && first < m;
   };
+  // Tokens [j0, j0 + n) of sequence b's block transposed into `at` [D][L] (zero past n).
+  auto transpose_keys = [=] KOKKOS_FUNCTION(long b, long h, long j0, int n, float* at) {
+    for (int c = 0; c < D; ++c)
+      for (int u = 0; u < L; ++u) at[c * L + u] = u < n ? keys(b, h, j0 + u, c) : 0.0f;
+  };
   // 2. score: against the existing rows' read keys, or (seeding) against the block's first token.
   auto seed_score = [=] KOKKOS_FUNCTION(long b, long h, long j) {
     return j == 0 ? -neg_inf() : dot(&keys(b, h, j, 0), &keys(b, h, 0, 0), D);
   };
-  if (any_rank) {
-    if constexpr (update_in_lanes<ExecSpace> && scores_max_similarity<Scorer>) {
-      constexpr int L = update_lanes;
-      for_token_blocks("kvmem::score", exec, p, B, H, C, D, [=] KOKKOS_FUNCTION(long b, long h, long j0, int n, float* at) {
-        const long m = p(b, rows_before);
-        if (!must_rank(b)) return;
-        if (seeding<Merge>(m)) {
-          for (int u = 0; u < n; ++u) scores(b, h, j0 + u) = seed_score(b, h, j0 + u);
-          return;
-        }
-        for (int c = 0; c < D; ++c)
-          for (int u = 0; u < L; ++u) at[c * L + u] = u < n ? keys(b, h, j0 + u, c) : 0.0f;
-        long first, end;
-        route_rows(b, first, end);
-        LaneArgmax<L> novelty, route;
-        novelty.start(neg_inf(), 0);
-        route.start(neg_inf(), first);
-        token_rows_scan<L>(at, D, 0, m, [&](long i) { return st.decision_key(b, h, i); }, [&](long i, int x, const simd::vec& sv) {
-          novelty.keep(i, x, sv, false);
-          if (i >= first) route.keep(i, x, sv, i == first);
-        });
-        float best[L];
-        int row[L];
-        novelty.store(best, row);
-        for (int u = 0; u < n; ++u) scores(b, h, j0 + u) = best[u];
-        if (!routed_in_score(b)) return;
-        route.store(best, row);
-        for (int u = 0; u < n; ++u) route_scores(b, h, j0 + u) = best[u], routes(b, h, j0 + u) = row[u];
-      });
-    } else {
-      Kokkos::parallel_for("kvmem::score", range(exec, 0, B * H * C), KOKKOS_LAMBDA(long idx) {
-        const long j = idx % C, h = (idx / C) % H, b = idx / (C * H);
-        if (j >= p(b, block_count) || !must_rank(b)) return;
-        const long m = p(b, rows_before);
-        if (seeding<Merge>(m)) {
-          scores(b, h, j) = seed_score(b, h, j);
-        } else if (routed_in_score(b)) {  // Scorer::score's maximum and the route's argmax in one scan
-          long first, end;
-          route_rows(b, first, end);
-          float novelty = neg_inf(), best = neg_inf();
-          long best_row = first;
-          key_rows_scan(&keys(b, h, j, 0), D, 0, m, [&](long i) { return st.decision_key(b, h, i); }, [&](long i, float sc) {
-            novelty = sc > novelty ? sc : novelty;
-            if (i >= first && (sc > best || i == first)) best = sc, best_row = i;
-          });
-          scores(b, h, j) = novelty;
-          route_scores(b, h, j) = best;
-          routes(b, h, j) = best_row;
-        } else {
-          scores(b, h, j) = Scorer::score(&keys(b, h, j, 0), st.decision_key(b, h, 0), m, D);
-        }
-      });
+  // In register tiles: tokens [j0, j0 + n) in lanes (`at`: D x L floats of the thread's scratch).
+  auto score_block = [=] KOKKOS_FUNCTION(long b, long h, long j0, int n, float* at) {
+    const long m = p(b, rows_before);
+    if (seeding<Merge>(m)) {
+      for (int u = 0; u < n; ++u) scores(b, h, j0 + u) = seed_score(b, h, j0 + u);
+      return;
     }
-  }
+    transpose_keys(b, h, j0, n, at);
+    long first, end;
+    route_rows(b, first, end);
+    LaneArgmax<L> novelty, route;
+    novelty.start(neg_inf(), 0);
+    route.start(neg_inf(), first);
+    token_rows_scan<L>(at, D, 0, m, [&](long i) { return st.decision_key(b, h, i); }, [&](long i, int x, const simd::vec& sv) {
+      novelty.keep(i, x, sv, false);
+      if (i >= first) route.keep(i, x, sv, i == first);
+    });
+    float best[L];
+    int row[L];
+    novelty.store(best, row);
+    for (int u = 0; u < n; ++u) scores(b, h, j0 + u) = best[u];
+    if (!routed_in_score(b)) return;
+    route.store(best, row);
+    for (int u = 0; u < n; ++u) route_scores(b, h, j0 + u) = best[u], routes(b, h, j0 + u) = row[u];
+  };
+  // One thread per token.
+  auto score_token = [=] KOKKOS_FUNCTION(long b, long h, long j) {
+    const long m = p(b, rows_before);
+    if (seeding<Merge>(m)) {
+      scores(b, h, j) = seed_score(b, h, j);
+    } else if (routed_in_score(b)) {  // Scorer::score's maximum and the route's argmax in one scan
+      long first, end;
+      route_rows(b, first, end);
+      float novelty = neg_inf(), best = neg_inf();
+      long best_row = first;
+      key_rows_scan(&keys(b, h, j, 0), D, 0, m, [&](long i) { return st.decision_key(b, h, i); }, [&](long i, float sc) {
+        novelty = sc > novelty ? sc : novelty;
+        if (i >= first && (sc > best || i == first)) best = sc, best_row = i;
+      });
+      scores(b, h, j) = novelty;
+      route_scores(b, h, j) = best;
+      routes(b, h, j) = best_row;
+    } else {
+      scores(b, h, j) = Scorer::score(&keys(b, h, j, 0), st.decision_key(b, h, 0), m, D);
+    }
+  };
   // 3. select: rank by (score asc, token index asc); the first `selected` found rows. NaN scores (from a
   //    non-finite key) rank after every number, so the ranks stay a permutation of 0..count-1: with plain
   //    `<` every NaN would rank 0, more tokens than planned would found rows, past the rows the host
   //    planned and allocated, or several tokens would write one row.
-  if (any_selected) {
-    Kokkos::parallel_for("kvmem::select", range(exec, 0, B * H * C), KOKKOS_LAMBDA(long idx) {
-      const long j = idx % C, h = (idx / C) % H, b = idx / (C * H);
-      const long count = p(b, block_count);
-      if (j >= count) return;
-      long rank = j;  // every token selected in token order when no ranking is needed
-      if (must_rank(b)) {
-        const float sj = scores(b, h, j);
-        const bool nan_j = sj != sj;
-        rank = 0;
-        for (long i = 0; i < count; ++i) {
-          const float si = scores(b, h, i);
-          const bool nan_i = si != si;
-          const bool before = nan_i || nan_j ? (nan_j && (!nan_i || i < j)) : (si < sj || (si == sj && i < j));
-          rank += before ? 1 : 0;
-        }
+  auto select_token = [=] KOKKOS_FUNCTION(long b, long h, long j) {
+    const long count = p(b, block_count);
+    long rank = j;  // every token selected in token order when no ranking is needed
+    if (must_rank(b)) {
+      const float sj = scores(b, h, j);
+      const bool nan_j = sj != sj;
+      rank = 0;
+      for (long i = 0; i < count; ++i) {
+        const float si = scores(b, h, i);
+        const bool nan_i = si != si;
+        const bool before = nan_i || nan_j ? (nan_j && (!nan_i || i < j)) : (si < sj || (si == sj && i < j));
+        rank += before ? 1 : 0;
       }
-      ranks(b, h, j) = rank;
-    });
-    // 4. append: selected tokens become rows base.. in token or score order (spec KVM.md §5.4, OVQ.md §5.1).
-    Kokkos::parallel_for("kvmem::append", range(exec, 0, B * H * C), KOKKOS_LAMBDA(long idx) {
-      const long j = idx % C, h = (idx / C) % H, b = idx / (C * H);
-      const long n = selected(b), m = p(b, rows_before);
-      if (j >= p(b, block_count)) return;
-      if (ranks(b, h, j) >= n) {
-        new_rows(b, h, j) = -1;
-        return;
-      }
-      long order = ranks(b, h, j);
-      if (!Merge::rows_in_score_order) {
-        order = 0;
-        for (long i = 0; i < j; ++i) order += ranks(b, h, i) < n ? 1 : 0;
-      }
-      const long row = (seeding<Merge>(m) ? 1 : m) + order;
-      new_rows(b, h, j) = row;
-      const merge::Row r = st.row(b, h, row);
-      Merge::new_row(cfg, r, &keys(b, h, j, 0), &ring.values(b, h, ring.slot(p(b, block_begin) + j), 0));
-      st.template refresh<Merge>(cfg, w, b, h, row);
-    });
-  }
+    }
+    ranks(b, h, j) = rank;
+  };
+  // 4. append: selected tokens become rows base.. in token or score order (spec KVM.md §5.4, OVQ.md §5.1).
+  auto append = [=] KOKKOS_FUNCTION(long b, long h, long j) {
+    const long n = selected(b), m = p(b, rows_before);
+    if (ranks(b, h, j) >= n) {
+      new_rows(b, h, j) = -1;
+      return;
+    }
+    long order = ranks(b, h, j);
+    if (!Merge::rows_in_score_order) {
+      order = 0;
+      for (long i = 0; i < j; ++i) order += ranks(b, h, i) < n ? 1 : 0;
+    }
+    const long row = (seeding<Merge>(m) ? 1 : m) + order;
+    new_rows(b, h, j) = row;
+    const merge::Row r = st.row(b, h, row);
+    Merge::new_row(cfg, r, &keys(b, h, j, 0), &ring.values(b, h, ring.slot(p(b, block_begin) + j), 0));
+    st.template refresh<Merge>(cfg, w, b, h, row);
+  };
   // 5. route the other tokens: seeding -> row 0; else the argmax over the rows before or after the append,
   //    from the first non-sink row, of the ungated memory key's dot product with the read keys (spec KVM.md
   //    §5.5 and §9 #2-#3, OVQ.md §5.1). The spec's gated key g_j kbar_j has the same argmax for every gate
   //    g_j > 0; the ungated key also keeps it where float32's gate 1 + expm1(z) rounds to 0 (z below about
   //    -17). Where the score pass found the best row among the rows that existed before the append
   //    (routed_in_score), the scan continues from it over the appended rows: the same comparisons in the
-  //    same row order as one scan.
-  auto routed = [=] KOKKOS_FUNCTION(long b, long h, long j) {
-    return j < p(b, block_count) && (selected(b) == 0 || new_rows(b, h, j) < 0);
-  };
+  //    same row order as one scan. A token that founded a row (no append pass ran: none did) is not routed.
+  auto routed = [=] KOKKOS_FUNCTION(long b, long h, long j) { return selected(b) == 0 || new_rows(b, h, j) < 0; };
   // The route of a token that found a row (after every row, so such tokens group last).
   constexpr long no_route = Kokkos::Experimental::finite_max_v<long>;
-  if constexpr (update_in_lanes<ExecSpace>) {
-    constexpr int L = update_lanes;
-    for_token_blocks("kvmem::route", exec, p, B, H, C, D, [=] KOKKOS_FUNCTION(long b, long h, long j0, int n, float* at) {
-      if (stage_in_route)
-        for (int u = 0; u < n; ++u) stage(b, h, j0 + u);
-      bool any = false;
-      for (int u = 0; u < n; ++u) any = any || routed(b, h, j0 + u);
-      if (!any || seeding<Merge>(p(b, rows_before))) {
-        for (int u = 0; u < n; ++u) routes(b, h, j0 + u) = routed(b, h, j0 + u) ? 0 : no_route;
-        return;
-      }
-      long first, end;
-      route_rows(b, first, end);
-      LaneArgmax<L> route;
-      long from = first;
-      if (routed_in_score(b)) {
-        float best[L];
-        int row[L];
-        for (int u = 0; u < L; ++u) {
-          best[u] = u < n ? route_scores(b, h, j0 + u) : neg_inf();
-          row[u] = static_cast<int>(u < n ? routes(b, h, j0 + u) : first);
-        }
-        route.start(best, row);
-        from = p(b, rows_before);
-      } else {
-        route.start(neg_inf(), first);
-      }
-      if (from < end) {
-        // Lanes of tokens that found rows or lie past the block are computed and ignored.
-        for (int c = 0; c < D; ++c)
-          for (int u = 0; u < L; ++u) at[c * L + u] = u < n ? keys(b, h, j0 + u, c) : 0.0f;
-        token_rows_scan<L>(at, D, from, end, [&](long i) { return st.decision_key(b, h, i); },
-                           [&](long i, int x, const simd::vec& sv) { route.keep(i, x, sv, i == first); });
-      }
+  // In register tiles: tokens [j0, j0 + n) in lanes.
+  auto route_block = [=] KOKKOS_FUNCTION(long b, long h, long j0, int n, float* at) {
+    bool any = false;
+    for (int u = 0; u < n; ++u) any = any || routed(b, h, j0 + u);
+    if (!any || seeding<Merge>(p(b, rows_before))) {
+      for (int u = 0; u < n; ++u) routes(b, h, j0 + u) = routed(b, h, j0 + u) ? 0 : no_route;
+      return;
+    }
+    long first, end;
+    route_rows(b, first, end);
+    LaneArgmax<L> route;
+    long from = first;
+    if (routed_in_score(b)) {
       float best[L];
       int row[L];
-      route.store(best, row);
-      for (int u = 0; u < n; ++u) routes(b, h, j0 + u) = routed(b, h, j0 + u) ? row[u] : no_route;
-    });
-  } else {
-    Kokkos::parallel_for("kvmem::route", range(exec, 0, B * H * C), KOKKOS_LAMBDA(long idx) {
-      const long j = idx % C, h = (idx / C) % H, b = idx / (C * H);
-      if (j >= p(b, block_count)) return;
-      if (stage_in_route) stage(b, h, j);
-      if (!routed(b, h, j)) {
-        routes(b, h, j) = no_route;
-        return;
+      for (int u = 0; u < L; ++u) {
+        best[u] = u < n ? route_scores(b, h, j0 + u) : neg_inf();
+        row[u] = static_cast<int>(u < n ? routes(b, h, j0 + u) : first);
       }
-      if (seeding<Merge>(p(b, rows_before))) {
-        routes(b, h, j) = 0;
-        return;
-      }
-      long first, end;
-      route_rows(b, first, end);
-      const bool continued = routed_in_score(b);
-      long best_row = continued ? routes(b, h, j) : first;
-      float best = continued ? route_scores(b, h, j) : neg_inf();
-      key_rows_scan(&keys(b, h, j, 0), D, continued ? p(b, rows_before) : first, end, [&](long i) { return st.decision_key(b, h, i); },
-                    [&](long i, float sc) {
-                      if (sc > best || i == first) best = sc, best_row = i;
-                    });
-      routes(b, h, j) = best_row;
-    });
-  }
+      route.start(best, row);
+      from = p(b, rows_before);
+    } else {
+      route.start(neg_inf(), first);
+    }
+    if (from < end) {
+      // Lanes of tokens that found rows or lie past the block are computed and ignored.
+      transpose_keys(b, h, j0, n, at);
+      token_rows_scan<L>(at, D, from, end, [&](long i) { return st.decision_key(b, h, i); },
+                         [&](long i, int x, const simd::vec& sv) { route.keep(i, x, sv, i == first); });
+    }
+    float best[L];
+    int row[L];
+    route.store(best, row);
+    for (int u = 0; u < n; ++u) routes(b, h, j0 + u) = routed(b, h, j0 + u) ? row[u] : no_route;
+  };
+  // One thread per token.
+  auto route_token = [=] KOKKOS_FUNCTION(long b, long h, long j) {
+    if (!routed(b, h, j)) {
+      routes(b, h, j) = no_route;
+      return;
+    }
+    if (seeding<Merge>(p(b, rows_before))) {
+      routes(b, h, j) = 0;
+      return;
+    }
+    long first, end;
+    route_rows(b, first, end);
+    const bool continued = routed_in_score(b);
+    long best_row = continued ? routes(b, h, j) : first;
+    float best = continued ? route_scores(b, h, j) : neg_inf();
+    key_rows_scan(&keys(b, h, j, 0), D, continued ? p(b, rows_before) : first, end, [&](long i) { return st.decision_key(b, h, i); },
+                  [&](long i, float sc) {
+                    if (sc > best || i == first) best = sc, best_row = i;
+                  });
+    routes(b, h, j) = best_row;
+  };
   // 6. group the routed tokens by row: position of token j = #{i : (route_i, i) < (route_j, j)}, so each
   //    row's tokens are one run in token order (tokens that found rows, route no_route, come last).
-  Kokkos::parallel_for("kvmem::group", range(exec, 0, B * H * C), KOKKOS_LAMBDA(long idx) {
-    const long j = idx % C, h = (idx / C) % H, b = idx / (C * H);
+  auto group = [=] KOKKOS_FUNCTION(long b, long h, long j) {
     const long count = p(b, block_count);
-    if (j >= count) return;
     const long rj = routes(b, h, j);
     const long* r = &routes(b, h, 0);
     long pos = 0;
     for (long i = 0; i < j; ++i) pos += r[i] <= rj ? 1 : 0;
     for (long i = j + 1; i < count; ++i) pos += r[i] < rj ? 1 : 0;
     grouped(b, h, pos) = j;
-  });
+  };
   // 7. fold each row's run of routed tokens into it in token order, then refresh its read caches: one
-  //    thread per run, found at the run's first position.
-  Kokkos::parallel_for("kvmem::fold", range(exec, 0, B * H * C), KOKKOS_LAMBDA(long idx) {
-    const long k = idx % C, h = (idx / C) % H, b = idx / (C * H);
+  //    thread per run, found at the run's first position k.
+  auto fold = [=] KOKKOS_FUNCTION(long b, long h, long k) {
     const long count = p(b, block_count);
-    if (k >= count) return;
     const long i = routes(b, h, grouped(b, h, k));
     if (i == no_route || (k > 0 && routes(b, h, grouped(b, h, k - 1)) == i)) return;
     const merge::Row r = st.row(b, h, i);
@@ -489,6 +446,53 @@ void update_state(const ExecSpace& exec, const MemoryConfig& cfg, const LayerWei
     }
     Merge::end_fold(cfg, r);
     st.template refresh<Merge>(cfg, w, b, h, i);
+  };
+
+  using policy_t = Kokkos::TeamPolicy<ExecSpace>;
+  using member_t = typename policy_t::member_type;
+  int level = 0;
+  policy_t policy(exec, B * H, update_team_size(exec, B * H, max_block));
+  if constexpr (lanes) {
+    using scratch_t = Kokkos::View<float*, typename ExecSpace::scratch_memory_space, Kokkos::MemoryUnmanaged>;
+    const std::size_t bytes = scratch_t::shmem_size(long(D) * L);
+    level = bytes <= static_cast<std::size_t>(policy.scratch_size_max(0)) ? 0 : 1;
+    policy.set_scratch_size(level, Kokkos::PerThread(bytes));
+  }
+  Kokkos::parallel_for("kvmem::update", policy, KOKKOS_LAMBDA(const member_t& team) {
+    const long h = team.league_rank() % H, b = team.league_rank() / H;
+    const long count = p(b, block_count);
+    if (count <= 0) return;  // the whole team: no barrier is left waiting
+    float* at = nullptr;
+    if constexpr (lanes) at = static_cast<float*>(team.thread_scratch(level).get_shmem(sizeof(float) * D * L));
+    // A pass over the block's tokens (or blocks of L tokens), split over the team's threads, then a barrier.
+    auto tokens = [&](const auto& body) {
+      Kokkos::parallel_for(Kokkos::TeamThreadRange(team, count), [&](long j) { body(b, h, j); });
+      team.team_barrier();
+    };
+    auto token_blocks = [&](const auto& body) {
+      Kokkos::parallel_for(Kokkos::TeamThreadRange(team, (count + L - 1) / L), [&](long x) {
+        const long j0 = x * L;
+        body(b, h, j0, static_cast<int>(Kokkos::min(static_cast<long>(L), count - j0)), at);
+      });
+      team.team_barrier();
+    };
+    tokens(stage);
+    if (must_rank(b)) {
+      if constexpr (score_in_lanes)
+        token_blocks(score_block);
+      else
+        tokens(score_token);
+    }
+    if (selected(b) > 0) {
+      tokens(select_token);
+      tokens(append);
+    }
+    if constexpr (lanes)
+      token_blocks(route_block);
+    else
+      tokens(route_token);
+    tokens(group);
+    tokens(fold);
   });
 }
 
