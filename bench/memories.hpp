@@ -234,8 +234,9 @@ struct TrellisAdapter {
   TrellisAdapter(const Shape& s, const exec_t& exec, const kvmem::TrellisConfig& cfg)
       : mem(cfg, s.B, exec), model(cfg) {}
 
-  static std::vector<std::string> readout_kernels() { return {"kvmem::tr_read"}; }
-  static std::vector<std::string> update_kernels() { return {"kvmem::tr_grad", "kvmem::tr_state"}; }
+  // One kernel ("kvmem::trellis") runs every chunk's gradients, readout and state update: no split.
+  static std::vector<std::string> readout_kernels() { return {}; }
+  static std::vector<std::string> update_kernels() { return {}; }
   void prepare(Inputs& in) const { in.add_trellis(mem.config().slots); }
   void prefill(const Inputs& in) {
     mem.prefill(in.q, in.k, in.v, in.alpha, in.beta1, in.gamma1, in.beta2, in.gamma2, in.y);

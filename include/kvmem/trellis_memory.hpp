@@ -123,9 +123,7 @@ class TrellisMemory {
     const long C = cfg_.chunk;
     scratch_.reserve(batch(), cfg_.heads, std::max(1L, std::min(C, longest)), cfg_.slots, output_scratch());
     const auto prm = kernels::TrellisParams::of(cfg_, C);
-    for (long first = 0; first < longest; first += C)
-      kernels::trellis_chunk(exec_, prm, state_, scratch_, in, weights_.ln_weight, weights_.ln_bias, y, lengths_, first,
-                             std::min(C, longest - first));
+    kernels::trellis_chunks(exec_, prm, state_, scratch_, in, weights_.ln_weight, weights_.ln_bias, y, lengths_, longest);
     fence_step();
     for (long b = 0; b < batch(); ++b) tokens_[b] += lengths_host_(b);
   }
@@ -148,8 +146,8 @@ class TrellisMemory {
     Kokkos::deep_copy(exec_, lengths_, lengths_host_);
     if (cfg_.check_gates) check_gates(in, 1);
     scratch_.reserve(batch(), cfg_.heads, 1, cfg_.slots, output_scratch());
-    kernels::trellis_chunk(exec_, kernels::TrellisParams::of(cfg_, 1), state_, scratch_, in, weights_.ln_weight,
-                           weights_.ln_bias, y, lengths_, 0, 1);
+    kernels::trellis_chunks(exec_, kernels::TrellisParams::of(cfg_, 1), state_, scratch_, in, weights_.ln_weight,
+                            weights_.ln_bias, y, lengths_, 1);
     fence_step();
     for (long b = 0; b < batch(); ++b) tokens_[b] += lengths_host_(b);
   }

@@ -456,7 +456,7 @@ void require_eviction_steps(const Stream& s, const Scorer& scorer) {
 /// Prefills four chunks into a Trellis memory, then decodes 1,000 tokens, each step within its budget
 /// (trellis_memory.hpp, decode()):
 ///  - 1 deep copy host -> device of kvmem::trellis_lengths (1 token per active sequence);
-///  - 3 kernels, kvmem::tr_grad, tr_read, tr_state (kernels::trellis_chunk with one token);
+///  - 1 kernel, kvmem::trellis (kernels::trellis_chunks with one token);
 ///  - 1 fence kvmem::TrellisMemory::step (outputs written when decode() returns);
 ///  - with check_gates (the default), kernels::trellis_first_bad_gate before them: the result scalar
 ///    kvmem::trellis_first_bad_gate set from the host (a copy host -> device), 1 kernel kvmem::tr_gates,
@@ -482,13 +482,13 @@ void require_trellis_steps(bool check_gates) {
   require_every_step(kPrompt, s.T, [&](long t) {
     memory.decode(tokens(s.q, t, 1), tokens(s.k, t, 1), tokens(s.v, t, 1), tokens(s.alpha, t, 1), gates(s.beta1, t, 1),
                   gates(s.gamma1, t, 1), gates(s.beta2, t, 1), gates(s.gamma2, t, 1), tokens(s.y, t, 1));
-    return check_gates ? Counts{.copies = 3, .fences = 2, .kernels = 4}
-                       : Counts{.copies = 1, .fences = 1, .kernels = 3};
+    return check_gates ? Counts{.copies = 3, .fences = 2, .kernels = 2}
+                       : Counts{.copies = 1, .fences = 1, .kernels = 1};
   });
   const Log e = g_log;
   INFO("check_gates = " << check_gates << ": " << describe(e));
   Labels copies{{lengths_upload, kSteps}}, fences{{"kvmem::TrellisMemory::step", kSteps}},
-      kernels{{"kvmem::tr_grad", kSteps}, {"kvmem::tr_read", kSteps}, {"kvmem::tr_state", kSteps}};
+      kernels{{"kvmem::trellis", kSteps}};
   if (check_gates) {
     copies[host_scalar + " -> " + result] = kSteps;
     copies[result + " -> " + host_scalar] = kSteps;

@@ -1,19 +1,21 @@
 #pragma once
 /// \file trellis.hpp
-/// Kernels of the Trellis memory: one chunk of the two-pass stale-gradient compress for a batch
+/// Kernels of the Trellis memory: the chunks of the two-pass stale-gradient compress for a batch
 /// (trellis-paper eqs. 9-14; spec TRELLIS.md §3.2, corrected chunkwise form §3.3, two passes §4).
 ///
 /// A chunk of sequence b covers input tokens [first, first + L_b) with L_b = min(chunk, max(0, len_b - first)).
-/// Three launches per chunk, each output element computed by one thread in a fixed order (no atomics):
-///   1. trellis_gradients: u1_r = grad_scale J^T(phi(S1 k_r) - alpha_r), u2_r = grad_scale J^T(phi(S2 v_r) - alpha_r)
+/// One launch for every chunk of a call (trellis_chunks: a team per (sequence, head) walks its chunks),
+/// three passes per chunk with a team barrier after each, each output element computed by one thread in a
+/// fixed order (no atomics):
+///   1. trellis_gradient: u1_r = grad_scale J^T(phi(S1 k_r) - alpha_r), u2_r = grad_scale J^T(phi(S2 v_r) - alpha_r)
 ///      at the stale states S1, S2 = M1, M2 before the chunk (§2.2, §3.2, §7 A11);
 ///   2. trellis_readout: per token r, pass 1 yhat_r = mu_r S1 q_r - sum_{i<=r} Gam[r,i] (q_r.k_i) u1_i,
 ///      p_r = f(yhat_r), pass 2 y_r = phi(mu2_r S2^T p_r - sum_{i<=r} Gam2[r,i] (p_r.u2_i) v_i) (§3.3);
-///   3. trellis_state_update: S <- mu_{L-1} S - sum_i gamma_i omega[L-1,i] u_i key_i^T (§3.3 end state;
-///      kernel 1 stores the rows gamma_i omega[L-1,i] u_i).
+///   3. trellis_state_element: S <- mu_{L-1} S - sum_i gamma_i omega[L-1,i] u_i key_i^T (§3.3 end state;
+///      pass 1 stores the rows gamma_i omega[L-1,i] u_i).
 /// omega[r,i] = prod_{j=i+1..r} beta_j is a running product walked from i = r down to 0, and mu_r is
 /// that walk continued through beta_0: nothing is ever divided by a product of betas, so beta = 0 (erase)
-/// is exact. A decode step is the same three launches with chunk = 1 (then omega = 1, mu = beta and the
+/// is exact. A decode step is the same kernel with chunk = 1 (then omega = 1, mu = beta and the
 /// readout mu S q - gamma (q.k) u equals M_t q of the recurrence §3.1), so prefill with C = 1 and decode
 /// give the same bits.
 
@@ -23,6 +25,7 @@
 
 #include "../policy/merge/gradient_descent.hpp"
 #include "../trellis_config.hpp"
+#include "team_size.hpp"
 #include "vector_ops.hpp"
 #include "zero_tail.hpp"
 
@@ -91,155 +94,143 @@ struct TrellisInputs {
   Gates beta1, gamma1, beta2, gamma2;
 };
 
-/// Kernel 1 of a chunk: for every (b, h) and local token r < L_b (input token t = first + r),
-///   u1[b,h,r] = grad_scale * J_phi(z)^T (phi(z) - alpha_t) with z = M1[b,h] k_t   (pass 1),
-///   u2[b,h,r] = the same with z = M2[b,h] v_t                                     (pass 2)
-/// (spec TRELLIS.md §2.2 at the stale state §3.2), and g[b,h,r] = (gamma_t omega[L_b-1, r]) u[b,h,r] with
+/// Pass 1 of a chunk, for local token r < L (input token t = first + r) of (b, h) and memory `pass`
+/// (0: keys, 1: values):
+///   u1[b,h,r] = grad_scale * J_phi(z)^T (phi(z) - alpha_t) with z = M1[b,h] k_t   (pass 0),
+///   u2[b,h,r] = the same with z = M2[b,h] v_t                                     (pass 1)
+/// (spec TRELLIS.md §2.2 at the stale state §3.2), and g[b,h,r] = (gamma_t omega[L-1, r]) u[b,h,r] with
 /// omega[L-1, r] = beta_{L-1} ... beta_{r+1} multiplied in that order (the end-state weights of §3.3).
-/// `max_tokens` >= every L_b.
-template <class ExecSpace, class Tokens, class Gates, class Lengths>
-void trellis_gradients(const ExecSpace& exec, const TrellisParams& prm,
-                       const TrellisState<typename ExecSpace::memory_space>& st,
-                       const TrellisScratch<typename ExecSpace::memory_space>& sc, const TrellisInputs<Tokens, Gates>& in,
-                       const Lengths& lengths, long first, long max_tokens) {
-  const long B = static_cast<long>(lengths.extent(0)), H = prm.H, n = B * H * max_tokens * 2;
-  if (n == 0) return;
-  const auto m1 = st.m1, m2 = st.m2, u1 = sc.u1, u2 = sc.u2, g1 = sc.g1, g2 = sc.g2;
-  Kokkos::parallel_for(
-      "kvmem::tr_grad", Kokkos::RangePolicy<ExecSpace, Kokkos::IndexType<long>>(exec, 0, n),
-      KOKKOS_LAMBDA(const long idx) {
-        const long pass = idx % 2, r = (idx / 2) % max_tokens, bh = idx / (2 * max_tokens);
-        const long h = bh % H, b = bh / H;
-        const long L = chunk_tokens(lengths(b), first, prm.chunk);
-        if (r >= L) return;
-        const long t = first + r;
-        float* u = pass == 0 ? &u1(b, h, r, 0) : &u2(b, h, r, 0);
-        const auto* key = pass == 0 ? &in.k(b, h, t, 0) : &in.v(b, h, t, 0);
-        const int dim = pass == 0 ? prm.D : prm.Dv;
-        for (int s = 0; s < prm.m; ++s) u[s] = dot(pass == 0 ? &m1(b, h, s, 0) : &m2(b, h, s, 0), key, dim);
-        merge::GradientDescent::loss_gradient(prm.phi, u, &in.alpha(b, h, t, 0), prm.m, prm.grad_scale);
-        float w = 1.0f;  // omega[L-1, r]
-        for (long j = L - 1; j > r; --j) w *= to_float(pass == 0 ? in.beta1(b, h, first + j) : in.beta2(b, h, first + j));
-        const float c = to_float(pass == 0 ? in.gamma1(b, h, t) : in.gamma2(b, h, t)) * w;
-        float* g = pass == 0 ? &g1(b, h, r, 0) : &g2(b, h, r, 0);
-        for (int s = 0; s < prm.m; ++s) g[s] = c * u[s];
-      });
+template <class MemorySpace, class Tokens, class Gates>
+KOKKOS_INLINE_FUNCTION void trellis_gradient(const TrellisParams& prm, const TrellisState<MemorySpace>& st,
+                                             const TrellisScratch<MemorySpace>& sc, const TrellisInputs<Tokens, Gates>& in,
+                                             long b, long h, long first, long L, long r, int pass) {
+  const long t = first + r;
+  float* u = pass == 0 ? &sc.u1(b, h, r, 0) : &sc.u2(b, h, r, 0);
+  const auto* key = pass == 0 ? &in.k(b, h, t, 0) : &in.v(b, h, t, 0);
+  const int dim = pass == 0 ? prm.D : prm.Dv;
+  for (int s = 0; s < prm.m; ++s) u[s] = dot(pass == 0 ? &st.m1(b, h, s, 0) : &st.m2(b, h, s, 0), key, dim);
+  merge::GradientDescent::loss_gradient(prm.phi, u, &in.alpha(b, h, t, 0), prm.m, prm.grad_scale);
+  float w = 1.0f;  // omega[L-1, r]
+  for (long j = L - 1; j > r; --j) w *= to_float(pass == 0 ? in.beta1(b, h, first + j) : in.beta2(b, h, first + j));
+  const float c = to_float(pass == 0 ? in.gamma1(b, h, t) : in.gamma2(b, h, t)) * w;
+  float* g = pass == 0 ? &sc.g1(b, h, r, 0) : &sc.g2(b, h, r, 0);
+  for (int s = 0; s < prm.m; ++s) g[s] = c * u[s];
 }
 
-/// Kernel 2 of a chunk: the readouts of both passes for every (b, h) and local token r < L_b, with
-/// S1, S2 the states before the chunk and omega/mu/Gam the running products of §3.3:
+/// Pass 2 of a chunk: the readouts of both memories for local token r of (b, h), with S1, S2 the states
+/// before the chunk and omega/mu/Gam the running products of §3.3:
 ///   yhat_r = mu1_r (S1 q_r) - sum_{i<=r} gamma1_i omega1[r,i] (q_r . k_i) u1_i        [m]
 ///   p_r    = f(yhat_r)  (kept in scratch p)                                            [m]
 ///   y_r    = phi(mu2_r (S2^T p_r) - sum_{i<=r} gamma2_i omega2[r,i] (p_r . u2_i) v_i)  [Dv]
 /// (phi only if readout2_phi). y [B, H, T, Dv] is written at token first + r, rounded once to its storage
-/// type (summed in scratch Y for a 16-bit one). `ln_weight`/`ln_bias` are [m] or empty.
-template <class ExecSpace, class Tokens, class Gates, class Lengths, class Out, class Weights>
-void trellis_readout(const ExecSpace& exec, const TrellisParams& prm,
-                     const TrellisState<typename ExecSpace::memory_space>& st,
-                     const TrellisScratch<typename ExecSpace::memory_space>& sc, const TrellisInputs<Tokens, Gates>& in,
-                     const Weights& ln_weight, const Weights& ln_bias, const Out& y, const Lengths& lengths, long first,
-                     long max_tokens) {
-  const long B = static_cast<long>(lengths.extent(0)), H = prm.H, n = B * H * max_tokens;
-  if (n == 0) return;
-  const auto m1 = st.m1, m2 = st.m2, u1 = sc.u1, u2 = sc.u2, pbuf = sc.p, ybuf = sc.y;
-  const bool affine = ln_weight.data() != nullptr;
+/// type (summed in scratch Y for a 16-bit one). `ln_weight`/`ln_bias` are [m] or null.
+template <class MemorySpace, class Tokens, class Gates, class Out>
+KOKKOS_INLINE_FUNCTION void trellis_readout(const TrellisParams& prm, const TrellisState<MemorySpace>& st,
+                                            const TrellisScratch<MemorySpace>& sc, const TrellisInputs<Tokens, Gates>& in,
+                                            const float* ln_weight, const float* ln_bias, const Out& y, long b, long h,
+                                            long first, long r) {
   using out_t = typename Out::non_const_value_type;
-  Kokkos::parallel_for(
-      "kvmem::tr_read", Kokkos::RangePolicy<ExecSpace, Kokkos::IndexType<long>>(exec, 0, n),
-      KOKKOS_LAMBDA(const long idx) {
-        const long r = idx % max_tokens, bh = idx / max_tokens, h = bh % H, b = bh / H;
-        if (r >= chunk_tokens(lengths(b), first, prm.chunk)) return;
-        const long t = first + r;
-        const int m = prm.m, D = prm.D, Dv = prm.Dv;
-        // Pass 1 (key memory): p <- yhat.
-        float* p = &pbuf(b, h, r, 0);
-        const auto* q = &in.q(b, h, t, 0);
-        for (int s = 0; s < m; ++s) p[s] = 0.0f;
-        float w = 1.0f;  // omega1[r, i]
-        for (long i = r; i >= 0; --i) {
-          const float c = to_float(in.gamma1(b, h, first + i)) * w * dot(q, &in.k(b, h, first + i, 0), D);
-          const float* ui = &u1(b, h, i, 0);
-          for (int s = 0; s < m; ++s) p[s] += c * ui[s];
-          w *= to_float(in.beta1(b, h, first + i));
-        }
-        for (int s = 0; s < m; ++s) p[s] = w * dot(&m1(b, h, s, 0), q, D) - p[s];  // w = mu1_r
-        merge::GradientDescent::activate(prm.f, p, m, prm.ln_eps, prm.l2_eps, affine ? ln_weight.data() : nullptr,
-                                         affine ? ln_bias.data() : nullptr);
-        // Pass 2 (value memory), query p.
-        // The float32 sums: y itself, or scratch Y for a 16-bit output (a plain condition on a constant,
-        // not if constexpr: nvcc's extended lambdas cannot first-capture a view inside one).
-        constexpr bool direct = std::is_same_v<out_t, float>;
-        float* out = direct ? reinterpret_cast<float*>(&y(b, h, t, 0)) : &ybuf(b, h, r, 0);
-        for (int c = 0; c < Dv; ++c) out[c] = 0.0f;
-        w = 1.0f;  // omega2[r, i]
-        for (long i = r; i >= 0; --i) {
-          const float c = to_float(in.gamma2(b, h, first + i)) * w * dot(p, &u2(b, h, i, 0), m);
-          const auto* vi = &in.v(b, h, first + i, 0);
-          for (int ch = 0; ch < Dv; ++ch) out[ch] += c * to_float(vi[ch]);
-          w *= to_float(in.beta2(b, h, first + i));
-        }
-        for (int ch = 0; ch < Dv; ++ch) {
-          float sp = 0.0f;
-          for (int s = 0; s < m; ++s) sp += p[s] * m2(b, h, s, ch);
-          out[ch] = w * sp - out[ch];  // w = mu2_r
-        }
-        if (prm.readout2_phi) merge::GradientDescent::apply_phi(prm.phi, out, Dv);
-        if (!direct)
-          for (int ch = 0; ch < Dv; ++ch) y(b, h, t, ch) = from_float<out_t>(out[ch]);
-      });
+  const long t = first + r;
+  const int m = prm.m, D = prm.D, Dv = prm.Dv;
+  // Pass 1 (key memory): p <- yhat.
+  float* p = &sc.p(b, h, r, 0);
+  const auto* q = &in.q(b, h, t, 0);
+  for (int s = 0; s < m; ++s) p[s] = 0.0f;
+  float w = 1.0f;  // omega1[r, i]
+  for (long i = r; i >= 0; --i) {
+    const float c = to_float(in.gamma1(b, h, first + i)) * w * dot(q, &in.k(b, h, first + i, 0), D);
+    const float* ui = &sc.u1(b, h, i, 0);
+    for (int s = 0; s < m; ++s) p[s] += c * ui[s];
+    w *= to_float(in.beta1(b, h, first + i));
+  }
+  for (int s = 0; s < m; ++s) p[s] = w * dot(&st.m1(b, h, s, 0), q, D) - p[s];  // w = mu1_r
+  merge::GradientDescent::activate(prm.f, p, m, prm.ln_eps, prm.l2_eps, ln_weight, ln_bias);
+  // Pass 2 (value memory), query p: the float32 sums in y itself, or in scratch Y for a 16-bit output.
+  constexpr bool direct = std::is_same_v<out_t, float>;
+  float* out = direct ? reinterpret_cast<float*>(&y(b, h, t, 0)) : &sc.y(b, h, r, 0);
+  for (int c = 0; c < Dv; ++c) out[c] = 0.0f;
+  w = 1.0f;  // omega2[r, i]
+  for (long i = r; i >= 0; --i) {
+    const float c = to_float(in.gamma2(b, h, first + i)) * w * dot(p, &sc.u2(b, h, i, 0), m);
+    const auto* vi = &in.v(b, h, first + i, 0);
+    for (int ch = 0; ch < Dv; ++ch) out[ch] += c * to_float(vi[ch]);
+    w *= to_float(in.beta2(b, h, first + i));
+  }
+  for (int ch = 0; ch < Dv; ++ch) {
+    float sp = 0.0f;
+    for (int s = 0; s < m; ++s) sp += p[s] * st.m2(b, h, s, ch);
+    out[ch] = w * sp - out[ch];  // w = mu2_r
+  }
+  if (prm.readout2_phi) merge::GradientDescent::apply_phi(prm.phi, out, Dv);
+  if (!direct)
+    for (int ch = 0; ch < Dv; ++ch) y(b, h, t, ch) = from_float<out_t>(out[ch]);
 }
 
-/// Kernel 3 of a chunk: the end state of both memories (spec TRELLIS.md §3.3), element by element:
-///   M1[b,h,s,c] <- mu1 M1[b,h,s,c] - sum_{i=L-1..0} g1[b,h,i,s] k_i[c]
-///   M2[b,h,s,c] <- mu2 M2[b,h,s,c] - sum_{i=L-1..0} g2[b,h,i,s] v_i[c]
-/// with g = gamma_i omega[L-1,i] u_i from kernel 1, L = L_b and mu = beta_{L-1} ... beta_0; sequences with
-/// L_b = 0 keep their state. One team per slot row (b, h, s), its threads over the D + Dv channels; each
-/// element is summed by one thread in the order above.
-template <class ExecSpace, class Tokens, class Gates, class Lengths>
-void trellis_state_update(const ExecSpace& exec, const TrellisParams& prm,
-                          const TrellisState<typename ExecSpace::memory_space>& st,
-                          const TrellisScratch<typename ExecSpace::memory_space>& sc,
-                          const TrellisInputs<Tokens, Gates>& in, const Lengths& lengths, long first) {
-  const long B = static_cast<long>(lengths.extent(0)), H = prm.H, m = prm.m;
-  if (B * H * m == 0) return;
-  const auto m1 = st.m1, m2 = st.m2, g1 = sc.g1, g2 = sc.g2;
+/// Pass 3 of a chunk: element e of the end state of (b, h) (spec TRELLIS.md §3.3), e = s (D + Dv) + c:
+///   c < D:  M1[b,h,s,c]     <- mu1 M1[b,h,s,c]     - sum_{i=L-1..0} g1[b,h,i,s] k_i[c]
+///   else:   M2[b,h,s,c - D] <- mu2 M2[b,h,s,c - D] - sum_{i=L-1..0} g2[b,h,i,s] v_i[c - D]
+/// with g = gamma_i omega[L-1,i] u_i from pass 1 and mu = beta_{L-1} ... beta_0 (mu1, mu2 given).
+template <class MemorySpace, class Tokens, class Gates>
+KOKKOS_INLINE_FUNCTION void trellis_state_element(const TrellisParams& prm, const TrellisState<MemorySpace>& st,
+                                                  const TrellisScratch<MemorySpace>& sc,
+                                                  const TrellisInputs<Tokens, Gates>& in, long b, long h, long first,
+                                                  long L, float mu1, float mu2, long e) {
+  const long s = e / (prm.D + prm.Dv), c = e % (prm.D + prm.Dv);
+  float acc = 0.0f;
+  if (c < prm.D) {
+    for (long i = L - 1; i >= 0; --i) acc += sc.g1(b, h, i, s) * to_float(in.k(b, h, first + i, c));
+    st.m1(b, h, s, c) = mu1 * st.m1(b, h, s, c) - acc;
+  } else {
+    const long cv = c - prm.D;
+    for (long i = L - 1; i >= 0; --i) acc += sc.g2(b, h, i, s) * to_float(in.v(b, h, first + i, cv));
+    st.m2(b, h, s, cv) = mu2 * st.m2(b, h, s, cv) - acc;
+  }
+}
+
+/// Every chunk of input tokens [0, tokens) for a batch, in one kernel (kvmem::trellis; its label fits the
+/// 15 characters a std::string holds without a heap allocation: Kokkos copies the label at every launch,
+/// and a decode step must not allocate). A team per (sequence b, head h) (head_team_size threads) walks
+/// the chunks first = 0, C, 2C, ... while L_b = chunk_tokens(lengths(b), first, C) > 0, and runs for each
+/// the three passes above in order, each split over the team's threads with one thread per output element
+/// summed in a fixed order (no atomics), a team barrier after each: gradients per (token, memory),
+/// readouts per token, end state per (slot, channel). Sequences with L_b = 0 keep their state. `tokens` >=
+/// every lengths(b) that is to be run (the longest); decode is tokens = 1 with C = 1.
+template <class ExecSpace, class Tokens, class Gates, class Lengths, class Out, class Weights>
+void trellis_chunks(const ExecSpace& exec, const TrellisParams& prm, const TrellisState<typename ExecSpace::memory_space>& st,
+                    const TrellisScratch<typename ExecSpace::memory_space>& sc, const TrellisInputs<Tokens, Gates>& in,
+                    const Weights& ln_weight, const Weights& ln_bias, const Out& y, const Lengths& lengths, long tokens) {
+  const long B = static_cast<long>(lengths.extent(0)), H = prm.H;
+  if (B * H == 0 || tokens <= 0) return;
+  const float* lnw = ln_weight.data();
+  const float* lnb = ln_bias.data();
   using policy_t = Kokkos::TeamPolicy<ExecSpace>;
   using member_t = typename policy_t::member_type;
+  const long elements = static_cast<long>(prm.m) * (prm.D + prm.Dv);
   Kokkos::parallel_for(
-      "kvmem::tr_state", policy_t(exec, static_cast<int>(B * H * m), Kokkos::AUTO),
+      "kvmem::trellis", policy_t(exec, B * H, head_team_size(exec, B * H, 2 * prm.chunk)),
       KOKKOS_LAMBDA(const member_t& team) {
-        const long row = team.league_rank(), s = row % m, bh = row / m, h = bh % H, b = bh / H;
-        const long L = chunk_tokens(lengths(b), first, prm.chunk);
-        if (L == 0) return;
-        float mu1 = 1.0f, mu2 = 1.0f;
-        for (long i = L - 1; i >= 0; --i) {
-          mu1 *= to_float(in.beta1(b, h, first + i));
-          mu2 *= to_float(in.beta2(b, h, first + i));
+        const long h = team.league_rank() % H, b = team.league_rank() / H;
+        for (long first = 0; first < tokens; first += prm.chunk) {
+          const long L = chunk_tokens(lengths(b), first, prm.chunk);
+          if (L == 0) break;  // the whole team: this and every later chunk are past the sequence
+          Kokkos::parallel_for(Kokkos::TeamThreadRange(team, 2 * L), [&](long x) {
+            trellis_gradient(prm, st, sc, in, b, h, first, L, x / 2, static_cast<int>(x % 2));
+          });
+          team.team_barrier();
+          Kokkos::parallel_for(Kokkos::TeamThreadRange(team, L),
+                               [&](long r) { trellis_readout(prm, st, sc, in, lnw, lnb, y, b, h, first, r); });
+          team.team_barrier();
+          float mu1 = 1.0f, mu2 = 1.0f;
+          for (long i = L - 1; i >= 0; --i) {
+            mu1 *= to_float(in.beta1(b, h, first + i));
+            mu2 *= to_float(in.beta2(b, h, first + i));
+          }
+          Kokkos::parallel_for(Kokkos::TeamThreadRange(team, elements), [&](long e) {
+            trellis_state_element(prm, st, sc, in, b, h, first, L, mu1, mu2, e);
+          });
+          team.team_barrier();
         }
-        Kokkos::parallel_for(Kokkos::TeamThreadRange(team, prm.D), [&](const int c) {
-          float acc = 0.0f;
-          for (long i = L - 1; i >= 0; --i) acc += g1(b, h, i, s) * to_float(in.k(b, h, first + i, c));
-          m1(b, h, s, c) = mu1 * m1(b, h, s, c) - acc;
-        });
-        Kokkos::parallel_for(Kokkos::TeamThreadRange(team, prm.Dv), [&](const int c) {
-          float acc = 0.0f;
-          for (long i = L - 1; i >= 0; --i) acc += g2(b, h, i, s) * to_float(in.v(b, h, first + i, c));
-          m2(b, h, s, c) = mu2 * m2(b, h, s, c) - acc;
-        });
       });
-}
-
-/// One chunk of both passes for a batch: the three kernels above in order on `exec`. Their Kokkos labels
-/// (kvmem::tr_grad, kvmem::tr_read, kvmem::tr_state) fit the 15 characters a std::string holds without a
-/// heap allocation: Kokkos copies the label at every launch, and a decode step must not allocate.
-template <class ExecSpace, class Tokens, class Gates, class Lengths, class Out, class Weights>
-void trellis_chunk(const ExecSpace& exec, const TrellisParams& prm, const TrellisState<typename ExecSpace::memory_space>& st,
-                   const TrellisScratch<typename ExecSpace::memory_space>& sc, const TrellisInputs<Tokens, Gates>& in,
-                   const Weights& ln_weight, const Weights& ln_bias, const Out& y, const Lengths& lengths, long first,
-                   long max_tokens) {
-  trellis_gradients(exec, prm, st, sc, in, lengths, first, max_tokens);
-  trellis_readout(exec, prm, st, sc, in, ln_weight, ln_bias, y, lengths, first, max_tokens);
-  trellis_state_update(exec, prm, st, sc, in, lengths, first);
 }
 
 /// The first out-of-range gate in the order beta1, gamma1, beta2, gamma2, then (b, h, t), among tokens

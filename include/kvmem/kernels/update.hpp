@@ -34,6 +34,7 @@
 #include "scratch.hpp"
 #include "simd.hpp"
 #include "step_plan.hpp"
+#include "team_size.hpp"
 #include "vector_ops.hpp"
 
 namespace kvmem::kernels {
@@ -193,20 +194,6 @@ KOKKOS_INLINE_FUNCTION bool ranks_tokens(const Plan& p, long b) {
   return n > 0 && (n < p(b, block_count) || Merge::rows_in_score_order);
 }
 
-/// Threads per team of update_state's kernel (one team per (sequence, kv-head)): on CPU threads (host
-/// spaces) the threads per (sequence, kv-head), so that a batch of fewer kv-heads than threads still keeps
-/// every thread busy and a batch of many runs one thread per team (no barrier waits); on GPUs a warp
-/// multiple that covers a chunk's tokens, at most 256. `heads` = B x Hkv, `chunk` in tokens.
-template <class ExecSpace>
-int update_team_size(const ExecSpace& exec, long heads, long chunk) {
-  if constexpr (update_in_lanes<ExecSpace>) {
-    const long threads = exec.concurrency();
-    return static_cast<int>(Kokkos::max(1L, Kokkos::min(threads, threads / Kokkos::max(1L, heads))));
-  } else {
-    return static_cast<int>(Kokkos::min(256L, Kokkos::max(32L, (chunk + 31) / 32 * 32)));
-  }
-}
-
 /// Folds the block [block_begin, block_begin + block_count) of every plan row into that sequence's
 /// state (all kv-heads). `append_count` is the plan's growth M* - m (spec KVM.md §5.1, OVQ.md §3): that
 /// many tokens found rows, lowest Scorer score first (when seeding, row 0 is one of them). Plan rows with
@@ -214,9 +201,9 @@ int update_team_size(const ExecSpace& exec, long heads, long chunk) {
 /// the read caches are in the storage type T, read as float32; memory keys, scores and every merge sum are
 /// float32, and scores and routes compare with the rows' float32 decision keys (StateRows::decision_key),
 /// so a 16-bit memory takes the float32 memory's decisions on the same window keys (docs/numerics.md).
-/// One kernel, kvmem::update: a team per (sequence, kv-head) runs the passes of the file's header in order,
-/// each over the block's tokens (or blocks of update_lanes tokens, or positions) split over the team's
-/// threads, a team barrier after each; a pass without work in that sequence (score where no block is
+/// One kernel, kvmem::update: a team per (sequence, kv-head) (head_team_size threads) runs the passes of the
+/// file's header in order, each over the block's tokens (or blocks of update_lanes tokens, or positions)
+/// split over the team's threads, a team barrier after each; a pass without work in that sequence (score where no block is
 /// ranked, select and append where no token founds a row) is skipped by the whole team.
 template <merge::MergePolicy Merge, score::AppendScorer Scorer, class ExecSpace, StorageType T>
 void update_state(const ExecSpace& exec, const MemoryConfig& cfg, const LayerWeightsRef& w,
@@ -451,7 +438,7 @@ void update_state(const ExecSpace& exec, const MemoryConfig& cfg, const LayerWei
   using policy_t = Kokkos::TeamPolicy<ExecSpace>;
   using member_t = typename policy_t::member_type;
   int level = 0;
-  policy_t policy(exec, B * H, update_team_size(exec, B * H, max_block));
+  policy_t policy(exec, B * H, head_team_size(exec, B * H, max_block));
   if constexpr (lanes) {
     using scratch_t = Kokkos::View<float*, typename ExecSpace::scratch_memory_space, Kokkos::MemoryUnmanaged>;
     const std::size_t bytes = scratch_t::shmem_size(long(D) * L);
@@ -462,8 +449,9 @@ void update_state(const ExecSpace& exec, const MemoryConfig& cfg, const LayerWei
     const long h = team.league_rank() % H, b = team.league_rank() / H;
     const long count = p(b, block_count);
     if (count <= 0) return;  // the whole team: no barrier is left waiting
+    // (plain `if` on the constexpr flags: nvcc's extended lambdas cannot first-capture inside if constexpr)
     float* at = nullptr;
-    if constexpr (lanes) at = static_cast<float*>(team.thread_scratch(level).get_shmem(sizeof(float) * D * L));
+    if (lanes) at = static_cast<float*>(team.thread_scratch(level).get_shmem(sizeof(float) * D * L));
     // A pass over the block's tokens (or blocks of L tokens), split over the team's threads, then a barrier.
     auto tokens = [&](const auto& body) {
       Kokkos::parallel_for(Kokkos::TeamThreadRange(team, count), [&](long j) { body(b, h, j); });
@@ -478,7 +466,7 @@ void update_state(const ExecSpace& exec, const MemoryConfig& cfg, const LayerWei
     };
     tokens(stage);
     if (must_rank(b)) {
-      if constexpr (score_in_lanes)
+      if (score_in_lanes)
         token_blocks(score_block);
       else
         tokens(score_token);
@@ -487,7 +475,7 @@ void update_state(const ExecSpace& exec, const MemoryConfig& cfg, const LayerWei
       tokens(select_token);
       tokens(append);
     }
-    if constexpr (lanes)
+    if (lanes)
       token_blocks(route_block);
     else
       tokens(route_token);
