@@ -1,9 +1,10 @@
 // The attention mass that H2O row eviction accumulates per state row (kernels::accumulate_row_attention)
 // against the per-row loop written out in float32 logits and float64 probabilities: both forms of the
 // kernel (register tiles for CPUs, one thread per row for GPUs) run on the default backend and must give
-// that loop's bits, for every storage type of the read keys, both merge policies' logits (KVM: tau /
-// sqrt(D); OVQ: a factor from the query's norm and a log(count) bias per row), GQA groups, a prefill-like
-// step of many queries and a decode step of one, and row counts that leave register tiles part full.
+// that loop's bits (on a GPU, whose exp(double) may round differently, to 1e-14; the two forms still bit
+// for bit), for every storage type of the read keys, both merge policies' logits (KVM: tau / sqrt(D); OVQ:
+// a factor from the query's norm and a log(count) bias per row), GQA groups, a prefill-like step of many
+// queries and a decode step of one, and row counts that leave register tiles part full.
 #include <catch2/catch_template_test_macros.hpp>
 #include <catch2/catch_test_macros.hpp>
 #include <algorithm>
@@ -154,13 +155,20 @@ struct Step {
   }
 };
 
-/// Index of the first statistic whose bits differ, or -1.
-long first_difference(const std::vector<double>& a, const std::vector<double>& b) {
+/// Index of the first statistic whose bits differ, or -1; with `relative` > 0, the first that differs by
+/// more than that relative error instead.
+long first_difference(const std::vector<double>& a, const std::vector<double>& b, double relative = 0.0) {
   if (a.size() != b.size()) return 0;
   for (std::size_t i = 0; i < a.size(); ++i)
-    if (!same_bits(a[i], b[i])) return static_cast<long>(i);
+    if (relative > 0.0 ? std::abs(a[i] - b[i]) > relative * std::abs(b[i]) : !same_bits(a[i], b[i]))
+      return static_cast<long>(i);
   return -1;
 }
+
+/// A GPU's exp(double) may differ from the host's std::exp in the last bit: there the kernel forms are
+/// compared with each other bit for bit and with the host loop to a few float64 ulps.
+constexpr double kHostTolerance =
+    Kokkos::SpaceAccessibility<Kokkos::HostSpace, mem>::accessible ? 0.0 : 1e-14;
 }  // namespace
 
 TEMPLATE_TEST_CASE("row attention mass: both kernel forms give the bits of the per-row loop", "[row-eviction][simd]",
@@ -176,12 +184,13 @@ TEMPLATE_TEST_CASE("row attention mass: both kernel forms give the bits of the p
     const auto want = step.template reference<Merge>();
     const auto tiles = step.template run<Merge, kk::RegisterTiles>();
     const auto spread = step.template run<Merge, kk::SpreadTiles>();
-    CHECK(first_difference(tiles, want) == -1);
-    CHECK(first_difference(spread, want) == -1);
+    CHECK(first_difference(tiles, spread) == -1);
+    CHECK(first_difference(tiles, want, kHostTolerance) == -1);
+    CHECK(first_difference(spread, want, kHostTolerance) == -1);
     // The kernel changed every row it read (the test sees the mass) and no other.
     const auto initial = host_copy(step.rows.stats);
     long changed = 0;
-    for (std::size_t i = 0; i < want.size(); ++i) changed += same_bits(want[i], initial[i]) ? 0 : 1;
+    for (std::size_t i = 0; i < tiles.size(); ++i) changed += same_bits(tiles[i], initial[i]) ? 0 : 1;
     CHECK(changed == (53 + 17 + 1 + 0) * step.cfg.kv_heads);
   }
 }

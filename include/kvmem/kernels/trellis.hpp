@@ -206,31 +206,32 @@ void trellis_chunks(const ExecSpace& exec, const TrellisParams& prm, const Trell
   using policy_t = Kokkos::TeamPolicy<ExecSpace>;
   using member_t = typename policy_t::member_type;
   const long elements = static_cast<long>(prm.m) * (prm.D + prm.Dv);
-  Kokkos::parallel_for(
-      "kvmem::trellis", policy_t(exec, B * H, head_team_size(exec, B * H, 2 * prm.chunk)),
-      KOKKOS_LAMBDA(const member_t& team) {
-        const long h = team.league_rank() % H, b = team.league_rank() / H;
-        for (long first = 0; first < tokens; first += prm.chunk) {
-          const long L = chunk_tokens(lengths(b), first, prm.chunk);
-          if (L == 0) break;  // the whole team: this and every later chunk are past the sequence
-          Kokkos::parallel_for(Kokkos::TeamThreadRange(team, 2 * L), [&](long x) {
-            trellis_gradient(prm, st, sc, in, b, h, first, L, x / 2, static_cast<int>(x % 2));
-          });
-          team.team_barrier();
-          Kokkos::parallel_for(Kokkos::TeamThreadRange(team, L),
-                               [&](long r) { trellis_readout(prm, st, sc, in, lnw, lnb, y, b, h, first, r); });
-          team.team_barrier();
-          float mu1 = 1.0f, mu2 = 1.0f;
-          for (long i = L - 1; i >= 0; --i) {
-            mu1 *= to_float(in.beta1(b, h, first + i));
-            mu2 *= to_float(in.beta2(b, h, first + i));
-          }
-          Kokkos::parallel_for(Kokkos::TeamThreadRange(team, elements), [&](long e) {
-            trellis_state_element(prm, st, sc, in, b, h, first, L, mu1, mu2, e);
-          });
-          team.team_barrier();
-        }
+  const auto body = KOKKOS_LAMBDA(const member_t& team) {
+    const long h = team.league_rank() % H, b = team.league_rank() / H;
+    for (long first = 0; first < tokens; first += prm.chunk) {
+      const long L = chunk_tokens(lengths(b), first, prm.chunk);
+      if (L == 0) break;  // the whole team: this and every later chunk are past the sequence
+      Kokkos::parallel_for(Kokkos::TeamThreadRange(team, 2 * L), [&](long x) {
+        trellis_gradient(prm, st, sc, in, b, h, first, L, x / 2, static_cast<int>(x % 2));
       });
+      team.team_barrier();
+      Kokkos::parallel_for(Kokkos::TeamThreadRange(team, L),
+                           [&](long r) { trellis_readout(prm, st, sc, in, lnw, lnb, y, b, h, first, r); });
+      team.team_barrier();
+      float mu1 = 1.0f, mu2 = 1.0f;
+      for (long i = L - 1; i >= 0; --i) {
+        mu1 *= to_float(in.beta1(b, h, first + i));
+        mu2 *= to_float(in.beta2(b, h, first + i));
+      }
+      Kokkos::parallel_for(Kokkos::TeamThreadRange(team, elements), [&](long e) {
+        trellis_state_element(prm, st, sc, in, b, h, first, L, mu1, mu2, e);
+      });
+      team.team_barrier();
+    }
+  };
+  // On GPUs the state pass (m (D + Dv) elements) sizes the team; on CPU threads the threads per head.
+  const int most = policy_t(exec, B * H, 1).team_size_max(body, Kokkos::ParallelForTag());
+  Kokkos::parallel_for("kvmem::trellis", policy_t(exec, B * H, head_team_size(exec, B * H, elements, most)), body);
 }
 
 /// The first out-of-range gate in the order beta1, gamma1, beta2, gamma2, then (b, h, t), among tokens

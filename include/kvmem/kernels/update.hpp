@@ -2,7 +2,7 @@
 /// \file update.hpp
 /// State update with one block of tokens: score, append the winners, route and fold the rest in.
 ///
-/// Deterministic kernels, each parallel over (sequence, kv-head, token or row), none with float atomics
+/// Deterministic passes, each parallel over the tokens or rows of a (sequence, kv-head), no float atomics
 /// (kvm-paper Sec. 4, App. A; ovq-paper Sec. 3.2; specs KVM.md §5, OVQ.md §5):
 ///   1. stage   memory keys of the block,
 ///   2. score   tokens against the rows that exist (or, when none exist and the policy commits its first
@@ -15,13 +15,12 @@
 ///              and the route only continues over the appended rows,
 ///   6. group   the routed tokens by row (each row's tokens one run, in token order),
 ///   7. fold    per row, its routed tokens in token order, then refresh the row's read caches.
-/// A pass runs only where some sequence of the batch has its work, as the plan's host mirror says: score
-/// where a block is ranked, select and append where tokens found rows; without either (a fixed budget after
-/// its first block) the route pass stages its tokens' memory keys, and an update is three launches (route,
-/// group, fold). The same kernels serve KVM's first-chunk copy (every token appended), so prefill and
-/// decode produce identical bits. Their Kokkos labels are kvmem::stage ... kvmem::fold: at most 15 characters, which a
-/// std::string holds without a heap allocation (Kokkos copies the label at every launch; decode must not
-/// allocate).
+/// One kernel runs them all (update_state): a team per (sequence, kv-head), each pass split over the team's
+/// threads with a team barrier after it; score runs only where a block is ranked, select and append only
+/// where tokens found rows. The same kernel serves KVM's first-chunk copy (every token appended), so
+/// prefill and decode produce identical bits. Its Kokkos label, kvmem::update, has at most 15 characters,
+/// which a std::string holds without a heap allocation (Kokkos copies the label at every launch; decode
+/// must not allocate).
 
 #include <Kokkos_Core.hpp>
 #include <type_traits>
@@ -72,8 +71,7 @@ inline constexpr int update_lanes = 16;
 /// lanes, rows broadcast: token_rows_max) rather than one thread per token with dot products of rows.
 /// Both give the same bits; the tiles are for CPU threads, one thread per token for GPUs.
 template <class ExecSpace>
-inline constexpr bool update_in_lanes =
-    std::is_same_v<typename ExecSpace::memory_space, Kokkos::HostSpace> && simd::width <= update_lanes;
+inline constexpr bool update_in_lanes = runs_on_host<ExecSpace> && simd::width <= update_lanes;
 
 /// Whether Scorer::score is max_i dot(key, row_i) over the rows in row order from -inf (score::Novelty),
 /// declared by `static constexpr bool max_similarity = true`: the update then scores a block in
@@ -437,15 +435,14 @@ void update_state(const ExecSpace& exec, const MemoryConfig& cfg, const LayerWei
 
   using policy_t = Kokkos::TeamPolicy<ExecSpace>;
   using member_t = typename policy_t::member_type;
-  int level = 0;
-  policy_t policy(exec, B * H, head_team_size(exec, B * H, max_block));
-  if constexpr (lanes) {
-    using scratch_t = Kokkos::View<float*, typename ExecSpace::scratch_memory_space, Kokkos::MemoryUnmanaged>;
-    const std::size_t bytes = scratch_t::shmem_size(long(D) * L);
-    level = bytes <= static_cast<std::size_t>(policy.scratch_size_max(0)) ? 0 : 1;
-    policy.set_scratch_size(level, Kokkos::PerThread(bytes));
-  }
-  Kokkos::parallel_for("kvmem::update", policy, KOKKOS_LAMBDA(const member_t& team) {
+  using scratch_t = Kokkos::View<float*, typename ExecSpace::scratch_memory_space, Kokkos::MemoryUnmanaged>;
+  // The team size before the backend's cap, and the scratch level where that many threads' register-tile
+  // buffers (D x L floats each) fit together; the cap below only lowers the size.
+  const int wanted = head_team_size(exec, B * H, max_block, Kokkos::Experimental::finite_max_v<int>);
+  const std::size_t bytes = lanes ? scratch_t::shmem_size(long(D) * L) : 0;
+  const int level =
+      bytes * static_cast<std::size_t>(wanted) <= static_cast<std::size_t>(policy_t(exec, 1, 1).scratch_size_max(0)) ? 0 : 1;
+  const auto body = KOKKOS_LAMBDA(const member_t& team) {
     const long h = team.league_rank() % H, b = team.league_rank() / H;
     const long count = p(b, block_count);
     if (count <= 0) return;  // the whole team: no barrier is left waiting
@@ -481,7 +478,11 @@ void update_state(const ExecSpace& exec, const MemoryConfig& cfg, const LayerWei
       tokens(route_token);
     tokens(group);
     tokens(fold);
-  });
+  };
+  const int most = policy_t(exec, B * H, 1).team_size_max(body, Kokkos::ParallelForTag());
+  policy_t policy(exec, B * H, Kokkos::min(wanted, most));
+  if (bytes > 0) policy.set_scratch_size(level, Kokkos::PerThread(bytes));
+  Kokkos::parallel_for("kvmem::update", policy, body);
 }
 
 }  // namespace kvmem::kernels
