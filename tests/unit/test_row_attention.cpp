@@ -22,11 +22,10 @@
 #include "float_bits.hpp"
 
 namespace {
+namespace kk = kvmem::kernels;
+using namespace kvmem_test;  // uniform, same_bits
 using exec = Kokkos::DefaultExecutionSpace;
 using mem = exec::memory_space;
-namespace kk = kvmem::kernels;
-using kvmem_test::same_bits;
-using kvmem_test::uniform;
 
 /// The elements of a view of doubles, copied to the host.
 template <class View>
