@@ -149,7 +149,7 @@ struct MergingAdapter {
 
   static std::vector<std::string> readout_kernels() { return {"kvmem::readout"}; }
   static std::vector<std::string> update_kernels() {
-    return {"kvmem::update", "kvmem::row_attn", "kvmem::rowevict"};
+    return {"kvmem::update", "kvmem::row_attn"};
   }
   void prepare(Inputs&) {}
   void prefill(const Inputs& in) { mem.prefill(in.q, in.k, in.v, in.gate, in.y); }

@@ -304,9 +304,7 @@ class Memory {
     plan_.upload(exec_);
     const auto w = LayerWeightsRef::of(weights_);
     auto update = [&] {
-      kernels::update_state<Merge, Scorer>(exec_, cfg_, w, rows_, ring_, scratch_, plan_, block);
-      if constexpr (RowPolicy::evicts)
-        if (block > 0) kernels::evict_rows(exec_, cfg_, rows_, plan_);
+      kernels::update_state<Merge, Scorer, RowPolicy::evicts>(exec_, cfg_, w, rows_, ring_, scratch_, plan_, block);
     };
     kernels::write_window<Merge>(exec_, cfg_, ring_, plan_, k, v, gate, tokens);
     if (update_first) update();

@@ -162,10 +162,12 @@ std::vector<S> stored_as(const std::vector<float>& x) {
 }
 
 /// Runs the kvmem KVM memory on ExecSpace over case `c` with tokens in the storage type S (inputs rounded
-/// to S; outputs widened back to float). prefill_then_decode prefills the first `split` tokens of every
-/// sequence and decodes the rest.
-template <class ExecSpace, kvmem::StorageType S = float>
-KvmOutput run_kvm(const KvmCase& c, Mode mode, long split = 0, const ExecSpace& exec = ExecSpace()) {
+/// to S; outputs widened back to float) and row eviction `row_policy` (score::RowEviction; the default
+/// evicts none). prefill_then_decode prefills the first `split` tokens of every sequence and decodes the
+/// rest.
+template <class ExecSpace, kvmem::StorageType S = float, class RowPolicy = kvmem::score::KeepRows>
+KvmOutput run_kvm(const KvmCase& c, Mode mode, long split = 0, const ExecSpace& exec = ExecSpace(),
+                  const RowPolicy& row_policy = {}) {
   using space = typename ExecSpace::memory_space;
   using view4 = Kokkos::View<S****, Kokkos::LayoutRight, space>;
   using view3 = Kokkos::View<S***, Kokkos::LayoutRight, space>;
@@ -189,7 +191,8 @@ KvmOutput run_kvm(const KvmCase& c, Mode mode, long split = 0, const ExecSpace& 
   KvmOutput out;
   with_budget(c.params, [&](const auto& budget) {
     using budget_t = std::remove_cvref_t<decltype(budget)>;
-    kvmem::KvmMemory<ExecSpace, budget_t, S> mem(c.config(), budget, w, static_cast<int>(c.B), exec);
+    kvmem::KvmMemoryWithRowEviction<ExecSpace, budget_t, RowPolicy, S> mem(c.config(), budget, w, static_cast<int>(c.B),
+                                                                        row_policy, exec);
     long first_decoded = 0;
     if (mode != Mode::decode) {
       std::vector<long> pre(c.B);

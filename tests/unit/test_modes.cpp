@@ -1,5 +1,7 @@
 // One meaning for prefill and decode, and the same bits on every host backend (spec KVM.md §6).
 #include <catch2/catch_test_macros.hpp>
+#include <type_traits>
+#include <vector>
 
 #include "kvm_harness.hpp"
 
@@ -101,6 +103,28 @@ TEST_CASE("Serial and OpenMP give the same bits", "[kvm][backends]") {
   }
 }
 #endif
+
+TEST_CASE("KVM with H2O row eviction: prefill, decode, a split and every host backend give the same bits",
+          "[kvm][modes][row-eviction]") {
+  // One sequence and one kv-head, so that a fold's team on OpenMP has every thread (the evict pass of the
+  // update kernel split over them), and a row cap that power-law growth passes early, so most folds evict.
+  auto c = growing_case(200, 8);
+  c.Hq = 2, c.Hkv = 1;
+  c.generate();
+  const kvmem::score::RowAccumulatedAttention h2o{.max_rows = 12};
+  using host = Kokkos::DefaultHostExecutionSpace;
+  auto run = [&](Mode mode, const auto& exec) { return kvmem_test::run_kvm<std::remove_cvref_t<decltype(exec)>, float>(c, mode, 61, exec, h2o); };
+  const auto whole = run(Mode::prefill, host());
+  REQUIRE(whole.rows == std::vector<long>{12});  // the cap was reached: rows were evicted
+  require_same_bits(whole, run(Mode::decode, host()));
+  require_same_bits(whole, run(Mode::prefill_then_decode, host()));
+#ifdef KOKKOS_ENABLE_SERIAL
+  require_same_bits(whole, run(Mode::prefill, Kokkos::Serial()));
+#endif
+#ifdef KOKKOS_ENABLE_OPENMP
+  require_same_bits(whole, run(Mode::prefill, Kokkos::OpenMP(1)));
+#endif
+}
 
 TEST_CASE("exact causal attention equals a memory whose window holds every token", "[exact]") {
   // With T <= L the memory never reads its state: its output is exact causal attention with tau_bswa.

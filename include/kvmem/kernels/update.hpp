@@ -14,7 +14,9 @@
 ///              a max-similarity scorer the score pass finds the best row that existed before the append
 ///              and the route only continues over the appended rows,
 ///   6. group   the routed tokens by row (each row's tokens one run, in token order),
-///   7. fold    per row, its routed tokens in token order, then refresh the row's read caches.
+///   7. fold    per row, its routed tokens in token order, then refresh the row's read caches;
+///   8. evict   with row eviction (score::RowEviction), the rows over the cap, lowest statistic first
+///              (evict_rows_team, row_eviction.hpp).
 /// One kernel runs them all (update_state): a team per (sequence, kv-head), each pass split over the team's
 /// threads with a team barrier after it; score runs only where a block is ranked, select and append only
 /// where tokens found rows. The same kernel serves KVM's first-chunk copy (every token appended), so
@@ -30,6 +32,7 @@
 #include "../policy/merge/concept.hpp"
 #include "../policy/score/append_scorer.hpp"
 #include "../state/state_rows.hpp"
+#include "row_eviction.hpp"
 #include "scratch.hpp"
 #include "simd.hpp"
 #include "step_plan.hpp"
@@ -202,8 +205,10 @@ KOKKOS_INLINE_FUNCTION bool ranks_tokens(const Plan& p, long b) {
 /// One kernel, kvmem::update: a team per (sequence, kv-head) (head_team_size threads) runs the passes of the
 /// file's header in order, each over the block's tokens (or blocks of update_lanes tokens, or positions)
 /// split over the team's threads, a team barrier after each; a pass without work in that sequence (score where no block is
-/// ranked, select and append where no token founds a row) is skipped by the whole team.
-template <merge::MergePolicy Merge, score::AppendScorer Scorer, class ExecSpace, StorageType T>
+/// ranked, select and append where no token founds a row) is skipped by the whole team. `EvictRows` (a
+/// memory whose RowEviction evicts): the evict pass follows the fold, evicting p(b, rows_evicted) rows.
+template <merge::MergePolicy Merge, score::AppendScorer Scorer, bool EvictRows = false, class ExecSpace,
+          StorageType T>
 void update_state(const ExecSpace& exec, const MemoryConfig& cfg, const LayerWeightsRef& w,
                   const state::StateRows<typename ExecSpace::memory_space, T>& st,
                   const state::WindowRing<typename ExecSpace::memory_space, T>& ring,
@@ -478,6 +483,7 @@ void update_state(const ExecSpace& exec, const MemoryConfig& cfg, const LayerWei
       tokens(route_token);
     tokens(group);
     tokens(fold);
+    if (EvictRows) evict_rows_team(team, cfg, st, p, b, h);
   };
   const int most = policy_t(exec, B * H, 1).team_size_max(body, Kokkos::ParallelForTag());
   policy_t policy(exec, B * H, Kokkos::min(wanted, most));
