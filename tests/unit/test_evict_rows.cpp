@@ -119,16 +119,18 @@ struct Rows {
     return arrays(rows);
   }
   using policy_t = Kokkos::TeamPolicy<exec>;
-  /// The kernel: a team per (sequence, kv-head).
-  auto kernel() const {
-    const auto r = rows;
-    const auto p = plan.device;
-    const auto c = cfg;
-    const long H = cfg.kv_heads;
-    return KOKKOS_LAMBDA(const policy_t::member_type& team) {
-      kk::evict_rows_team(team, c, r, p, team.league_rank() / H, team.league_rank() % H);
-    };
-  }
+  /// The kernel: a team per (sequence, kv-head). (A functor: nvcc's extended lambdas cannot be returned
+  /// from a function with a deduced return type.)
+  struct Kernel {
+    kvmem::state::StateRows<mem, T> rows;
+    decltype(kk::StepPlan<mem>::device) plan;
+    kvmem::MemoryConfig cfg;
+    long heads;
+    KOKKOS_FUNCTION void operator()(const typename policy_t::member_type& team) const {
+      kk::evict_rows_team(team, cfg, rows, plan, team.league_rank() / heads, team.league_rank() % heads);
+    }
+  };
+  [[nodiscard]] Kernel kernel() const { return Kernel{rows, plan.device, cfg, cfg.kv_heads}; }
   [[nodiscard]] policy_t policy(int team_size) const {
     return policy_t(exec(), static_cast<long>(folds.size()) * cfg.kv_heads, team_size);
   }
