@@ -161,8 +161,8 @@ class EvictionMemory {
   /// e.g. the mLSTM's, is not counted). Fixed at construction.
   [[nodiscard]] long allocated_bytes() const {
     const auto& c = cache_;
-    return static_cast<long>((c.keys.span() + c.values.span()) * sizeof(Storage) + c.logits.span() * sizeof(float) +
-                             (c.stats.span() + c.probabilities.span() + c.logits64.span()) * sizeof(double) +
+    return static_cast<long>((c.keys.span() + c.values.span()) * sizeof(Storage) + (c.logits.span() + c.probabilities.span()) * sizeof(float) +
+                             c.stats.span() * sizeof(double) +
                              (c.positions.span() + c.live.span() + first_.span() + lengths_.span()) * sizeof(long) +
                              c.order.span() * sizeof(int));
   }

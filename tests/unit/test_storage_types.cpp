@@ -221,48 +221,6 @@ TEMPLATE_TEST_CASE("row_dots and an eviction step's row groups over a 16-bit que
   }
 }
 
-TEMPLATE_TEST_CASE("row_dots64 gives every row the bits of its float64 chain in channel order",
-                   "[dtype][simd][eviction]", float, bfloat16, float16) {
-  // The probabilities that H2O and TOVA read come from float64 dot products (kernels::eviction_attend); a
-  // thread with vector registers takes a register's width of rows at once: per row still the chain
-  // s += double(q[c]) * row[c], c = 0, 1, ...
-  using S = TestType;
-  namespace kk = kvmem::kernels;
-  constexpr int W = kk::simd::width;
-  for (int dim : {1, W - 1, W, W + 3, 2 * W, 3 * W + 5, 64, 128, 131}) {
-    INFO("dim=" << dim);
-    const RowGroup<S> g(dim, 41 + dim);
-    const auto& q = g.q;
-    const auto& row = g.row;
-    double got[W];
-    kk::simd::row_dots64(q.data(), dim, row.data(), got);
-    double want[W];
-    for (int k = 0; k < W; ++k) {
-      want[k] = 0.0;
-      for (int c = 0; c < dim; ++c) want[k] += double(kvmem::to_float(q[c])) * double(kvmem::to_float(row[k][c]));
-      CHECK(kvmem_test::same_bits(got[k], want[k]));
-    }
-    // Both chains from one walk of the rows (an eviction step of H2O or TOVA): the bits of the two apart,
-    // for a full row group and for the short groups taken one row at a time.
-    float got32[W];
-    kk::simd::row_dots_both(q.data(), dim, row.data(), got32, got);
-    for (int k = 0; k < W; ++k) {
-      CHECK(kvmem_test::same_bits(got32[k], kk::dot(q.data(), row[k], dim)));
-      CHECK(kvmem_test::same_bits(got[k], want[k]));
-    }
-    constexpr int RW = kk::simd::vector_registers ? W : 1;
-    for (int n = 1; n <= RW; ++n) {
-      float l[RW];
-      double l64[RW];
-      kk::row_group_dots_both<RW>(q.data(), dim, row.data(), n, l, l64);
-      for (int k = 0; k < n; ++k) {
-        CHECK(kvmem_test::same_bits(l[k], kk::dot(q.data(), row[k], dim)));
-        CHECK(kvmem_test::same_bits(l64[k], want[k]));
-      }
-    }
-  }
-}
-
 namespace {
 // Device-callable accessors for add_weighted_rows (nvcc rejects host lambdas called from its
 // KOKKOS_INLINE_FUNCTIONs): weight j and row j of a contiguous [n][row_len] block.

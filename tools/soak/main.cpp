@@ -21,6 +21,13 @@
 /// a difference that grows along the stream (the last third of it above 1.25 x the middle third, plus 2^-8)
 /// fails the run (docs/numerics.md).
 ///
+/// The eviction memories whose scorer reads attention probabilities (evict-h2o, evict-tova) decode beside
+/// the float64 twin of their statistics (eviction_shadow.hpp): after every token it reads the kernel's
+/// cache, recomputes the step's probabilities in float64 from the same keys and query, and fails the run
+/// when a statistic leaves the float32 error bound of docs/numerics.md or an eviction picks a token whose
+/// float64 score is lower than another's by more than their bounds; it also reports what a float32 running
+/// sum of the same probabilities would have drifted to.
+///
 /// Adding a memory: one entry in soak_cases() below (a name, a factory, the rows the schedule promises
 /// after n tokens and their upper bound); a memory whose decode() takes other inputs than kvmem::Memory's
 /// also gets a subject (see TrellisSubject).
@@ -40,9 +47,12 @@
 #include <sstream>
 #include <string>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include <kvmem/kvmem.hpp>
+
+#include "eviction_shadow.hpp"
 
 // ---- host heap allocation counter (every operator new of the process, Kokkos' library included) ----
 // nvcc takes the global operator new and delete for __host__ __device__ functions; the replacements are
@@ -108,6 +118,7 @@ struct Checkpoint {
   long tokens, rows, expected_rows, held_bytes, allocated_bytes, rss, kokkos_allocations, heap_allocations;
   double seconds;
   double drift = -1.0;  ///< paired subjects: mean of ||y16 - y32|| / ||y32|| over the tokens since the last checkpoint
+  kvmem_soak::ShadowInterval shadow;  ///< shadowed subjects: the statistics against their float64 twin since then
 };
 
 struct Result {
@@ -119,14 +130,19 @@ struct Result {
   /// Paired subjects (a 16-bit memory against its float32 twin): the mean relative output difference over
   /// the middle third of the checkpoint intervals and over the last third; -1 otherwise.
   double middle_drift = -1.0, last_drift = -1.0;
+  /// Shadowed subjects (H2O, TOVA eviction): the whole stream's statistics against their float64 twin.
+  bool shadowed = false;
+  kvmem_soak::ShadowInterval shadow;
   std::vector<Checkpoint> checkpoints;
   /// The 16-bit memory drifts when its difference from float32 grows along the stream: the last third of
   /// the intervals above 1.25 x the middle third plus 2^-8 (one bfloat16 rounding), as a 16-bit merge sum
   /// that stalls would make it. The first third is the warm-up (the state still filling).
-  [[nodiscard]] bool drifted() const { return last_drift > 1.25 * middle_drift + 0x1p-8; }
+  /// Only paired subjects have a drift (the others keep -1 in both and never drift).
+  [[nodiscard]] bool drifted() const { return middle_drift >= 0.0 && last_drift > 1.25 * middle_drift + 0x1p-8; }
   [[nodiscard]] bool passed() const {
     return nonfinite_outputs == 0 && bound_violations == 0 && row_mismatches == 0 && nonfinite_state == 0 &&
-           rss_drift <= (1L << 20) && other_kokkos_allocations == 0 && !drifted();
+           rss_drift <= (1L << 20) && other_kokkos_allocations == 0 && !drifted() && shadow.violations == 0 &&
+           shadow.unexplained == 0;
   }
 };
 
@@ -349,6 +365,46 @@ struct EvictionSubject : AttentionSubject<Memory> {
   }
 };
 
+/// An EvictionMemory whose scorer reads probabilities (H2O, TOVA), followed by the float64 twin of its
+/// statistics (kvmem_soak::EvictionShadow; docs/numerics.md "Eviction statistics"): after every step the
+/// kernel's cache is read back (host mirrors made once) and the twin checks its statistics and its choice.
+template <class Memory>
+struct ShadowedEvictionSubject : EvictionSubject<Memory> {
+  using cache_t = std::remove_cvref_t<decltype(std::declval<Memory&>().cache())>;
+  typename decltype(cache_t::positions)::host_mirror_type positions;
+  typename decltype(cache_t::stats)::host_mirror_type stats;
+  typename decltype(cache_t::order)::host_mirror_type order;
+  typename decltype(cache_t::live)::host_mirror_type live;
+  typename decltype(cache_t::keys)::host_mirror_type keys;
+  typename decltype(cache_t::probabilities)::host_mirror_type probabilities;
+  kvmem_soak::EvictionShadow shadow;
+
+  ShadowedEvictionSubject(Memory& m, kvmem_soak::EvictionShadow::Stat kind)
+      : EvictionSubject<Memory>(m), positions(Kokkos::create_mirror_view(m.cache().positions)),
+        stats(Kokkos::create_mirror_view(m.cache().stats)), order(Kokkos::create_mirror_view(m.cache().order)),
+        live(Kokkos::create_mirror_view(m.cache().live)), keys(Kokkos::create_mirror_view(m.cache().keys)),
+        probabilities(Kokkos::create_mirror_view(m.cache().probabilities)),
+        shadow(kind, m.cache().slots(), m.config().sinks, m.config().window, m.config().group(), m.config().head_dim) {}
+
+  /// Step q's statistics and eviction against the twin (outside decode(): the soak's heap counter is
+  /// decode's own).
+  void follow(long q) {
+    const auto& c = this->mem.cache();
+    Kokkos::deep_copy(positions, c.positions);
+    Kokkos::deep_copy(stats, c.stats);
+    Kokkos::deep_copy(order, c.order);
+    Kokkos::deep_copy(live, c.live);
+    Kokkos::deep_copy(keys, c.keys);
+    Kokkos::deep_copy(probabilities, c.probabilities);
+    shadow.follow(
+        q, live(0, 0), [&](long i) { return static_cast<long>(order(0, 0, i)); },
+        [&](long s) { return positions(0, 0, s); }, [&](long s) { return stats(0, 0, s); },
+        [&](long i) { return probabilities(0, 0, i); }, [&](long s) { return &keys(0, 0, s, 0); },
+        [&](int g) { return &this->hq(0, g, 0, 0); });
+  }
+  kvmem_soak::ShadowInterval take_shadow() { return shadow.take(); }
+};
+
 /// A memory holding its tokens in a 16-bit storage type next to its float32 twin, both decoding the same
 /// stream: the 16-bit subject's tokens (rounded), widened exactly for the twin, so the two differ only by
 /// what the 16-bit memory stores. The 16-bit memory is the one checked (rows, bounds, finiteness, memory);
@@ -428,6 +484,8 @@ Result soak(Subject& subject, const std::string& name, const Options& o, const s
   long rss_warm = -1, allocated_warm = 0, decode_heap = 0, heap_last = 0, kokkos_last = g_kokkos_allocations;
   long other_warm = 0;
   constexpr bool paired = requires { subject.drift(); };
+  constexpr bool shadowed = requires { subject.follow(0L); };
+  r.shadowed = shadowed;
   double drift_sum = 0.0;  // relative output differences since the last checkpoint (paired subjects)
   long drift_tokens = 0;
   std::printf("%-14s %9s %7s %7s %12s %12s %10s %8s %10s %8s%s\n", name.c_str(), "tokens", "rows", "expect", "held B",
@@ -437,6 +495,7 @@ Result soak(Subject& subject, const std::string& name, const Options& o, const s
     const long heap_before = g_heap_allocations.load(std::memory_order_relaxed);
     subject.decode();
     decode_heap += g_heap_allocations.load(std::memory_order_relaxed) - heap_before;  // decode's own, not this loop's
+    if constexpr (shadowed) subject.follow(n - 1);
     if (const long bad = subject.nonfinite_output(); bad > 0) {
       if (r.first_nonfinite < 0) r.first_nonfinite = n;
       r.nonfinite_outputs += bad;
@@ -471,6 +530,10 @@ Result soak(Subject& subject, const std::string& name, const Options& o, const s
         c.drift = drift_sum / static_cast<double>(drift_tokens);
         drift_sum = 0.0, drift_tokens = 0;
       }
+      if constexpr (shadowed) {
+        c.shadow = subject.take_shadow();
+        r.shadow.merge(c.shadow);
+      }
       if (c.rows != c.expected_rows) ++r.row_mismatches;
       r.nonfinite_state += subject.nonfinite_state(rows);
       if (rss_warm < 0) {  // the first checkpoint ends the warm-up
@@ -480,8 +543,12 @@ Result soak(Subject& subject, const std::string& name, const Options& o, const s
       } else {
         r.rss_drift = std::max(r.rss_drift, (c.rss - rss_warm) - (c.allocated_bytes - allocated_warm));
       }
-      char drift[32] = "";
+      char drift[160] = "";
       if (paired) std::snprintf(drift, sizeof drift, "  %12.3e", c.drift);
+      if (shadowed)
+        std::snprintf(drift, sizeof drift, "  f64 twin: stat err %.2e (%.1e of bound, %ld over)  f32 sum %.2e  choices %ld/%ld (%ld unexplained)",
+                      c.shadow.max_error, c.shadow.max_bound_used, c.shadow.violations, c.shadow.max_f32_sum_error,
+                      c.shadow.differing, c.shadow.decisions, c.shadow.unexplained);
       std::printf("%-14s %9ld %7ld %7ld %12ld %12ld %10.1f %8ld %10.2f %8.1f%s%s\n", "", c.tokens, c.rows,
                   c.expected_rows, c.held_bytes, c.allocated_bytes, c.rss / 1048576.0, c.kokkos_allocations,
                   static_cast<double>(c.heap_allocations) / o.every, c.seconds, drift,
@@ -628,11 +695,19 @@ std::vector<SoakCase> soak_cases() {
     return SoakCase{name, text, [name, make_scorer](const Options& o) {
                       kvmem::EvictionConfig cfg{.head_dim = kDim, .value_dim = kDim, .query_heads = 1, .kv_heads = 1,
                                                 .sinks = 4, .window = 64, .top_k = 188};
-                      kvmem::EvictionMemory<exec, decltype(make_scorer(o))> mem(cfg, 1, make_scorer(o));
-                      EvictionSubject<decltype(mem)> subject(mem);
+                      using Scorer = decltype(make_scorer(o));
+                      kvmem::EvictionMemory<exec, Scorer> mem(cfg, 1, make_scorer(o));
                       const long budget = cfg.budget();
                       auto rows = [budget](long n) { return std::min(n, budget); };
-                      return soak(subject, name, o, rows, rows);
+                      if constexpr (Scorer::needs_probabilities) {  // H2O, TOVA: their float64 twin beside them
+                        using Stat = kvmem_soak::EvictionShadow::Stat;
+                        constexpr bool accumulated = std::is_same_v<Scorer, kvmem::score::AccumulatedAttention>;
+                        ShadowedEvictionSubject<decltype(mem)> subject(mem, accumulated ? Stat::accumulated : Stat::last_query);
+                        return soak(subject, name, o, rows, rows);
+                      } else {
+                        EvictionSubject<decltype(mem)> subject(mem);
+                        return soak(subject, name, o, rows, rows);
+                      }
                     }};
   };
   const char* policy = ", sinks 4 + window 64 + top-k 188 = 256 rows";
@@ -663,7 +738,13 @@ void write_json(const std::string& path, const std::vector<Result>& results, con
         << ", \"max_held_bytes\": " << r.max_held << ", \"max_held_bound\": " << r.max_bound
         << ", \"rss_drift_bytes\": " << r.rss_drift << ", \"other_kokkos_allocations\": " << r.other_kokkos_allocations
         << ", \"heap_allocations_per_token\": " << r.heap_allocations_per_token << ", \"middle_drift\": " << r.middle_drift
-        << ", \"last_drift\": " << r.last_drift << ",\n     \"checkpoints\": [";
+        << ", \"last_drift\": " << r.last_drift;
+    if (r.shadowed)
+      out << ", \"f64_twin\": {\"max_relative_error\": " << r.shadow.max_error << ", \"max_bound_used\": "
+          << r.shadow.max_bound_used << ", \"violations\": " << r.shadow.violations
+          << ", \"float32_sum_relative_error\": " << r.shadow.max_f32_sum_error << ", \"evictions\": " << r.shadow.decisions
+          << ", \"differing_choices\": " << r.shadow.differing << ", \"unexplained_choices\": " << r.shadow.unexplained << "}";
+    out << ",\n     \"checkpoints\": [";
     for (std::size_t j = 0; j < r.checkpoints.size(); ++j) {
       const auto& c = r.checkpoints[j];
       out << (j ? ", " : "") << "[" << c.tokens << ", " << c.rows << ", " << c.expected_rows << ", " << c.held_bytes << ", "
@@ -746,6 +827,12 @@ int main(int argc, char** argv) {
                 r.name.c_str(), r.passed() ? "PASS" : "FAIL", r.tokens, r.seconds, r.nonfinite_outputs, r.first_nonfinite,
                 r.bound_violations, r.first_bound_violation, r.row_mismatches, r.nonfinite_state, r.max_rows, r.max_held,
                 r.max_bound, r.rss_drift, r.other_kokkos_allocations, r.heap_allocations_per_token);
+    if (r.shadowed)
+      std::printf("  statistics against their float64 twin: max relative error %.3e, %.2e of the bound, %ld (step, row) "
+                  "pairs over it; a float32 running sum would be %.3e off; %ld of %ld evictions chose another token than "
+                  "float64 scores would, %ld of them not explained by the bound\n",
+                  r.shadow.max_error, r.shadow.max_bound_used, r.shadow.violations, r.shadow.max_f32_sum_error,
+                  r.shadow.differing, r.shadow.decisions, r.shadow.unexplained);
     if (r.middle_drift >= 0)
       std::printf("  output against the float32 twin: mean ||y - y32|| / ||y32|| %.3e over the middle third of the stream, "
                   "%.3e over the last third%s\n",

@@ -162,23 +162,6 @@ KOKKOS_INLINE_FUNCTION Value ordered_sum(const Team& team, long n, const Term& x
   });
 }
 
-/// x(0) + ... + x(n - 1) by one thread of the team in a fixed order that does not wait on one chain: term i
-/// goes to partial sum i mod 8 (each partial in index order), and the partials are added pairwise,
-/// ((p0 + p1) + (p2 + p3)) + ((p4 + p5) + (p6 + p7)); the sum given to every thread. Its bits depend on n
-/// and the terms only (not on the team size). For sums whose order no result's bits are defined by, such as
-/// the float64 probabilities that a scorer accumulates.
-template <class Value, class Team, class Term>
-KOKKOS_INLINE_FUNCTION Value blocked_sum(const Team& team, long n, const Term& x) {
-  return team_single_sum<Value>(team, [&]() {
-    Value p[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-    long i = 0;
-    for (; i + 8 <= n; i += 8)
-      for (int k = 0; k < 8; ++k) p[k] += x(i + k);
-    for (int k = 0; i < n; ++i, ++k) p[k] += x(i);
-    return ((p[0] + p[1]) + (p[2] + p[3])) + ((p[4] + p[5]) + (p[6] + p[7]));
-  });
-}
-
 /// l[k] = dot(q, rows[k], dim) for k < n <= RW, each in kernels::dot's order: through simd::row_dots (RW
 /// rows' chains in vector lanes) for a full group of RW = simd::width rows, one row at a time otherwise.
 template <int RW, class Q, class Row>
@@ -193,39 +176,18 @@ KOKKOS_INLINE_FUNCTION void row_group_dots(const Q* q, int dim, const Row* const
   for (int k = 0; k < n; ++k) l[k] = dot(q, rows[k], dim);
 }
 
-/// row_group_dots into l [n] and, per row, the float64 chain s += double(q[c]) * rows[k][c] in channel
-/// order into l64 [n]: through simd::row_dots_both (one walk of the rows' channels for both) for a full
-/// group of RW = simd::width rows, one row at a time otherwise. The same bits as the two apart.
-template <int RW, class Q, class Row>
-KOKKOS_INLINE_FUNCTION void row_group_dots_both(const Q* q, int dim, const Row* const* rows, int n, float* l,
-                                                double* l64) {
-  if constexpr (RW > 1) {
-    static_assert(RW == simd::width, "row_dots_both takes a register's width of rows");
-    if (n == RW) {
-      simd::row_dots_both(q, dim, rows, l, l64);
-      return;
-    }
-  }
-  for (int k = 0; k < n; ++k) {
-    l[k] = dot(q, rows[k], dim);
-    double s = 0.0;
-    for (int c = 0; c < dim; ++c) s += static_cast<double>(to_float(q[c])) * to_float(rows[k][c]);
-    l64[k] = s;
-  }
-}
-
 /// Steps 4-5 on (b, h): out(g) [Dv] = softmax over the cached rows, in position order, of query(g) [D] .
 /// k / sqrt(D), times the values, for the group's query heads g < G (one softmax; float32, mul_add and
-/// softmax_exp as the other readouts); then, for scorers that need them, the float64 probabilities summed
-/// over the group go to Scorer::attended. Logits and exponentials are computed per row across the team,
-/// the normalizer by one thread in row order (the float64 probabilities' normalizer by one thread in the
-/// fixed order of blocked_sum), each output channel by one thread in row order (a thread owns
-/// a contiguous range of channels, summed in float32 registers and stored once, rounded to out's storage
-/// type). Where a thread has vector registers (simd::vector_registers: CPUs), a thread takes a group of
-/// rows at once, each row's dot product still its own chain in channel order (simd::row_dots for the
-/// float32 logits; simd::row_dots_both, one walk of the key rows for both, where the scorer also reads the
-/// float64 probabilities), so the bits are those of one row at a time; elsewhere (GPUs) a thread takes one
-/// row.
+/// softmax_exp as the other readouts); then, for scorers that need them, each row's probability summed over
+/// the group goes to Scorer::attended. Logits and exponentials are computed per row across the team, the
+/// normalizer by one thread in row order, each output channel by one thread in row order (a thread owns a
+/// contiguous range of channels, summed in float32 registers and stored once, rounded to out's storage
+/// type). A row's probability is the readout's own float32 weight e_i * (1 / sum), summed over the query
+/// heads in head order in float32 (docs/numerics.md: the scorer's running statistic, which takes one such
+/// probability per step for as long as the token lives, stays float64). Where a thread has vector
+/// registers (simd::vector_registers: CPUs), a thread takes a group of rows at once, each row's dot
+/// product still its own chain in channel order (simd::row_dots), so the bits are those of one row at a
+/// time; elsewhere (GPUs) a thread takes one row.
 template <class Team, class Scorer, class Cache, class QueryOf, class OutOf>
 KOKKOS_INLINE_FUNCTION void eviction_attend(const Team& team, const EvictionParams& p, const Cache& c,
                                             const Scorer& scorer, long b, int h, const QueryOf& query_of,
@@ -240,8 +202,6 @@ KOKKOS_INLINE_FUNCTION void eviction_attend(const Team& team, const EvictionPara
     auto key_row = [&](long i) -> const key_t* { return &c.keys(b, h, c.order(b, h, i), 0); };
     float max_logit = neg_inf();
     constexpr int RW = simd::vector_registers ? simd::width : 1;  // rows per thread step (row_dots)
-    // The float64 logits of the scorers that read probabilities come from the same walk of the key rows.
-    [[maybe_unused]] const double scale_d = 1.0 / Kokkos::sqrt(static_cast<double>(D));
     Kokkos::parallel_reduce(
         Kokkos::TeamThreadRange(team, (live + RW - 1) / RW),
         [&](long r, float& m) {
@@ -250,13 +210,7 @@ KOKKOS_INLINE_FUNCTION void eviction_attend(const Team& team, const EvictionPara
           const key_t* rows[RW];
           for (int k = 0; k < RW; ++k) rows[k] = key_row(i0 + (k < n ? k : 0));
           float l[RW];
-          if constexpr (Scorer::needs_probabilities) {
-            double l64[RW];
-            row_group_dots_both<RW>(qv, D, rows, n, l, l64);
-            for (int k = 0; k < n; ++k) c.logits64(b, h, i0 + k) = l64[k] * scale_d;
-          } else {
-            row_group_dots<RW>(qv, D, rows, n, l);
-          }
+          row_group_dots<RW>(qv, D, rows, n, l);
           for (int k = 0; k < n; ++k) {
             const float lk = l[k] * p.scale;
             c.logits(b, h, i0 + k) = lk;
@@ -268,6 +222,13 @@ KOKKOS_INLINE_FUNCTION void eviction_attend(const Team& team, const EvictionPara
                          [&](long i) { c.logits(b, h, i) = softmax_exp(c.logits(b, h, i) - max_logit); });
     team.team_barrier();
     const float inv = 1.0f / ordered_sum<float>(team, live, [&](long i) { return c.logits(b, h, i); });
+    // The probabilities the scorer reads (spec §6 "needs P"), summed over the group in head order: only for
+    // scorers that ask. Each thread writes its own rows; the barrier at the end of the head orders the heads.
+    if constexpr (Scorer::needs_probabilities)
+      Kokkos::parallel_for(Kokkos::TeamThreadRange(team, live), [&](long i) {
+        const float pi = c.logits(b, h, i) * inv;
+        c.probabilities(b, h, i) = g == 0 ? pi : c.probabilities(b, h, i) + pi;
+      });
     // Each thread owns a contiguous range of output channels and sums the rows in row order into it: on a
     // CPU core (one thread per team takes every channel) a block of register vectors at a time
     // (simd::add_weighted_rows), and a GPU team spreads the channels over its threads.
@@ -304,24 +265,6 @@ KOKKOS_INLINE_FUNCTION void eviction_attend(const Team& team, const EvictionPara
         for (int ch = 0; ch < n; ++ch) y[cb + ch] = from_float<out_t>(acc[ch] * inv);
       }
     });
-    // The probabilities the scorer reads, in float64 (spec §6 "needs P"): only for scorers that ask.
-    if constexpr (Scorer::needs_probabilities) {
-      double max_d = -Kokkos::Experimental::infinity_v<double>;
-      Kokkos::parallel_reduce(
-          Kokkos::TeamThreadRange(team, live),
-          [&](long i, double& m) {
-            const double sk = c.logits64(b, h, i);
-            m = sk > m ? sk : m;
-          },
-          Kokkos::Max<double>(max_d));
-      Kokkos::parallel_for(Kokkos::TeamThreadRange(team, live),
-                           [&](long i) { c.logits64(b, h, i) = Kokkos::exp(c.logits64(b, h, i) - max_d); });
-      team.team_barrier();
-      const double sum = blocked_sum<double>(team, live, [&](long i) { return c.logits64(b, h, i); });
-      Kokkos::parallel_for(Kokkos::TeamThreadRange(team, live), [&](long i) {
-        c.probabilities(b, h, i) = (g == 0 ? 0.0 : c.probabilities(b, h, i)) + c.logits64(b, h, i) / sum;
-      });
-    }
     team.team_barrier();  // the next query head reuses the logits
   }
   // 5. attention statistics (H2O, TOVA) from this step's probabilities, summed over the group.

@@ -409,7 +409,7 @@ inline constexpr int transposed_block_channels =
 /// of shuffles); bfloat16 rows first in blocks of 2 * width channels transposed as 32-bit channel pairs,
 /// each pair then split exactly into its even and odd channel by a shift and a mask (half the shuffles
 /// per channel, no widening instruction). Returns the first channel past the last whole block (the caller
-/// takes the rest one row at a time). The rows of row_dots and row_dots64.
+/// takes the rest one row at a time). The rows of row_dots.
 template <class Row, class OnBlock, class OnChannel>
 KOKKOS_INLINE_FUNCTION int transposed_blocks(int dim, const Row* const* rows, OnBlock&& on_block,
                                              OnChannel&& on_channel) {
@@ -524,95 +524,6 @@ KOKKOS_INLINE_FUNCTION void add_weighted_rows(vec (&r)[CV], long n, WeightOf wei
     const row_t* v = row_of(j);
     for (int x = 0; x < CV; ++x) r[x] = fma(w, load(v + x * width), r[x]);
   }
-}
-
-#if defined(KVMEM_SIMD_VECTOR_EXTENSIONS)
-namespace detail {
-/// The float64 chains of row_dots64 over a walk of transposed_blocks: two register vectors of width / 2
-/// doubles (rows [0, width / 2) and the rest), lane k row k's chain `s += double(q[c]) * rows[k][c]`.
-template <class Q, class Row>
-struct DotChains64 {
-  static constexpr int H = width / 2;
-  typedef float fhalf __attribute__((vector_size(H * sizeof(float))));
-  typedef double dhalf __attribute__((vector_size(H * sizeof(double))));
-  const Q* q;
-  dhalf lo = {}, hi = {};
-  double qd[transposed_block_channels<Row>];  // the block's query channels in float64, broadcast from memory
-  int block = 0;
-  KOKKOS_INLINE_FUNCTION explicit DotChains64(const Q* query) : q(query) {}
-  static KOKKOS_INLINE_FUNCTION void widen(const vec& v, dhalf& a, dhalf& b) {
-    fhalf x, y;
-    __builtin_memcpy(&x, &v, sizeof x);
-    __builtin_memcpy(&y, reinterpret_cast<const char*>(&v) + sizeof x, sizeof y);
-    a = __builtin_convertvector(x, dhalf), b = __builtin_convertvector(y, dhalf);
-  }
-  template <class N>
-  KOKKOS_INLINE_FUNCTION void begin(int b0, N) {
-    constexpr int n = N::value;
-    block = b0;
-    for (int c = 0; c < n; c += width) {
-      dhalf a, b;
-      widen(load(q + b0 + c), a, b);
-      __builtin_memcpy(qd + c, &a, sizeof a);
-      __builtin_memcpy(qd + c + H, &b, sizeof b);
-    }
-    in_memory(qd);
-  }
-  KOKKOS_INLINE_FUNCTION void add(int c, const vec& t) {
-    const double qc = qd[c - block];
-    dhalf a, b;
-    widen(t, a, b);
-    lo += qc * a;
-    hi += qc * b;
-  }
-  /// out [width]: the chains, continued one row at a time over channels [c0, dim).
-  KOKKOS_INLINE_FUNCTION void finish(int c0, int dim, const Row* const* rows, double* out) const {
-    __builtin_memcpy(out, &lo, sizeof lo);
-    __builtin_memcpy(out + H, &hi, sizeof hi);
-    for (int c = c0; c < dim; ++c)
-      for (int k = 0; k < width; ++k) out[k] += static_cast<double>(to_float(q[c])) * to_float(rows[k][c]);
-  }
-};
-}  // namespace detail
-#endif
-
-/// out[k] = sum_c q[c] * rows[k][c] in float64 for the `width` rows k: per row one float64 chain over the
-/// channels in increasing order, each product of the two float32 values exact in float64 (so fused or not,
-/// every step rounds once: the bits of the scalar chain `s += double(q[c]) * rows[k][c]`). With vector
-/// registers the rows' chains advance in vector lanes: the rows' channels transposed as float32 vectors
-/// (transposed_blocks, as row_dots) and widened to float64 (detail::DotChains64). `out` [width]. Query and
-/// rows of any storage type.
-template <class Q, class Row>
-KOKKOS_INLINE_FUNCTION void row_dots64(const Q* q, int dim, const Row* const* rows, double* out) {
-#if defined(KVMEM_SIMD_VECTOR_EXTENSIONS)
-  detail::DotChains64<Q, Row> chains(q);
-  const int c0 = transposed_blocks(
-      dim, rows, [&](int b0, auto n) { chains.begin(b0, n); }, [&](int c, const vec& t) { chains.add(c, t); });
-  chains.finish(c0, dim, rows, out);
-#else
-  for (int k = 0; k < width; ++k) out[k] = 0.0;
-  for (int c = 0; c < dim; ++c)
-    for (int k = 0; k < width; ++k) out[k] += static_cast<double>(to_float(q[c])) * to_float(rows[k][c]);
-#endif
-}
-
-/// row_dots (stride 1) into out [width] and row_dots64 into out64 [width] in one walk of the rows'
-/// channels: each transposed channel vector feeds both rows' chains, so the bits of the two calls with one
-/// transpose instead of two (an eviction step whose scorer reads float64 probabilities).
-template <class Q, class Row>
-KOKKOS_INLINE_FUNCTION void row_dots_both(const Q* q, int dim, const Row* const* rows, float* out, double* out64) {
-#if defined(KVMEM_SIMD_VECTOR_EXTENSIONS)
-  detail::DotChains<Q, Row> chains(q, 1);
-  detail::DotChains64<Q, Row> chains64(q);
-  const int c0 = transposed_blocks(
-      dim, rows, [&](int b0, auto n) { chains.begin(b0, n), chains64.begin(b0, n); },
-      [&](int c, const vec& t) { chains.add(c, t), chains64.add(c, t); });
-  chains.finish(c0, dim, rows, out);
-  chains64.finish(c0, dim, rows, out64);
-#else
-  row_dots(q, 1, dim, rows, out);
-  row_dots64(q, dim, rows, out64);
-#endif
 }
 
 }  // namespace kvmem::kernels::simd

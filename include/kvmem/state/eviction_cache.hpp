@@ -17,18 +17,19 @@ namespace kvmem::state {
 /// - `stats` [B, Hkv, slots]: the scorer's float64 statistic of the token (score, accumulated attention);
 /// - `order` [B, Hkv, slots]: slots of the cached tokens in increasing position, entries [0, live);
 /// - `live` [B, Hkv]: cached tokens (rows), at most the budget after every step;
-/// - `logits` [B, Hkv, slots] float32, and `logits64`, `probabilities` [B, Hkv, slots] float64: per-step
-///   scratch of the readout (the float64 ones only for scorers that need probabilities, else empty).
+/// - `logits` [B, Hkv, slots] and `probabilities` [B, Hkv, slots] float32: per-step scratch of the readout
+///   (a row's weights, then the probabilities summed over the group's query heads, only for scorers that
+///   need probabilities, else empty).
 /// A slot's row is written when its token enters and freed when it is evicted: nothing moves in between.
 template <class MemorySpace, StorageType T = float>
 struct EvictionCache {
   using storage_type = T;
   Kokkos::View<T****, Kokkos::LayoutRight, MemorySpace> keys, values;
   Kokkos::View<long***, Kokkos::LayoutRight, MemorySpace> positions;
-  Kokkos::View<double***, Kokkos::LayoutRight, MemorySpace> stats, probabilities, logits64;
+  Kokkos::View<double***, Kokkos::LayoutRight, MemorySpace> stats;
   Kokkos::View<int***, Kokkos::LayoutRight, MemorySpace> order;
   Kokkos::View<long**, Kokkos::LayoutRight, MemorySpace> live;
-  Kokkos::View<float***, Kokkos::LayoutRight, MemorySpace> logits;
+  Kokkos::View<float***, Kokkos::LayoutRight, MemorySpace> logits, probabilities;
 
   /// Allocates an empty cache (every slot free) of `slots` rows per (sequence, kv-head).
   void allocate(long batch, int kv_heads, long slots, int head_dim, int value_dim, bool with_probabilities) {
@@ -39,10 +40,7 @@ struct EvictionCache {
     order = decltype(order)("kvmem::evict_order", batch, kv_heads, slots);
     live = decltype(live)("kvmem::evict_live", batch, kv_heads);
     logits = decltype(logits)("kvmem::evict_logits", batch, kv_heads, slots);
-    if (with_probabilities) {
-      probabilities = decltype(probabilities)("kvmem::evict_probs", batch, kv_heads, slots);
-      logits64 = decltype(logits64)("kvmem::evict_logits64", batch, kv_heads, slots);
-    }
+    if (with_probabilities) probabilities = decltype(probabilities)("kvmem::evict_probs", batch, kv_heads, slots);
     Kokkos::deep_copy(positions, -1L);
   }
   /// Row slots per (sequence, kv-head).
