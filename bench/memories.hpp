@@ -295,7 +295,8 @@ inline MLstmScorer make_scorer<MLstmScorer>(const kvmem::EvictionConfig& cfg) {
 
 /// FLOPs of the eviction scorer at step q of one (sequence, kv-head) with `live` cached rows:
 ///   StreamingLLM 0; KNorm 2 D (the key's norm);
-///   H2O, TOVA 2 D per (query head, cached row): the float64 logits of the probabilities they read;
+///   H2O, TOVA 2 per (query head, cached row): the probability they read (the readout's weight times the
+///   normalizer's reciprocal) and its sum over the group (the logits are the readout's own);
 ///   KVPOP, with X = D + Dv and h = D / 2: 4 X h + 4 X + 3 D h to absorb the token (key and value
 ///   projections, gates, the decay and rank-1 update of C), and 2 X h + 2 D h to score the token leaving the
 ///   window (query projection, q^T C), once that token is past the sinks.
@@ -304,7 +305,7 @@ template <class Scorer>
 double scorer_flops(const kvmem::EvictionConfig& c, long q, long live) {
   const double D = c.head_dim, X = c.head_dim + c.value_dim, h = c.head_dim / 2;
   if constexpr (Scorer::needs_probabilities) {
-    return c.group() * double(live) * 2.0 * D;
+    return c.group() * double(live) * 2.0;
   } else if constexpr (std::is_same_v<Scorer, MLstmScorer>) {
     const bool scores = q - c.window + 1 >= std::max(0, c.sinks);
     return 4 * X * h + 4 * X + 3 * D * h + (scores ? 2 * X * h + 2 * D * h : 0.0);

@@ -680,13 +680,16 @@ TEST_CASE("eviction: decode's cache at every step is the row of the Fenwick mask
               const long n = c.length(b);
               REQUIRE(mask.tokens() == n);
               const auto ref_kappa = kvmem_ref::static_keys(c.head(b, h), c.policy(b, h));
+              // KVPOP's mLSTM runs in float32 against the float64 reference (docs/numerics.md, "Eviction
+              // statistics"; here within 3.7e-7 (1 + |kappa|)); the other static scores are float64.
+              const double kappa_tolerance = kind == Kind::kvpop ? 1e-5 : 1e-9;
               for (long t = 0; t < n; ++t) {
                 if (std::isnan(ref_kappa[t])) {
                   REQUIRE(kappa(b, h, t) == -std::numeric_limits<double>::infinity());  // never scored (§2)
                   continue;
                 }
                 INFO("token " << t);
-                REQUIRE(std::abs(kappa(b, h, t) - ref_kappa[t]) <= 1e-9 * (1.0 + std::abs(ref_kappa[t])));
+                REQUIRE(std::abs(kappa(b, h, t) - ref_kappa[t]) <= kappa_tolerance * (1.0 + std::abs(ref_kappa[t])));
               }
               for (long q = 0; q < n; ++q) {
                 INFO("query " << q);

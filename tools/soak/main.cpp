@@ -26,7 +26,9 @@
 /// cache, recomputes the step's probabilities in float64 from the same keys and query, and fails the run
 /// when a statistic leaves the float32 error bound of docs/numerics.md or an eviction picks a token whose
 /// float64 score is lower than another's by more than their bounds; it also reports what a float32 running
-/// sum of the same probabilities would have drifted to.
+/// sum of the same probabilities would have drifted to. evict-kvpop decodes beside the float64 twin of its
+/// float32 mLSTM (mlstm_twin.hpp) and reports the score error and the evictions float64 would have made
+/// otherwise.
 ///
 /// Adding a memory: one entry in soak_cases() below (a name, a factory, the rows the schedule promises
 /// after n tokens and their upper bound); a memory whose decode() takes other inputs than kvmem::Memory's
@@ -53,6 +55,7 @@
 #include <kvmem/kvmem.hpp>
 
 #include "eviction_shadow.hpp"
+#include "mlstm_twin.hpp"
 
 // ---- host heap allocation counter (every operator new of the process, Kokkos' library included) ----
 // nvcc takes the global operator new and delete for __host__ __device__ functions; the replacements are
@@ -118,7 +121,8 @@ struct Checkpoint {
   long tokens, rows, expected_rows, held_bytes, allocated_bytes, rss, kokkos_allocations, heap_allocations;
   double seconds;
   double drift = -1.0;  ///< paired subjects: mean of ||y16 - y32|| / ||y32|| over the tokens since the last checkpoint
-  kvmem_soak::ShadowInterval shadow;  ///< shadowed subjects: the statistics against their float64 twin since then
+  kvmem_soak::ShadowInterval shadow;  ///< H2O, TOVA: the statistics against their float64 twin since then
+  kvmem_soak::MLstmInterval mlstm;    ///< KVPOP: the float32 mLSTM's scores against its float64 twin since then
 };
 
 struct Result {
@@ -130,9 +134,11 @@ struct Result {
   /// Paired subjects (a 16-bit memory against its float32 twin): the mean relative output difference over
   /// the middle third of the checkpoint intervals and over the last third; -1 otherwise.
   double middle_drift = -1.0, last_drift = -1.0;
-  /// Shadowed subjects (H2O, TOVA eviction): the whole stream's statistics against their float64 twin.
-  bool shadowed = false;
+  /// Subjects with a float64 twin: H2O and TOVA eviction (their statistics, `shadow`), KVPOP (its mLSTM
+  /// scores, `mlstm`); the whole stream's.
+  enum class Twin { none, statistics, mlstm } twin = Twin::none;
   kvmem_soak::ShadowInterval shadow;
+  kvmem_soak::MLstmInterval mlstm;
   std::vector<Checkpoint> checkpoints;
   /// The 16-bit memory drifts when its difference from float32 grows along the stream: the last third of
   /// the intervals above 1.25 x the middle third plus 2^-8 (one bfloat16 rounding), as a 16-bit merge sum
@@ -402,7 +408,37 @@ struct ShadowedEvictionSubject : EvictionSubject<Memory> {
         [&](long i) { return probabilities(0, 0, i); }, [&](long s) { return &keys(0, 0, s, 0); },
         [&](int g) { return &this->hq(0, g, 0, 0); });
   }
-  kvmem_soak::ShadowInterval take_shadow() { return shadow.take(); }
+  static constexpr auto twin = Result::Twin::statistics;
+  void take_twin(Checkpoint& c, Result& r) {
+    c.shadow = shadow.take();
+    r.shadow.merge(c.shadow);
+  }
+};
+
+/// An EvictionMemory with KVPOP's mLSTM scorer (float32), beside score::MLstm<HostSpace, double> on the same
+/// weights (kvmem_soak::MLstmTwin): after every step the kernel's positions and scores are read back.
+template <class Memory>
+struct KvpopTwinSubject : EvictionSubject<Memory> {
+  using cache_t = std::remove_cvref_t<decltype(std::declval<Memory&>().cache())>;
+  typename decltype(cache_t::positions)::host_mirror_type positions;
+  typename decltype(cache_t::stats)::host_mirror_type stats;
+  kvmem_soak::MLstmTwin mlstm;
+
+  KvpopTwinSubject(Memory& m, const kvmem::score::MLstmWeights<Kokkos::HostSpace>& host_weights)
+      : EvictionSubject<Memory>(m), positions(Kokkos::create_mirror_view(m.cache().positions)),
+        stats(Kokkos::create_mirror_view(m.cache().stats)), mlstm(host_weights, m.config()) {}
+
+  void follow(long q) {
+    Kokkos::deep_copy(positions, this->mem.cache().positions);
+    Kokkos::deep_copy(stats, this->mem.cache().stats);
+    mlstm.follow(q, &this->hk(0, 0, 0, 0), &this->hv(0, 0, 0, 0), [&](long s) { return positions(0, 0, s); },
+                 [&](long s) { return stats(0, 0, s); });
+  }
+  static constexpr auto twin = Result::Twin::mlstm;
+  void take_twin(Checkpoint& c, Result& r) {
+    c.mlstm = mlstm.take();
+    r.mlstm.merge(c.mlstm);
+  }
 };
 
 /// A memory holding its tokens in a 16-bit storage type next to its float32 twin, both decoding the same
@@ -485,7 +521,7 @@ Result soak(Subject& subject, const std::string& name, const Options& o, const s
   long other_warm = 0;
   constexpr bool paired = requires { subject.drift(); };
   constexpr bool shadowed = requires { subject.follow(0L); };
-  r.shadowed = shadowed;
+  if constexpr (shadowed) r.twin = Subject::twin;
   double drift_sum = 0.0;  // relative output differences since the last checkpoint (paired subjects)
   long drift_tokens = 0;
   std::printf("%-14s %9s %7s %7s %12s %12s %10s %8s %10s %8s%s\n", name.c_str(), "tokens", "rows", "expect", "held B",
@@ -530,10 +566,7 @@ Result soak(Subject& subject, const std::string& name, const Options& o, const s
         c.drift = drift_sum / static_cast<double>(drift_tokens);
         drift_sum = 0.0, drift_tokens = 0;
       }
-      if constexpr (shadowed) {
-        c.shadow = subject.take_shadow();
-        r.shadow.merge(c.shadow);
-      }
+      if constexpr (shadowed) subject.take_twin(c, r);
       if (c.rows != c.expected_rows) ++r.row_mismatches;
       r.nonfinite_state += subject.nonfinite_state(rows);
       if (rss_warm < 0) {  // the first checkpoint ends the warm-up
@@ -545,10 +578,13 @@ Result soak(Subject& subject, const std::string& name, const Options& o, const s
       }
       char drift[160] = "";
       if (paired) std::snprintf(drift, sizeof drift, "  %12.3e", c.drift);
-      if (shadowed)
+      if (r.twin == Result::Twin::statistics)
         std::snprintf(drift, sizeof drift, "  f64 twin: stat err %.2e (%.1e of bound, %ld over)  f32 sum %.2e  choices %ld/%ld (%ld unexplained)",
                       c.shadow.max_error, c.shadow.max_bound_used, c.shadow.violations, c.shadow.max_f32_sum_error,
                       c.shadow.differing, c.shadow.decisions, c.shadow.unexplained);
+      if (r.twin == Result::Twin::mlstm)
+        std::snprintf(drift, sizeof drift, "  f64 twin: score err %.2e  choices %ld/%ld (gap <= %.2g x err)", c.mlstm.max_error,
+                      c.mlstm.differing, c.mlstm.decisions, c.mlstm.max_gap);
       std::printf("%-14s %9ld %7ld %7ld %12ld %12ld %10.1f %8ld %10.2f %8.1f%s%s\n", "", c.tokens, c.rows,
                   c.expected_rows, c.held_bytes, c.allocated_bytes, c.rss / 1048576.0, c.kokkos_allocations,
                   static_cast<double>(c.heap_allocations) / o.every, c.seconds, drift,
@@ -704,6 +740,9 @@ std::vector<SoakCase> soak_cases() {
                         constexpr bool accumulated = std::is_same_v<Scorer, kvmem::score::AccumulatedAttention>;
                         ShadowedEvictionSubject<decltype(mem)> subject(mem, accumulated ? Stat::accumulated : Stat::last_query);
                         return soak(subject, name, o, rows, rows);
+                      } else if constexpr (std::is_same_v<Scorer, kvmem::score::MLstm<space>>) {  // KVPOP
+                        KvpopTwinSubject<decltype(mem)> subject(mem, soak_mlstm_weights<Kokkos::HostSpace>(o.seed));
+                        return soak(subject, name, o, rows, rows);
                       } else {
                         EvictionSubject<decltype(mem)> subject(mem);
                         return soak(subject, name, o, rows, rows);
@@ -739,7 +778,10 @@ void write_json(const std::string& path, const std::vector<Result>& results, con
         << ", \"rss_drift_bytes\": " << r.rss_drift << ", \"other_kokkos_allocations\": " << r.other_kokkos_allocations
         << ", \"heap_allocations_per_token\": " << r.heap_allocations_per_token << ", \"middle_drift\": " << r.middle_drift
         << ", \"last_drift\": " << r.last_drift;
-    if (r.shadowed)
+    if (r.twin == Result::Twin::mlstm)
+      out << ", \"f64_twin\": {\"max_score_error\": " << r.mlstm.max_error << ", \"evictions\": " << r.mlstm.decisions
+          << ", \"differing_choices\": " << r.mlstm.differing << ", \"max_gap_in_errors\": " << r.mlstm.max_gap << "}";
+    if (r.twin == Result::Twin::statistics)
       out << ", \"f64_twin\": {\"max_relative_error\": " << r.shadow.max_error << ", \"max_bound_used\": "
           << r.shadow.max_bound_used << ", \"violations\": " << r.shadow.violations
           << ", \"float32_sum_relative_error\": " << r.shadow.max_f32_sum_error << ", \"evictions\": " << r.shadow.decisions
@@ -827,7 +869,12 @@ int main(int argc, char** argv) {
                 r.name.c_str(), r.passed() ? "PASS" : "FAIL", r.tokens, r.seconds, r.nonfinite_outputs, r.first_nonfinite,
                 r.bound_violations, r.first_bound_violation, r.row_mismatches, r.nonfinite_state, r.max_rows, r.max_held,
                 r.max_bound, r.rss_drift, r.other_kokkos_allocations, r.heap_allocations_per_token);
-    if (r.shadowed)
+    if (r.twin == Result::Twin::mlstm)
+      std::printf("  mLSTM scores against their float64 twin: max |score - score64| / (1 + |score64|) %.3e; %ld of %ld "
+                  "evictions chose another token than float64 effective scores would, their gaps at most %.3g x that "
+                  "error\n",
+                  r.mlstm.max_error, r.mlstm.differing, r.mlstm.decisions, r.mlstm.max_gap);
+    if (r.twin == Result::Twin::statistics)
       std::printf("  statistics against their float64 twin: max relative error %.3e, %.2e of the bound, %ld (step, row) "
                   "pairs over it; a float32 running sum would be %.3e off; %ld of %ld evictions chose another token than "
                   "float64 scores would, %ld of them not explained by the bound\n",

@@ -5,6 +5,7 @@
 /// NX-AI/mlstm_kernels `native_step.py`).
 
 #include <Kokkos_Core.hpp>
+#include <type_traits>
 
 #include "eviction_scorer.hpp"
 #include "mlstm_weights.hpp"
@@ -17,8 +18,9 @@ enum class MLstmNormalizer {
   plain,  ///< h = (qf^T C) / (qf . n) (kvpop-paper App. B eq. 3)
 };
 
-/// KVPOP's mLSTM scorer, one recurrent state per (sequence, kv-head), float64 arithmetic on float32 weights
-/// (spec EVICTION.md §3, §4, Q9). With x_t = [k_t ; v_t] (X = D + Dv channels, as cached), h = D / 2 and
+/// KVPOP's mLSTM scorer, one recurrent state per (sequence, kv-head), its arithmetic and state in `Real`
+/// (float32 by default, as every kernel; `double` gives the float64 twin that kvmem-soak compares it with,
+/// docs/numerics.md "Eviction statistics") on float32 weights (spec EVICTION.md §3, §4, Q9). With x_t = [k_t ; v_t] (X = D + Dv channels, as cached), h = D / 2 and
 /// HH(y) = [softmax(y) ; softmax(-y)] (Hedgehog, h -> D):
 ///   qf_t = HH(x_t W_q), kf_t = HH(x_t W_k) [D], vf_t = x_t W_v [h],
 ///   i~_t = c tanh((x_t . w_i + b_i) / c),  log f_t = logsigmoid(c tanh((x_t . w_f + b_f) / c)),
@@ -30,10 +32,16 @@ enum class MLstmNormalizer {
 /// Effective score (§4): log gamma_h = log 0.999 + sigmoid(theta_h) (log 0.999999 - log 0.999).
 /// Soft cap c = `soft_cap` (15, the xLSTM default; <= 0 turns the cap off), eps = `eps` (1e-6).
 ///
-/// State (allocated by bind): C [B, Hkv, D, h], n [B, Hkv, D], m [B, Hkv], float64, plus a work buffer
+/// The stabilizer m keeps the state update's exponentials at arguments <= 0 and, with the soft cap,
+/// m >= -c, so float32 neither overflows nor loses the state to underflow over any stream length. The
+/// score goes to the eviction step as a float64 statistic, where the decay term t log gamma (t up to 10^6
+/// and beyond) is added in float64.
+///
+/// State (allocated by bind): C [B, Hkv, D, h], n [B, Hkv, D], m [B, Hkv], in Real, plus a work buffer
 /// [B, Hkv, D + h]. bind() throws kvmem::invalid_argument naming a missing or misshapen weight.
-template <class MemorySpace>
+template <class MemorySpace, class Real = float>
 struct MLstm : EvictionDefaults {
+  static_assert(std::is_floating_point_v<Real>, "MLstm: Real is float or double");
   static constexpr std::string_view name = "kvpop";
   static constexpr bool delayed = true;
 
@@ -42,9 +50,9 @@ struct MLstm : EvictionDefaults {
   double soft_cap = 15.0;
   double eps = 1e-6;
 
-  Kokkos::View<double****, Kokkos::LayoutRight, MemorySpace> C;
-  Kokkos::View<double***, Kokkos::LayoutRight, MemorySpace> n, work;
-  Kokkos::View<double**, Kokkos::LayoutRight, MemorySpace> m;
+  Kokkos::View<Real****, Kokkos::LayoutRight, MemorySpace> C;
+  Kokkos::View<Real***, Kokkos::LayoutRight, MemorySpace> n, work;
+  Kokkos::View<Real**, Kokkos::LayoutRight, MemorySpace> m;
   int head_dim = 0, value_dim = 0;
 
   MLstm() = default;
@@ -62,27 +70,27 @@ struct MLstm : EvictionDefaults {
     work = decltype(work)("kvmem::mlstm_work", batch, cfg.kv_heads, head_dim + h);
   }
   void reset() const {
-    Kokkos::deep_copy(C, 0.0);
-    Kokkos::deep_copy(n, 0.0);
-    Kokkos::deep_copy(m, 0.0);
+    Kokkos::deep_copy(C, Real(0));
+    Kokkos::deep_copy(n, Real(0));
+    Kokkos::deep_copy(m, Real(0));
   }
 
   /// Absorbs token t into the state of (b, h); returns 0 (the score comes later, delayed_score).
   template <class K, class V>
   KOKKOS_INLINE_FUNCTION double absorb(long b, int h, long, const K* key, const V* value) const {
     const int D = head_dim, hh = D / 2;
-    double* kf = &work(b, h, 0);
-    double* vf = &work(b, h, D);
+    Real* kf = &work(b, h, 0);
+    Real* vf = &work(b, h, D);
     feature(weights.w_k, h, key, value, kf);
     project(weights.w_v, h, key, value, vf);
-    const double i_gate = cap(dot_x(weights.w_i, h, key, value) + weights.b_i(h));
-    const double f_gate = cap(dot_x(weights.w_f, h, key, value) + weights.b_f(h));
-    const double log_f = Kokkos::fmin(f_gate, 0.0) - Kokkos::log1p(Kokkos::exp(-Kokkos::fabs(f_gate)));
-    const double m_prev = m(b, h);
-    const double m_new = Kokkos::fmax(log_f + m_prev, i_gate);
-    const double decay = Kokkos::exp(log_f + m_prev - m_new), gain = Kokkos::exp(i_gate - m_new);
+    const Real i_gate = cap(dot_x(weights.w_i, h, key, value) + weights.b_i(h));
+    const Real f_gate = cap(dot_x(weights.w_f, h, key, value) + weights.b_f(h));
+    const Real log_f = Kokkos::fmin(f_gate, Real(0)) - Kokkos::log1p(Kokkos::exp(-Kokkos::fabs(f_gate)));
+    const Real m_prev = m(b, h);
+    const Real m_new = Kokkos::fmax(log_f + m_prev, i_gate);
+    const Real decay = Kokkos::exp(log_f + m_prev - m_new), gain = Kokkos::exp(i_gate - m_new);
     for (int i = 0; i < D; ++i) {
-      const double gk = gain * kf[i];
+      const Real gk = gain * kf[i];
       for (int a = 0; a < hh; ++a) C(b, h, i, a) = decay * C(b, h, i, a) + gk * vf[a];
       n(b, h, i) = decay * n(b, h, i) + gk;
     }
@@ -94,21 +102,21 @@ struct MLstm : EvictionDefaults {
   template <class K, class V>
   KOKKOS_INLINE_FUNCTION double delayed_score(long b, int h, long, const K* key, const V* value) const {
     const int D = head_dim, hh = D / 2;
-    double* qf = &work(b, h, 0);
+    Real* qf = &work(b, h, 0);
     feature(weights.w_q, h, key, value, qf);
     const bool xl = normalizer == MLstmNormalizer::xlstm;
-    const double qscale = xl ? 1.0 / Kokkos::sqrt(static_cast<double>(D)) : 1.0;
-    double qn = 0.0;
+    const Real qscale = xl ? Real(1) / Kokkos::sqrt(static_cast<Real>(D)) : Real(1);
+    Real qn = 0;
     for (int i = 0; i < D; ++i) qn += qscale * qf[i] * n(b, h, i);
-    const double den = xl ? Kokkos::fmax(Kokkos::fabs(qn), Kokkos::exp(-m(b, h))) + eps : qn;
-    double score = weights.b_s(h);
+    const Real den = xl ? Kokkos::fmax(Kokkos::fabs(qn), Kokkos::exp(-m(b, h))) + static_cast<Real>(eps) : qn;
+    Real score = weights.b_s(h);
     for (int a = 0; a < hh; ++a) {
-      double num = 0.0;
+      Real num = 0;
       for (int i = 0; i < D; ++i) num += qscale * qf[i] * C(b, h, i, a);
-      const double hv = num / den;
-      score += weights.w_s(h, a) * (hv / (1.0 + Kokkos::exp(-hv)));
+      const Real hv = num / den;
+      score += weights.w_s(h, a) * (hv / (Real(1) + Kokkos::exp(-hv)));
     }
-    return score;
+    return static_cast<double>(score);
   }
 
   KOKKOS_INLINE_FUNCTION double log_decay(int h) const {
@@ -117,37 +125,40 @@ struct MLstm : EvictionDefaults {
   }
 
  private:
-  KOKKOS_INLINE_FUNCTION double cap(double z) const { return soft_cap > 0.0 ? soft_cap * Kokkos::tanh(z / soft_cap) : z; }
+  KOKKOS_INLINE_FUNCTION Real cap(Real z) const {
+    const Real c = static_cast<Real>(soft_cap);
+    return soft_cap > 0.0 ? c * Kokkos::tanh(z / c) : z;
+  }
   template <class K, class V>
-  KOKKOS_INLINE_FUNCTION double x_at(const K* key, const V* value, int j) const {
-    return j < head_dim ? static_cast<double>(to_float(key[j])) : static_cast<double>(to_float(value[j - head_dim]));
+  KOKKOS_INLINE_FUNCTION Real x_at(const K* key, const V* value, int j) const {
+    return j < head_dim ? static_cast<Real>(to_float(key[j])) : static_cast<Real>(to_float(value[j - head_dim]));
   }
   template <class W, class K, class V>
-  KOKKOS_INLINE_FUNCTION double dot_x(const W& w, int h, const K* key, const V* value) const {
-    double s = 0.0;
+  KOKKOS_INLINE_FUNCTION Real dot_x(const W& w, int h, const K* key, const V* value) const {
+    Real s = 0;
     for (int j = 0; j < head_dim + value_dim; ++j) s += x_at(key, value, j) * w(h, j);
     return s;
   }
   /// out[a] = sum_j x_j W[h, j, a], a < D / 2.
   template <class W, class K, class V>
-  KOKKOS_INLINE_FUNCTION void project(const W& w, int h, const K* key, const V* value, double* out) const {
+  KOKKOS_INLINE_FUNCTION void project(const W& w, int h, const K* key, const V* value, Real* out) const {
     const int hh = head_dim / 2;
-    for (int a = 0; a < hh; ++a) out[a] = 0.0;
+    for (int a = 0; a < hh; ++a) out[a] = 0;
     for (int j = 0; j < head_dim + value_dim; ++j) {
-      const double xj = x_at(key, value, j);
+      const Real xj = x_at(key, value, j);
       for (int a = 0; a < hh; ++a) out[a] += xj * w(h, j, a);
     }
   }
   /// out [D] = HH(x W[h]) = [softmax(y) ; softmax(-y)], y = x W[h] [D / 2].
   template <class W, class K, class V>
-  KOKKOS_INLINE_FUNCTION void feature(const W& w, int h, const K* key, const V* value, double* out) const {
+  KOKKOS_INLINE_FUNCTION void feature(const W& w, int h, const K* key, const V* value, Real* out) const {
     const int hh = head_dim / 2;
     project(w, h, key, value, out);
-    double hi = out[0], lo = out[0];
+    Real hi = out[0], lo = out[0];
     for (int a = 1; a < hh; ++a) hi = Kokkos::fmax(hi, out[a]), lo = Kokkos::fmin(lo, out[a]);
-    double sp = 0.0, sn = 0.0;
+    Real sp = 0, sn = 0;
     for (int a = 0; a < hh; ++a) {
-      const double y = out[a];
+      const Real y = out[a];
       out[a] = Kokkos::exp(y - hi);
       out[hh + a] = Kokkos::exp(lo - y);
       sp += out[a];
