@@ -164,7 +164,7 @@ class EvictionMemory {
     return static_cast<long>((c.keys.span() + c.values.span()) * sizeof(Storage) + (c.logits.span() + c.probabilities.span()) * sizeof(float) +
                              c.stats.span() * sizeof(double) +
                              (c.positions.span() + c.live.span() + first_.span() + lengths_.span()) * sizeof(long) +
-                             c.order.span() * sizeof(int));
+                             (c.order.span() + c.shift.span()) * sizeof(int));
   }
 
  private:

@@ -29,7 +29,8 @@ struct ShadowInterval {
   long violations = 0;           ///< (step, row) pairs whose statistic left the bound
   long decisions = 0;            ///< steps that evicted one token
   long differing = 0;            ///< of them, steps where float64 scores would have evicted another token
-  long unexplained = 0;          ///< of those, steps where the two scores differ by more than their bounds
+  long unexplained = 0;          ///< of those, steps where the two scores differ by more than their bounds, an
+                                 ///< ineligible token left, or more than one did
   void merge(const ShadowInterval& o) {
     max_error = std::max(max_error, o.max_error);
     max_bound_used = std::max(max_bound_used, o.max_bound_used);
@@ -69,6 +70,7 @@ class EvictionShadow {
     for (long s = 0; s < slots; ++s)
       if (pos_[s] >= 0 && positions(s) != pos_[s]) evicted = s, ++count;
     if (count == 1) check_decision(q, live, order, evicted);
+    if (count > 1) ++interval_.decisions, ++interval_.unexplained;  // one token enters a step: one leaves
     for (long s = 0; s < slots; ++s)
       if (pos_[s] >= 0 && positions(s) != pos_[s]) pos_[s] = -1;
     // 2. This step's probabilities in float64, over the cached rows in position order, per query head.
@@ -136,6 +138,10 @@ class EvictionShadow {
     ++interval_.decisions;
     auto eligible = [&](long s) { return pos_[s] >= sinks_ && q - pos_[s] >= window_; };
     auto lower = [&](long a, long b) { return stat_[a] != stat_[b] ? stat_[a] < stat_[b] : pos_[a] < pos_[b]; };
+    if (!eligible(evicted)) {  // a sink or a window token: never the policy's choice
+      ++interval_.differing, ++interval_.unexplained;
+      return;
+    }
     long best = evicted;
     for (long i = 0; i < live; ++i) {
       const long s = order(i);

@@ -148,7 +148,7 @@ struct Result {
   [[nodiscard]] bool passed() const {
     return nonfinite_outputs == 0 && bound_violations == 0 && row_mismatches == 0 && nonfinite_state == 0 &&
            rss_drift <= (1L << 20) && other_kokkos_allocations == 0 && !drifted() && shadow.violations == 0 &&
-           shadow.unexplained == 0;
+           shadow.unexplained == 0 && mlstm.invalid == 0;
   }
 };
 
@@ -780,7 +780,8 @@ void write_json(const std::string& path, const std::vector<Result>& results, con
         << ", \"last_drift\": " << r.last_drift;
     if (r.twin == Result::Twin::mlstm)
       out << ", \"f64_twin\": {\"max_score_error\": " << r.mlstm.max_error << ", \"evictions\": " << r.mlstm.decisions
-          << ", \"differing_choices\": " << r.mlstm.differing << ", \"max_gap_in_errors\": " << r.mlstm.max_gap << "}";
+          << ", \"differing_choices\": " << r.mlstm.differing << ", \"max_gap_in_errors\": " << r.mlstm.max_gap
+          << ", \"invalid_evictions\": " << r.mlstm.invalid << "}";
     if (r.twin == Result::Twin::statistics)
       out << ", \"f64_twin\": {\"max_relative_error\": " << r.shadow.max_error << ", \"max_bound_used\": "
           << r.shadow.max_bound_used << ", \"violations\": " << r.shadow.violations
@@ -872,8 +873,8 @@ int main(int argc, char** argv) {
     if (r.twin == Result::Twin::mlstm)
       std::printf("  mLSTM scores against their float64 twin: max |score - score64| / (1 + |score64|) %.3e; %ld of %ld "
                   "evictions chose another token than float64 effective scores would, their gaps at most %.3g x that "
-                  "error\n",
-                  r.mlstm.max_error, r.mlstm.differing, r.mlstm.decisions, r.mlstm.max_gap);
+                  "error; %ld evicted a token the policy cannot evict\n",
+                  r.mlstm.max_error, r.mlstm.differing, r.mlstm.decisions, r.mlstm.max_gap, r.mlstm.invalid);
     if (r.twin == Result::Twin::statistics)
       std::printf("  statistics against their float64 twin: max relative error %.3e, %.2e of the bound, %ld (step, row) "
                   "pairs over it; a float32 running sum would be %.3e off; %ld of %ld evictions chose another token than "

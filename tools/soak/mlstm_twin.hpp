@@ -20,10 +20,11 @@ struct MLstmInterval {
   long decisions = 0;      ///< steps that evicted one token
   long differing = 0;      ///< of them, steps where float64 effective scores would have evicted another token
   double max_gap = 0.0;    ///< the largest float64 effective-score gap of such a step, in units of max_error
+  long invalid = 0;        ///< steps that evicted an ineligible token (a sink, the window) or more than one
   void merge(const MLstmInterval& o) {
     max_error = std::max(max_error, o.max_error);
     max_gap = std::max(max_gap, o.max_gap);
-    decisions += o.decisions, differing += o.differing;
+    decisions += o.decisions, differing += o.differing, invalid += o.invalid;
   }
 };
 
@@ -50,6 +51,7 @@ class MLstmTwin {
     for (long s = 0; s < slots_; ++s)
       if (pos_[s] >= 0 && positions(s) != pos_[s]) evicted = s, ++count;
     if (count == 1) check_decision(q, evicted);
+    if (count > 1) ++interval_.decisions, ++interval_.invalid;  // one token enters a step: one leaves
     for (long s = 0; s < slots_; ++s) {
       if (pos_[s] >= 0 && positions(s) != pos_[s]) pos_[s] = -1, score_[s] = NAN;
       if (positions(s) == q) pos_[s] = q, score_[s] = NAN;
@@ -87,9 +89,14 @@ class MLstmTwin {
   /// of lowest float64 effective score, the older on a tie.
   void check_decision(long q, long evicted) {
     ++interval_.decisions;
+    auto eligible = [&](long s) { return pos_[s] >= sinks_ && q - pos_[s] >= window_ && !std::isnan(score_[s]); };
+    if (!eligible(evicted)) {  // a sink, a window token or one never scored: never the policy's choice
+      ++interval_.invalid;
+      return;
+    }
     long best = evicted;
     for (long s = 0; s < slots_; ++s) {
-      if (pos_[s] < sinks_ || q - pos_[s] < window_ || std::isnan(score_[s])) continue;
+      if (!eligible(s)) continue;
       const double a = effective(s, q), b = effective(best, q);
       if (a < b || (a == b && pos_[s] < pos_[best])) best = s;
     }

@@ -6,6 +6,7 @@
 /// through eviction_tokens(), one step after the other, so they compute the same bits.
 
 #include <Kokkos_Core.hpp>
+#include <concepts>
 #include <type_traits>
 
 #include "../eviction_config.hpp"
@@ -46,6 +47,14 @@ KOKKOS_INLINE_FUNCTION double effective_score(const Scorer& scorer, const Evicti
 // row order on one thread. So every team size -- one thread on a CPU core, a warp's worth on a GPU --
 // gives the bits of the serial definition.
 
+/// A scorer whose absorb and delayed_score also come in a form that takes the team (every thread of it
+/// calls them; the same bits as the one-thread form, ends with a team barrier).
+template <class Scorer, class Team, class T>
+concept TeamScorer = requires(const Scorer& s, const Team& team, long b, int h, long t, const T* x) {
+  { s.absorb(team, b, h, t, x, x) } -> std::same_as<double>;
+  { s.delayed_score(team, b, h, t, x, x) } -> std::same_as<double>;
+};
+
 /// Steps 1-2 of step q on (b, h): token q (key [D], value [Dv]) enters the first free slot at the end of the
 /// position order (one exists: at most B rows are cached before a step, B + 1 slots), the scorer absorbs it,
 /// and a delayed scorer scores u = q - w + 1, the oldest token of the window (the live - w-th entry; spec §2).
@@ -65,20 +74,37 @@ KOKKOS_INLINE_FUNCTION void eviction_append(const Team& team, const EvictionPara
   Kokkos::parallel_for(Kokkos::TeamThreadRange(team, p.head_dim), [&](int i) { c.keys(b, h, slot, i) = key[i]; });
   Kokkos::parallel_for(Kokkos::TeamThreadRange(team, p.value_dim), [&](int i) { c.values(b, h, slot, i) = value[i]; });
   team.team_barrier();
-  Kokkos::single(Kokkos::PerTeam(team), [&] {
-    const long live = c.live(b, h);
-    c.positions(b, h, slot) = q;
-    c.order(b, h, live) = static_cast<int>(slot);
-    c.live(b, h) = live + 1;
-    c.stats(b, h, slot) = scorer.absorb(b, h, q, &c.keys(b, h, slot, 0), &c.values(b, h, slot, 0));
-    if constexpr (Scorer::delayed) {
-      const long u = q - p.window + 1;
-      if (u >= p.sinks && u >= 0) {
+  const long u = q - p.window + 1;  // the token a delayed scorer scores now, if u >= sinks
+  const bool scores = Scorer::delayed && u >= p.sinks && u >= 0;
+  if constexpr (TeamScorer<Scorer, Team, T>) {
+    const long live = c.live(b, h);  // every thread, before the single below changes it (absorb's barriers)
+    // A scorer with team forms (KVPOP's mLSTM) spreads its update and its score over the team's threads.
+    const double stat = scorer.absorb(team, b, h, q, &c.keys(b, h, slot, 0), &c.values(b, h, slot, 0));
+    Kokkos::single(Kokkos::PerTeam(team), [&] {
+      c.positions(b, h, slot) = q;
+      c.order(b, h, live) = static_cast<int>(slot);
+      c.live(b, h) = live + 1;
+      c.stats(b, h, slot) = stat;
+    });
+    team.team_barrier();
+    if (scores) {
+      const int su = c.order(b, h, live + 1 - p.window);
+      const double score = scorer.delayed_score(team, b, h, u, &c.keys(b, h, su, 0), &c.values(b, h, su, 0));
+      Kokkos::single(Kokkos::PerTeam(team), [&] { c.stats(b, h, su) = score; });
+    }
+  } else {
+    Kokkos::single(Kokkos::PerTeam(team), [&] {
+      const long live = c.live(b, h);
+      c.positions(b, h, slot) = q;
+      c.order(b, h, live) = static_cast<int>(slot);
+      c.live(b, h) = live + 1;
+      c.stats(b, h, slot) = scorer.absorb(b, h, q, &c.keys(b, h, slot, 0), &c.values(b, h, slot, 0));
+      if (scores) {
         const int su = c.order(b, h, live + 1 - p.window);
         c.stats(b, h, su) = scorer.delayed_score(b, h, u, &c.keys(b, h, su, 0), &c.values(b, h, su, 0));
       }
-    }
-  });
+    });
+  }
   team.team_barrier();
 }
 
@@ -131,16 +157,29 @@ KOKKOS_INLINE_FUNCTION long eviction_worst(const Team& team, const EvictionParam
   return worst;
 }
 
-/// Frees the slot of order entry `index` of (b, h) and closes the gap in the position order (one thread:
-/// integer moves of at most B entries).
+/// Frees the slot of order entry `index` of (b, h) and closes the gap in the position order: entries
+/// (index, live) move down by one. A team of one thread (a CPU core) moves them in one pass; a larger team
+/// (a GPU's) copies them into `c.shift` and back, each pass spread over its threads, so no thread walks
+/// the budget's entries alone. The same entries either way. Ends with a team barrier.
 template <class Team, class Cache>
 KOKKOS_INLINE_FUNCTION void eviction_remove(const Team& team, const Cache& c, long b, int h, long index) {
-  Kokkos::single(Kokkos::PerTeam(team), [&] {
-    const long live = c.live(b, h);
-    c.positions(b, h, c.order(b, h, index)) = -1;
+  const long live = c.live(b, h);
+  const int slot = c.order(b, h, index);
+  if (team.team_size() == 1) {
     for (long i = index; i + 1 < live; ++i) c.order(b, h, i) = c.order(b, h, i + 1);
+  } else {
+    team.team_barrier();  // every thread has read live and the slot before any entry moves
+    Kokkos::parallel_for(Kokkos::TeamThreadRange(team, index, live - 1),
+                         [&](long i) { c.shift(b, h, i) = c.order(b, h, i + 1); });
+    team.team_barrier();
+    Kokkos::parallel_for(Kokkos::TeamThreadRange(team, index, live - 1),
+                         [&](long i) { c.order(b, h, i) = c.shift(b, h, i); });
+  }
+  Kokkos::single(Kokkos::PerTeam(team), [&] {
+    c.positions(b, h, slot) = -1;
     c.live(b, h) = live - 1;
   });
+  team.team_barrier();
 }
 
 /// sum() run by one thread of the team, its result given to every thread.
@@ -286,7 +325,6 @@ KOKKOS_INLINE_FUNCTION void eviction_step(const Team& team, const EvictionParams
   eviction_append(team, p, c, scorer, b, h, q, key, value);
   for (RetainedRange r(p, c.live(b, h), q); r.end - r.begin > p.top_k; r = RetainedRange(p, c.live(b, h), q)) {
     eviction_remove(team, c, b, h, eviction_worst(team, p, c, scorer, b, h, h + 1, q, r));
-    team.team_barrier();
   }
   eviction_attend(team, p, c, scorer, b, h, query_of, out_of);
 }
@@ -303,7 +341,6 @@ KOKKOS_INLINE_FUNCTION void eviction_step_layer(const Team& team, const Eviction
   for (RetainedRange r(p, c.live(b, 0), q); r.end - r.begin > p.top_k; r = RetainedRange(p, c.live(b, 0), q)) {
     const long worst = eviction_worst(team, p, c, scorer, b, 0, heads, q, r);
     for (int h = 0; h < heads; ++h) eviction_remove(team, c, b, h, worst);
-    team.team_barrier();
   }
   for (int h = 0; h < heads; ++h)
     eviction_attend(team, p, c, scorer, b, h, [&](int g) { return query_of(h, g); }, [&](int g) { return out_of(h, g); });
@@ -314,15 +351,18 @@ KOKKOS_INLINE_FUNCTION void eviction_step_layer(const Team& team, const Eviction
 /// lengths[b] untouched). One team per (sequence, kv-head): the steps of a head are sequential by
 /// definition (spec EVICTION.md §1), the heads and sequences independent, the rows and channels of a step
 /// spread over the team; one team per sequence for a layer-wide scorer (eviction_step_layer).
+/// `team_size`: threads per team, Kokkos::AUTO's choice when 0 (the memory's); every team size gives the
+/// same bits (the tests run several).
 template <class Scorer, class ExecSpace, class Cache, class TokensIn, class TokensOut, class Lengths>
 void eviction_tokens(const ExecSpace& exec, const EvictionParams& p, const Cache& cache, const Scorer& scorer,
                      const TokensIn& q, const TokensIn& k, const TokensIn& v, const TokensOut& y, const Lengths& first,
-                     const Lengths& lengths) {
+                     const Lengths& lengths, int team_size = 0) {
   const long B = static_cast<long>(k.extent(0)), H = static_cast<long>(k.extent(1));
   const bool layer = scorer.layer_wide();
   using policy = Kokkos::TeamPolicy<ExecSpace>;
+  const int leagues = static_cast<int>(layer ? B : B * H);
   Kokkos::parallel_for(
-      "kvmem::evict", policy(exec, static_cast<int>(layer ? B : B * H), Kokkos::AUTO),
+      "kvmem::evict", team_size > 0 ? policy(exec, leagues, team_size) : policy(exec, leagues, Kokkos::AUTO),
       KOKKOS_LAMBDA(const typename policy::member_type& team) {
         const long idx = team.league_rank();
         if (layer) {

@@ -16,6 +16,7 @@ namespace kvmem::state {
 /// - `positions` [B, Hkv, slots]: its position (tokens since the start of the sequence), -1 for a free slot;
 /// - `stats` [B, Hkv, slots]: the scorer's float64 statistic of the token (score, accumulated attention);
 /// - `order` [B, Hkv, slots]: slots of the cached tokens in increasing position, entries [0, live);
+/// - `shift` [B, Hkv, slots]: scratch of a team that closes the gap an eviction leaves in `order`;
 /// - `live` [B, Hkv]: cached tokens (rows), at most the budget after every step;
 /// - `logits` [B, Hkv, slots] and `probabilities` [B, Hkv, slots] float32: per-step scratch of the readout
 ///   (a row's weights, then the probabilities summed over the group's query heads, only for scorers that
@@ -27,7 +28,7 @@ struct EvictionCache {
   Kokkos::View<T****, Kokkos::LayoutRight, MemorySpace> keys, values;
   Kokkos::View<long***, Kokkos::LayoutRight, MemorySpace> positions;
   Kokkos::View<double***, Kokkos::LayoutRight, MemorySpace> stats;
-  Kokkos::View<int***, Kokkos::LayoutRight, MemorySpace> order;
+  Kokkos::View<int***, Kokkos::LayoutRight, MemorySpace> order, shift;
   Kokkos::View<long**, Kokkos::LayoutRight, MemorySpace> live;
   Kokkos::View<float***, Kokkos::LayoutRight, MemorySpace> logits, probabilities;
 
@@ -38,6 +39,7 @@ struct EvictionCache {
     positions = decltype(positions)("kvmem::evict_positions", batch, kv_heads, slots);
     stats = decltype(stats)("kvmem::evict_stats", batch, kv_heads, slots);
     order = decltype(order)("kvmem::evict_order", batch, kv_heads, slots);
+    shift = decltype(shift)("kvmem::evict_shift", batch, kv_heads, slots);
     live = decltype(live)("kvmem::evict_live", batch, kv_heads);
     logits = decltype(logits)("kvmem::evict_logits", batch, kv_heads, slots);
     if (with_probabilities) probabilities = decltype(probabilities)("kvmem::evict_probs", batch, kv_heads, slots);

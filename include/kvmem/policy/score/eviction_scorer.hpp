@@ -15,7 +15,9 @@ namespace kvmem::score {
 /// Default hooks of an eviction scorer. A scorer derives from this struct and replaces what it needs.
 ///
 /// Every token of a (sequence b, kv-head h) holds one double `stat` while it is cached. The memory calls,
-/// on one device thread per (b, h), in this order at every step q (spec EVICTION.md §1):
+/// on one device thread per (b, h), in this order at every step q (spec EVICTION.md §1; a scorer may also
+/// give absorb and delayed_score a form that takes the step's team as its first argument, which every
+/// thread of the team then calls: kernels::TeamScorer, as score::MLstm does):
 /// 1. `stat = absorb(b, h, q, key, value)` when token q enters (key [D], value [Dv], as cached);
 ///    stateful scorers update their state here;
 /// 2. if `delayed`: `stat_u = delayed_score(b, h, u, key_u, value_u)` for the token u = q - w + 1 about to
@@ -23,7 +25,7 @@ namespace kvmem::score {
 /// 3. evicts the eligible row with the lowest effective score (below), ties to the older token;
 /// 4. if `needs_probabilities`: after the attention of step q,
 ///    `stat = attended(stat, p, G)` for every attended token, p = sum over the G query heads of the
-///    group of its softmax probability (float64).
+///    group of its softmax probability (the step's float32 weights summed in float32, passed as double).
 /// Effective score of token t at step q (spec §4): base = `base_score(stat, t, q, G)`, then
 ///   n = 1: base - t * log_decay(h)  (q * log_decay(h) is the same for every token and is left out);
 ///   n > 1: base + floor((q - t) / n) * log_decay(h).

@@ -4,21 +4,21 @@
 
 #include <Kokkos_Core.hpp>
 
+#include "../../kernels/vector_ops.hpp"
 #include "eviction_scorer.hpp"
 
 namespace kvmem::score {
 
-/// score_t = -||k_t||_2 of the key as cached [D], float64 sum, fixed at insertion: low-norm keys draw
-/// more attention and are kept (spec EVICTION.md §6, kvpress `knorm_press.py`).
+/// score_t = -||k_t||_2 of the key as cached [D], float32 (kernels::norm2: one multiply-add chain in
+/// channel order), fixed at insertion: low-norm keys draw more attention and
+/// are kept (spec EVICTION.md §6, kvpress `knorm_press.py`).
 struct KeyNorm : EvictionDefaults {
   static constexpr std::string_view name = "knorm";
   int head_dim = 0;
   void bind(long, const EvictionConfig& cfg) { head_dim = cfg.head_dim; }
   template <class K, class V>
   KOKKOS_INLINE_FUNCTION double absorb(long, int, long, const K* key, const V*) const {
-    double s = 0.0;
-    for (int c = 0; c < head_dim; ++c) s += static_cast<double>(to_float(key[c])) * to_float(key[c]);
-    return -Kokkos::sqrt(s);
+    return -static_cast<double>(kernels::norm2(key, head_dim));
   }
 };
 static_assert(EvictionScorer<KeyNorm>);
