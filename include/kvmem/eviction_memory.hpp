@@ -13,10 +13,12 @@
 
 #include "errors.hpp"
 #include "eviction_config.hpp"
+#include "kernels/decode_plan.hpp"
 #include "kernels/eviction_step.hpp"
 #include "kernels/zero_tail.hpp"
 #include "policy/score/eviction_scorer.hpp"
 #include "state/eviction_cache.hpp"
+#include "state/sequence_counts.hpp"
 #include "token_checks.hpp"
 
 namespace kvmem {
@@ -71,12 +73,13 @@ class EvictionMemory {
     cfg_.validate();
     require(batch >= 1, "batch", batch, "must be >= 1");
     scorer_.bind(batch, cfg_);
-    tokens_.assign(batch, 0);
+    tokens_.allocate("kvmem::evict_first", batch, 0L);
+    lengths_.allocate("kvmem::evict_lengths", batch, 0L);
+    active_.allocate("kvmem::evict_active", batch, 1L);
     cache_.allocate(batch, cfg_.kv_heads, cfg_.budget() + 1, cfg_.head_dim, cfg_.value_dim, Scorer::needs_probabilities);
-    first_ = Kokkos::View<long*, memory_space>("kvmem::evict_first", batch);
-    lengths_ = Kokkos::View<long*, memory_space>("kvmem::evict_lengths", batch);
-    first_host_ = Kokkos::create_mirror_view(first_);
-    lengths_host_ = Kokkos::create_mirror_view(lengths_);
+    tokens_.upload(exec_);
+    lengths_.upload(exec_);
+    active_.upload(exec_);
   }
 
   /// Runs T tokens of every sequence through the policy, continuing from the current cache (spec
@@ -94,38 +97,69 @@ class EvictionMemory {
     for (long b = 0; b < batch(); ++b) {
       const long n = lengths.empty() ? T : lengths[b];
       require(n >= 0 && n <= T, "lengths[" + std::to_string(b) + "]", n, "must be in [0, T = " + std::to_string(T) + "]");
-      lengths_host_(b) = n;
       ragged = ragged || n < T;
     }
-    if (ragged) {
-      Kokkos::deep_copy(exec_, lengths_, lengths_host_);
-      kernels::zero_tail(exec_, y, lengths_);
-    }
-    run(q, k, v, y);
+    sync();
+    for (long b = 0; b < batch(); ++b) lengths_.set(b, lengths.empty() ? T : lengths[b]);
+    lengths_.upload(exec_);
+    if (ragged) kernels::zero_tail(exec_, y, lengths_.device());
+    run(q, k, v, y, lengths_, /*wait=*/true);
   }
 
   /// Runs one token of every sequence b with active[b] != 0 (all when `active` is empty): q [B, Hq, 1, D],
   /// k [B, Hkv, 1, D], v [B, Hkv, 1, Dv], y [B, Hq, 1, Dv]. Inactive sequences keep their cache and their
-  /// rows of y are left untouched. Throws kvmem::invalid_argument, before anything changes, for mismatched
-  /// shapes or a token count other than 1.
+  /// rows of y are left untouched. Returns when y is written (one fence). The kernel reads each sequence's
+  /// position from counts on the device, which the step advances there: no copy, except `active` when it
+  /// changes (set_active()). Throws kvmem::invalid_argument, before anything changes, for mismatched shapes,
+  /// a token count other than 1 or an `active` of another size than the batch.
   void decode(const tokens_in& q, const tokens_in& k, const tokens_in& v, const tokens_out& y,
               std::span<const unsigned char> active = {}) {
-    if (q.extent(2) != 1) throw invalid_argument(detail::describe("q.extent(2)", q.extent(2), "decode takes one token per sequence"));
-    check_inputs(q, k, v, y, 1, "decode");
-    if (!active.empty() && static_cast<long>(active.size()) != batch())
-      throw invalid_argument(detail::describe("active.size()", active.size(), "must equal the batch size " + std::to_string(batch())));
-    for (long b = 0; b < batch(); ++b) lengths_host_(b) = active.empty() || active[b] ? 1 : 0;
-    run(q, k, v, y);
+    check_decode(q, k, v, y);
+    sync();
+    set_active(active);
+    run(q, k, v, y, active_, /*wait=*/true);
+  }
+
+  /// decode() as launches only, for capture in a CUDA graph and replay: no host allocation, copy, fence or
+  /// read of device data; y is written when the execution space is fenced. The sequences set_active() chose
+  /// each take one token, at the position the device counts (the host's counts stay behind until sync() on
+  /// a GPU). What must stay fixed between replays: the batch, the active set and the views' addresses. On a
+  /// host memory space this is decode() without the fence. Throws kvmem::invalid_argument, before anything
+  /// is launched, for mismatched shapes or a token count other than 1.
+  void decode_async(const tokens_in& q, const tokens_in& k, const tokens_in& v, const tokens_out& y) {
+    check_decode(q, k, v, y);
+    if constexpr (state::host_is_device<memory_space>) {
+      run(q, k, v, y, active_, /*wait=*/false);
+    } else {
+      kernels::eviction_tokens(exec_, kernels::EvictionParams::of(cfg_), cache_, scorer_, q, k, v, y, tokens_.device(),
+                               active_.device());
+      kernels::advance_counts(exec_, tokens_.device(), active_.device());
+      tokens_.device_advanced();
+    }
+  }
+
+  /// Chooses the sequences the next decode steps advance: active[b] != 0 (all when `active` is empty). One
+  /// copy to the device when the set changes, none otherwise. Throws kvmem::invalid_argument for a size
+  /// other than the batch.
+  void set_active(std::span<const unsigned char> active) { state::set_active(active_, active, exec_); }
+
+  /// Brings the host's token counts (tokens()) up to the device's after decode_async steps on a GPU: one
+  /// fence and one copy; nothing on a host memory space or when the host is not behind.
+  void sync() {
+    static const std::string label = "kvmem::EvictionMemory::sync";
+    tokens_.sync(exec_, label);
   }
 
   /// Empties the cache of every sequence and resets the scorer's state; keeps the allocations.
   void reset() {
+    sync();
     Kokkos::deep_copy(exec_, cache_.positions, -1L);
     Kokkos::deep_copy(exec_, cache_.live, 0L);
     exec_.fence();
     scorer_.reset();
     Kokkos::fence();
-    tokens_.assign(tokens_.size(), 0);
+    for (long b = 0; b < batch(); ++b) tokens_.set(b, 0L);
+    tokens_.upload(exec_);
   }
 
   /// Writes the cached tokens after the last step: positions [B, Hkv, K] (increasing, -1 past the row
@@ -146,9 +180,14 @@ class EvictionMemory {
 
   [[nodiscard]] const EvictionConfig& config() const { return cfg_; }
   [[nodiscard]] const Scorer& scorer() const { return scorer_; }
-  [[nodiscard]] long batch() const { return static_cast<long>(tokens_.size()); }
-  /// Tokens sequence b has seen since construction or reset().
-  [[nodiscard]] long tokens(long b) const { return tokens_.at(b); }
+  [[nodiscard]] long batch() const { return tokens_.size(); }
+  /// Tokens sequence b has seen since construction or reset(). Throws kvmem::invalid_argument for b outside
+  /// [0, B) or when decode_async steps ran on a GPU since the last sync().
+  [[nodiscard]] long tokens(long b) const {
+    require(b >= 0 && b < batch(), "b", b, "must be in [0, batch = " + std::to_string(batch()) + ")");
+    require(!tokens_.ahead(), "tokens(b)", b, "the device is ahead after decode_async: call sync() first");
+    return tokens_.host(b);
+  }
   /// The device cache (slots, positions, statistics, order), for inspection.
   [[nodiscard]] const state::EvictionCache<memory_space, Storage>& cache() const { return cache_; }
   /// Bytes of keys and values the batch holds at most: B * Hkv * (budget + 1) * (D + Dv) * sizeof(Storage),
@@ -163,19 +202,27 @@ class EvictionMemory {
     const auto& c = cache_;
     return static_cast<long>((c.keys.span() + c.values.span()) * sizeof(Storage) + (c.logits.span() + c.probabilities.span()) * sizeof(float) +
                              c.stats.span() * sizeof(double) +
-                             (c.positions.span() + c.live.span() + first_.span() + lengths_.span()) * sizeof(long) +
+                             (c.positions.span() + c.live.span() + 3 * tokens_.device().span()) * sizeof(long) +
                              (c.order.span() + c.shift.span()) * sizeof(int));
   }
 
  private:
-  void run(const tokens_in& q, const tokens_in& k, const tokens_in& v, const tokens_out& y) {
-    for (long b = 0; b < batch(); ++b) first_host_(b) = tokens_[b];
-    Kokkos::deep_copy(exec_, first_, first_host_);
-    Kokkos::deep_copy(exec_, lengths_, lengths_host_);
-    kernels::eviction_tokens(exec_, kernels::EvictionParams::of(cfg_), cache_, scorer_, q, k, v, y, first_, lengths_);
-    static const std::string fence_label = "kvmem::EvictionMemory::step";  // not a heap string per call
-    exec_.fence(fence_label);
-    for (long b = 0; b < batch(); ++b) tokens_[b] += lengths_host_(b);
+  /// Runs `lengths`(b) tokens of every sequence from the positions tokens_ holds, and advances those on both
+  /// sides (on a host memory space one view): no copy. Fences when `wait`.
+  void run(const tokens_in& q, const tokens_in& k, const tokens_in& v, const tokens_out& y,
+           const state::SequenceCounts<long, memory_space>& lengths, bool wait) {
+    kernels::eviction_tokens(exec_, kernels::EvictionParams::of(cfg_), cache_, scorer_, q, k, v, y, tokens_.device(),
+                             lengths.device());
+    if constexpr (!state::host_is_device<memory_space>) kernels::advance_counts(exec_, tokens_.device(), lengths.device());
+    for (long b = 0; b < batch(); ++b) tokens_.host(b) += lengths.host(b);
+    if (wait) {
+      static const std::string fence_label = "kvmem::EvictionMemory::step";  // not a heap string per call
+      exec_.fence(fence_label);
+    }
+  }
+  void check_decode(const tokens_in& q, const tokens_in& k, const tokens_in& v, const tokens_out& y) const {
+    if (q.extent(2) != 1) throw invalid_argument(detail::describe("q.extent(2)", q.extent(2), "decode takes one token per sequence"));
+    check_inputs(q, k, v, y, 1, "decode");
   }
 
   void check_inputs(const tokens_in& q, const tokens_in& k, const tokens_in& v, const tokens_out& y, long T,
@@ -188,10 +235,10 @@ class EvictionMemory {
   EvictionConfig cfg_;
   Scorer scorer_;
   ExecSpace exec_;
-  std::vector<long> tokens_;
+  state::SequenceCounts<long, memory_space> tokens_;   ///< tokens seen per sequence: the next step's first position
+  state::SequenceCounts<long, memory_space> lengths_;  ///< a prefill's tokens per sequence
+  state::SequenceCounts<long, memory_space> active_;   ///< a decode step's tokens per sequence: 1 or 0
   state::EvictionCache<memory_space, Storage> cache_;
-  Kokkos::View<long*, memory_space> first_, lengths_;
-  decltype(Kokkos::create_mirror_view(std::declval<Kokkos::View<long*, memory_space>>())) first_host_, lengths_host_;
 };
 
 }  // namespace kvmem

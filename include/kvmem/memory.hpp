@@ -4,13 +4,16 @@
 
 #include <Kokkos_Core.hpp>
 #include <algorithm>
+#include <limits>
 #include <span>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
 #include "config.hpp"
 #include "dtype.hpp"
 #include "errors.hpp"
+#include "kernels/decode_plan.hpp"
 #include "kernels/readout.hpp"
 #include "kernels/row_eviction.hpp"
 #include "kernels/step_plan.hpp"
@@ -22,6 +25,7 @@
 #include "policy/score/append_scorer.hpp"
 #include "policy/score/row_eviction.hpp"
 #include "state/schedule.hpp"
+#include "state/sequence_counts.hpp"
 #include "state/state_rows.hpp"
 #include "token_checks.hpp"
 
@@ -82,7 +86,11 @@ class Memory {
     budget_.validate();
     weights_.validate(cfg_, Merge::uses_layer_norm);
     require(batch >= 1, "batch", batch, "must be >= 1");
-    cursors_.assign(batch, state::SequenceCursor{});
+    cursors_.allocate("kvmem::cursors", batch, state::SequenceCursor{});
+    active_.allocate("kvmem::active", batch, 1L);
+    active_.upload(exec_);
+    plan_error_ = decltype(plan_error_)("kvmem::plan_error");
+    folds_.cover(exec_, cfg_, budget_, Merge::first_chunk_verbatim, 1);  // later growths double it
     rows_.allocate(batch, cfg_.kv_heads, cfg_.chunk, cfg_.head_dim, cfg_.value_dim);
     ring_.allocate(batch, cfg_.kv_heads, cfg_.window() + cfg_.chunk, cfg_.head_dim, cfg_.value_dim);
     scratch_.allocate(batch, cfg_.kv_heads, cfg_.chunk, cfg_.head_dim);
@@ -122,8 +130,9 @@ class Memory {
         len[b] = lengths[b];
       }
     }
+    sync();
     for (long b = 0; b < batch(); ++b)
-      require(cursors_[b].tokens == 0, "prefill: sequence " + std::to_string(b) + " tokens", cursors_[b].tokens,
+      require(cursors_.host(b).tokens == 0, "prefill: sequence " + std::to_string(b) + " tokens", cursors_.host(b).tokens,
               "prefill needs an empty memory; call reset() first");
     const long longest = *std::max_element(len.begin(), len.end());
     cfg_.check_sinks(longest);
@@ -135,7 +144,7 @@ class Memory {
     plan_.clear();
     long front_block = 0;
     for (long b = 0; b < batch(); ++b) {
-      auto& cur = cursors_[b];
+      auto& cur = cursors_.host(b);
       const long front = std::min(len[b], L);
       set_io(b, 0, 0, front, 0, 0);
       cur.tokens = front;
@@ -156,7 +165,7 @@ class Memory {
       long block = 0;
       for (long b = 0; b < batch(); ++b) {
         if (s >= len[b]) continue;
-        auto& cur = cursors_[b];
+        auto& cur = cursors_.host(b);
         const long e = std::min(len[b], s + C);
         set_io(b, 0, s, e, state::window_begin(e, C, L), cur.rows);
         cur.tokens = e;
@@ -167,49 +176,117 @@ class Memory {
       }
       run_step(q, k, v, gate, y, C, block, /*update_first=*/false);
     }
+    cursors_.mark_changed();
+    cursors_.upload(exec_);  // the device plans decode steps from these
+    fence_step();
   }
 
   /// Appends one token to every sequence b with active[b] != 0 (all when `active` is empty) and writes
   /// its attention output (spec KVM.md §6: push, direct append, at most one update, drop, readout).
   /// q [B, Hq, 1, D], k [B, Hkv, 1, D], v [B, Hkv, 1, Dv], gate [B, Hkv, 1], y [B, Hq, 1, Dv]; rows of
-  /// inactive sequences in y are left untouched. Throws kvmem::invalid_argument for mismatched shapes,
-  /// a token count other than 1, or sinks >= chunk at the first merge.
+  /// inactive sequences in y are left untouched. Returns when y is written (one fence). The step's plan is
+  /// worked out on the host for its launch bounds and, on a GPU, by the device from its own counts
+  /// (kernels::plan_decode): no plan is copied; `active` is copied only when it changes (set_active()).
+  /// Throws kvmem::invalid_argument for mismatched shapes, a token count other than 1, or sinks >= chunk at
+  /// the first merge, before anything changes.
   void decode(const tokens_in& q, const tokens_in& k, const tokens_in& v, const gates_in& gate, const tokens_out& y,
               std::span<const unsigned char> active = {}) {
-    // Checks here run every token: each builds its message only when it fails, so decode allocates no
-    // host memory of its own (docs/reliability.md, soak runs).
-    if (q.extent(2) != 1) throw invalid_argument(detail::describe("q.extent(2)", q.extent(2), "decode takes one token per sequence"));
-    check_inputs(q, k, v, gate, y, 1, "decode");
-    if (!active.empty() && static_cast<long>(active.size()) != batch())
-      throw invalid_argument(detail::describe("active.size()", active.size(), "must equal the batch size " + std::to_string(batch())));
-    const long C = cfg_.chunk, L = cfg_.window();
-    plan_.clear();
-    long block = 0, queries = 0;
-    for (long b = 0; b < batch(); ++b) {
-      if (!active.empty() && !active[b]) continue;
-      auto& cur = cursors_[b];
-      const long pos = cur.tokens, n = pos + 1, nb = state::window_begin(n, C, L);
-      cfg_.check_sinks(n);
-      long read = cur.rows;  // an eager policy reads before its fold, a lazy one after
-      if (Merge::first_chunk_verbatim && cur.covered < std::min(n, C)) {
-        set_block(b, cur.covered, n - cur.covered, cur.rows, n - cur.covered);  // the token becomes a row
-        block = std::max(block, n - cur.covered);
-        cur.rows = cur.covered = cur.granted = n;
-      } else if (Merge::commit_eagerly ? fold_due(cur, n, n) : fold_due(cur, n, pos)) {
-        plan_block(b, cur);
-        block = C;
-      }
-      if (!Merge::commit_eagerly) read = cur.rows;
-      cur.tokens = n;
-      set_io(b, pos, pos, n, nb, nb > 0 ? read : 0);
-      queries = 1;
+    check_decode(q, k, v, gate, y);
+    sync();
+    set_active(active);
+    for (long b = 0; b < batch(); ++b)
+      if (active_.host(b) != 0) cfg_.check_sinks(cursors_.host(b).tokens + 1);
+    const Bounds bounds = plan_on_host();
+    rows_.grow(bounds.most_rows);
+    if constexpr (!state::host_is_device<memory_space>)
+      kernels::plan_decode(exec_, shape(), cursors_.device(), folds_.device, folds_.folds, rows_.capacity(),
+                           std::numeric_limits<long>::max(), active_.device(), plan_.device, plan_error_);
+    run_step(q, k, v, gate, y, bounds, /*update_first=*/!Merge::commit_eagerly);
+    fence_step();
+  }
+
+  /// decode() as launches only, for capture in a CUDA graph and replay (FlashInfer's plan/run split: reserve()
+  /// and set_active() plan, this runs): no host allocation, no copy, no fence and no read of device data;
+  /// y is written when the execution space is fenced. The sequences set_active() chose each take one token.
+  /// On a GPU the device plans each step from its own counts (kernels::plan_decode) with fixed launch
+  /// bounds (a fold's kernel on every step, row statistics over every allocated row), so every replay
+  /// launches the same kernels; the host's counts stay behind until sync(). What must stay fixed between
+  /// replays: the batch, the active set, the views' addresses (q, k, v, gate, y and the memory's own, which
+  /// reserve() fixes) and the horizon. A step that would reach the horizon is refused on the device (that
+  /// sequence keeps its state and its y) and reported by the next sync(). On a host memory space this is
+  /// decode() with the active set of set_active() and without the fence (CUDA graphs do not apply there).
+  /// Throws kvmem::invalid_argument, before anything is launched, for mismatched shapes, a token count other
+  /// than 1, or (on a GPU) no reserve() since the last prefill() or reset().
+  void decode_async(const tokens_in& q, const tokens_in& k, const tokens_in& v, const gates_in& gate,
+                    const tokens_out& y) {
+    check_decode(q, k, v, gate, y);
+    if constexpr (state::host_is_device<memory_space>) {
+      for (long b = 0; b < batch(); ++b)
+        if (active_.host(b) != 0) cfg_.check_sinks(cursors_.host(b).tokens + 1);
+      const Bounds bounds = plan_on_host();
+      rows_.grow(bounds.most_rows);
+      run_step(q, k, v, gate, y, bounds, /*update_first=*/!Merge::commit_eagerly);
+    } else {
+      if (horizon_ <= 0)
+        throw invalid_argument(detail::describe("horizon", horizon_, "decode_async needs reserve(tokens) first"));
+      kernels::plan_decode(exec_, shape(), cursors_.device(), folds_.device, folds_.folds, rows_.capacity(), horizon_,
+                           active_.device(), plan_.device, plan_error_);
+      Bounds fixed;  // every replay launches the same kernels over the same ranges
+      fixed.tokens = 1;
+      fixed.block = cfg_.chunk;
+      fixed.most_read = rows_.capacity();
+      run_step(q, k, v, gate, y, fixed, /*update_first=*/!Merge::commit_eagerly);
+      cursors_.device_advanced();
     }
-    run_step(q, k, v, gate, y, queries, block, /*update_first=*/!Merge::commit_eagerly);
+  }
+
+  /// Chooses the sequences the next steps advance: active[b] != 0 (all when `active` is empty). One copy to
+  /// the device when the set changes, none otherwise. Throws kvmem::invalid_argument for a size other than
+  /// the batch.
+  void set_active(std::span<const unsigned char> active) { state::set_active(active_, active, exec_); }
+
+  /// Prepares launch-only decoding (decode_async) of every sequence up to `tokens` tokens: the fold table
+  /// and the state capacity those positions need (one allocation and copy each when they grow, and the
+  /// state's regrowth), so that no replay allocates. Throws kvmem::invalid_argument for `tokens` < 1 or
+  /// sinks >= chunk when `tokens` passes window + chunk (merges then need a non-sink row).
+  void reserve(long tokens) {
+    require(tokens >= 1, "tokens", tokens, "must be >= 1");
+    cfg_.check_sinks(tokens);
+    sync();
+    const long C = cfg_.chunk;
+    const long needed = state::window_begin(tokens + 1, C, cfg_.window()) / C + 1;  // blocks folded by then
+    folds_.cover(exec_, cfg_, budget_, Merge::first_chunk_verbatim, needed);
+    long rows = folds_.granted_after(needed - 1);
+    if constexpr (RowPolicy::evicts) rows = std::min(rows, row_policy_.max_rows + C);
+    rows_.grow(std::max({rows, C, 1L}));
+    horizon_ = tokens;
+  }
+
+  /// Brings the host's counts (cursor(), window_tokens(), held_bytes()) up to the device's after
+  /// decode_async steps on a GPU: one fence and two copies; nothing on a host memory space or when the host
+  /// is not behind. Throws kvmem::invalid_argument when a step was refused for passing reserve()'s horizon
+  /// or its fold table (naming the position), after taking the counts back.
+  void sync() {
+    if (!cursors_.ahead()) return;
+    static const std::string label = "kvmem::Memory::sync";
+    cursors_.sync(exec_, label);
+    const auto error = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace{}, plan_error_);
+    if (error(0) == kernels::decode_ok) return;
+    Kokkos::deep_copy(plan_error_, 0L);
+    throw invalid_argument(detail::describe(
+        "decode_async position", error(1) - 1,
+        "a replayed step passed reserve(tokens = " + std::to_string(horizon_) +
+            ") and was refused (that sequence kept its state and y); reserve further before replaying"));
   }
 
   /// Forgets every sequence (state rows and window); keeps the allocations.
   void reset() {
-    cursors_.assign(cursors_.size(), state::SequenceCursor{});
+    if (cursors_.ahead()) cursors_.sync(exec_, "kvmem::Memory::sync");
+    Kokkos::deep_copy(exec_, plan_error_, 0L);
+    for (long b = 0; b < batch(); ++b) cursors_.host(b) = state::SequenceCursor{};
+    cursors_.mark_changed();
+    cursors_.upload(exec_);
+    horizon_ = 0;
     Kokkos::deep_copy(exec_, rows_.keys, 0.0f);
     Kokkos::deep_copy(exec_, rows_.values, 0.0f);
     Kokkos::deep_copy(exec_, rows_.read_keys, Storage{});
@@ -222,14 +299,22 @@ class Memory {
 
   [[nodiscard]] const MemoryConfig& config() const { return cfg_; }
   [[nodiscard]] const Budget& budget() const { return budget_; }
-  [[nodiscard]] long batch() const { return static_cast<long>(cursors_.size()); }
+  [[nodiscard]] long batch() const { return cursors_.size(); }
   /// Token counts of sequence b: tokens seen, tokens covered by the state, state rows (same per kv-head).
-  [[nodiscard]] const state::SequenceCursor& cursor(long b) const { return cursors_.at(b); }
+  /// Throws kvmem::invalid_argument for b outside [0, B) or when decode_async steps ran on a GPU since the
+  /// last sync() (the host's counts are then behind the device's).
+  [[nodiscard]] const state::SequenceCursor& cursor(long b) const {
+    require(b >= 0 && b < batch(), "b", b, "must be in [0, batch = " + std::to_string(batch()) + ")");
+    require(!cursors_.ahead(), "cursor(b)", b, "the device is ahead after decode_async: call sync() first");
+    return cursors_.host(b);
+  }
+  /// The fold table of decode steps (rows granted and appended per block), for inspection.
+  [[nodiscard]] const kernels::FoldTable<memory_space>& fold_table() const { return folds_; }
   /// State rows [B, Hkv, capacity, ...]; rows [0, cursor(b).rows) of sequence b are live.
   [[nodiscard]] const state::StateRows<memory_space, Storage>& rows() const { return rows_; }
   /// Tokens of sequence b held in the block sliding window: n - window_begin(n).
   [[nodiscard]] long window_tokens(long b) const {
-    const long n = cursors_.at(b).tokens;
+    const long n = cursor(b).tokens;
     return n - state::window_begin(n, cfg_.chunk, cfg_.window());
   }
   /// Bytes the batch holds as its memory: per kv-head, state rows x (D + Dv + 1) float32 (key and value
@@ -238,7 +323,7 @@ class Memory {
   /// (allocated_bytes() counts them).
   [[nodiscard]] long held_bytes() const {
     long rows = 0, tokens = 0;
-    for (long b = 0; b < batch(); ++b) rows += cursors_[b].rows, tokens += window_tokens(b);
+    for (long b = 0; b < batch(); ++b) rows += cursor(b).rows, tokens += window_tokens(b);
     const long channels = cfg_.head_dim + cfg_.value_dim;
     return cfg_.kv_heads * (rows * (channels + 1) * static_cast<long>(sizeof(float)) +
                             tokens * (channels * static_cast<long>(sizeof(Storage)) + static_cast<long>(sizeof(float))));
@@ -292,28 +377,80 @@ class Memory {
     h(b, kernels::rows_before) = rows_before;
     h(b, kernels::append_count) = append;
   }
-  void run_step(const tokens_in& q, const tokens_in& k, const tokens_in& v, const gates_in& gate, const tokens_out& y,
-                long tokens, long block, bool update_first) {
-    long most_rows = 1, most_read = 0;
-    for (const auto& cur : cursors_) most_rows = std::max(most_rows, cur.rows);
+  /// Launch bounds of a step: tokens written and read per sequence, the largest block folded, the most
+  /// state rows any sequence holds during the step and the most it reads.
+  struct Bounds {
+    long tokens = 0, block = 0, most_rows = 1, most_read = 0;
+  };
+  /// The bounds of the step planned in plan_.host, given `tokens` and `block`.
+  [[nodiscard]] Bounds host_bounds(long tokens, long block) const {
+    Bounds bd{tokens, block, 1, 0};
     for (long b = 0; b < batch(); ++b) {  // before row eviction a fold may hold more rows than the cursor
-      most_rows = std::max(most_rows, plan_.host(b, kernels::rows_before) + plan_.host(b, kernels::append_count));
-      most_read = std::max(most_read, plan_.host(b, kernels::read_rows));
+      bd.most_rows = std::max({bd.most_rows, cursors_.host(b).rows,
+                               plan_.host(b, kernels::rows_before) + plan_.host(b, kernels::append_count)});
+      bd.most_read = std::max(bd.most_read, plan_.host(b, kernels::read_rows));
     }
-    rows_.grow(most_rows);
-    plan_.upload(exec_);
+    return bd;
+  }
+  [[nodiscard]] kernels::DecodeShape shape() const {
+    long cap = -1;
+    if constexpr (RowPolicy::evicts) cap = row_policy_.max_rows;
+    return kernels::DecodeShape::of<Merge>(cfg_, cap);
+  }
+  /// Plans a decode step of the active sequences on the host (kernels::plan_decode_token into plan_.host,
+  /// cursors advanced): on a host memory space the plan the kernels read, elsewhere the launch bounds of the
+  /// plan the device works out alike. Extends the fold table first when a fold needs it.
+  Bounds plan_on_host() {
+    long needed = 0, block = 0, queries = 0;
+    for (long b = 0; b < batch(); ++b)
+      if (active_.host(b) != 0) needed = std::max(needed, cursors_.host(b).covered / cfg_.chunk + 1);
+    folds_.cover(exec_, cfg_, budget_, Merge::first_chunk_verbatim, needed);
+    plan_.clear();
+    const auto s = shape();
+    for (long b = 0; b < batch(); ++b) {
+      if (active_.host(b) == 0) continue;
+      const long folded = kernels::plan_decode_token(s, cursors_.host(b), folds_.host, folds_.folds,
+                                                     [&](int f, long value) { plan_.host(b, f) = value; });
+      if (folded < 0) throw std::logic_error("kvmem::Memory: a cursor the fold table does not describe");
+      block = std::max(block, folded);
+      queries = 1;
+    }
+    return host_bounds(queries, block);
+  }
+  /// Launches a step planned in plan_.device: window write, then (lazy policies) the fold, the readout, row
+  /// statistics, then (eager policies) the fold. No fence, no copy.
+  void run_step(const tokens_in& q, const tokens_in& k, const tokens_in& v, const gates_in& gate, const tokens_out& y,
+                const Bounds& bd, bool update_first) {
     const auto w = LayerWeightsRef::of(weights_);
     auto update = [&] {
-      kernels::update_state<Merge, Scorer, RowPolicy::evicts>(exec_, cfg_, w, rows_, ring_, scratch_, plan_, block);
+      kernels::update_state<Merge, Scorer, RowPolicy::evicts>(exec_, cfg_, w, rows_, ring_, scratch_, plan_, bd.block);
     };
-    kernels::write_window<Merge>(exec_, cfg_, ring_, plan_, k, v, gate, tokens);
+    kernels::write_window<Merge>(exec_, cfg_, ring_, plan_, k, v, gate, bd.tokens);
     if (update_first) update();
-    kernels::readout<Merge>(exec_, cfg_, w, rows_, ring_, plan_, q, y, tokens, lse_);
+    kernels::readout<Merge>(exec_, cfg_, w, rows_, ring_, plan_, q, y, bd.tokens, lse_);
     if constexpr (RowPolicy::needs_probabilities)
-      kernels::accumulate_row_attention<Merge>(exec_, cfg_, w, rows_, plan_, q, lse_, row_policy_, most_read);
+      kernels::accumulate_row_attention<Merge>(exec_, cfg_, w, rows_, plan_, q, lse_, row_policy_, bd.most_read);
     if (!update_first) update();
+  }
+  /// A prefill step planned in plan_.host: the state grown to the plan's rows, the plan sent, the kernels
+  /// launched.
+  void run_step(const tokens_in& q, const tokens_in& k, const tokens_in& v, const gates_in& gate, const tokens_out& y,
+                long tokens, long block, bool update_first) {
+    const Bounds bd = host_bounds(tokens, block);
+    rows_.grow(bd.most_rows);
+    plan_.upload(exec_);
+    run_step(q, k, v, gate, y, bd, update_first);
+  }
+  void fence_step() const {
     static const std::string fence_label = "kvmem::Memory::step";  // not Kokkos' default name, a heap string per call
     exec_.fence(fence_label);
+  }
+  void check_decode(const tokens_in& q, const tokens_in& k, const tokens_in& v, const gates_in& gate,
+                    const tokens_out& y) const {
+    // Checks here run every token: each builds its message only when it fails, so decode allocates no
+    // host memory of its own (docs/reliability.md, soak runs).
+    if (q.extent(2) != 1) throw invalid_argument(detail::describe("q.extent(2)", q.extent(2), "decode takes one token per sequence"));
+    check_inputs(q, k, v, gate, y, 1, "decode");
   }
   void check_inputs(const tokens_in& q, const tokens_in& k, const tokens_in& v, const gates_in& gate,
                     const tokens_out& y, long T, const char* where) const {
@@ -328,7 +465,11 @@ class Memory {
   Budget budget_;
   LayerWeights<memory_space> weights_;
   ExecSpace exec_;
-  std::vector<state::SequenceCursor> cursors_;
+  state::SequenceCounts<state::SequenceCursor, memory_space> cursors_;  ///< per sequence; the device plans decode from them
+  state::SequenceCounts<long, memory_space> active_;                    ///< 1 for a sequence a decode step advances
+  kernels::FoldTable<memory_space> folds_;
+  Kokkos::View<long[2], memory_space> plan_error_;  ///< kernels::plan_decode's refusal and position + 1
+  long horizon_ = 0;                                ///< tokens reserve() prepared decode_async for (0: none)
   state::StateRows<memory_space, Storage> rows_;
   state::WindowRing<memory_space, Storage> ring_;
   kernels::UpdateScratch<memory_space> scratch_;

@@ -13,8 +13,10 @@
 
 #include "dtype.hpp"
 #include "errors.hpp"
+#include "kernels/decode_plan.hpp"
 #include "kernels/trellis.hpp"
 #include "policy/merge/gradient_descent.hpp"
+#include "state/sequence_counts.hpp"
 #include "token_checks.hpp"
 #include "trellis_config.hpp"
 
@@ -84,12 +86,16 @@ class TrellisMemory {
     cfg_.validate();
     weights_.validate(cfg_);
     require(batch >= 1, "batch", batch, "must be >= 1");
-    tokens_.assign(batch, 0);
+    tokens_.allocate("kvmem::trellis_tokens", batch, 0L);
+    lengths_.allocate("kvmem::trellis_lengths", batch, 0L);
+    active_.allocate("kvmem::trellis_active", batch, 1L);
+    tokens_.upload(exec_);
+    lengths_.upload(exec_);
+    active_.upload(exec_);
     state_.m1 = state_view("kvmem::trellis_m1", batch, cfg_.heads, cfg_.slots, cfg_.head_dim);
     state_.m2 = state_view("kvmem::trellis_m2", batch, cfg_.heads, cfg_.slots, cfg_.value_dim);
-    lengths_ = Kokkos::View<long*, memory_space>("kvmem::trellis_lengths", batch);
     first_bad_gate_ = Kokkos::View<long, memory_space>("kvmem::trellis_first_bad_gate");
-    lengths_host_ = Kokkos::create_mirror_view(lengths_);
+    scratch_.reserve(batch, cfg_.heads, 1, cfg_.slots, output_scratch());  // a decode step's: decode never allocates
   }
 
   /// Runs T tokens of every sequence through the memory with the chunkwise stale-gradient form
@@ -112,20 +118,25 @@ class TrellisMemory {
     for (long b = 0; b < batch(); ++b) {
       const long n = lengths.empty() ? T : lengths[b];
       require(n >= 0 && n <= T, "lengths[" + std::to_string(b) + "]", n, "must be in [0, T = " + std::to_string(T) + "]");
-      lengths_host_(b) = n;
       ragged = ragged || n < T;
     }
+    sync();
+    long longest = 0;
+    for (long b = 0; b < batch(); ++b) {
+      lengths_.set(b, lengths.empty() ? T : lengths[b]);
+      longest = std::max(longest, lengths_.host(b));
+    }
     const inputs_t in{q, k, v, alpha, beta1, gamma1, beta2, gamma2};
-    Kokkos::deep_copy(exec_, lengths_, lengths_host_);
-    if (cfg_.check_gates) check_gates(in, T);
-    if (ragged) kernels::zero_tail(exec_, y, lengths_);
-    const long longest = *std::max_element(lengths_host_.data(), lengths_host_.data() + batch());
+    lengths_.upload(exec_);
+    if (cfg_.check_gates) check_gates(in, T, lengths_);
+    if (ragged) kernels::zero_tail(exec_, y, lengths_.device());
     const long C = cfg_.chunk;
     scratch_.reserve(batch(), cfg_.heads, std::max(1L, std::min(C, longest)), cfg_.slots, output_scratch());
     const auto prm = kernels::TrellisParams::of(cfg_, C);
-    kernels::trellis_chunks(exec_, prm, state_, scratch_, in, weights_.ln_weight, weights_.ln_bias, y, lengths_, longest);
+    kernels::trellis_chunks(exec_, prm, state_, scratch_, in, weights_.ln_weight, weights_.ln_bias, y, lengths_.device(),
+                            longest);
+    advance(lengths_);
     fence_step();
-    for (long b = 0; b < batch(); ++b) tokens_[b] += lengths_host_(b);
   }
 
   /// Runs one token of every sequence b with active[b] != 0 (all when `active` is empty) through the exact
@@ -133,23 +144,56 @@ class TrellisMemory {
   /// state: q, k [B, H, 1, D], v [B, H, 1, Dv], alpha [B, H, 1, m], gates [B, H, 1], y [B, H, 1, Dv].
   /// Inactive sequences keep their state and their rows of y are left untouched. Throws
   /// kvmem::invalid_argument, before the state or y changes, for mismatched shapes, a token count other
-  /// than 1, or (with check_gates) an out-of-range gate of an active sequence.
+  /// than 1, an `active` of another size than the batch, or (with check_gates) an out-of-range gate of an
+  /// active sequence. Returns when y is written (one fence); copies `active` only when it changes
+  /// (set_active()), nothing else.
   void decode(const tokens_in& q, const tokens_in& k, const tokens_in& v, const tokens_in& alpha,
               const gates_in& beta1, const gates_in& gamma1, const gates_in& beta2, const gates_in& gamma2,
               const tokens_out& y, std::span<const unsigned char> active = {}) {
     if (q.extent(2) != 1) throw invalid_argument(detail::describe("q.extent(2)", q.extent(2), "decode takes one token per sequence"));
     check_inputs(q, k, v, alpha, beta1, gamma1, beta2, gamma2, y, 1, "decode");
-    if (!active.empty() && static_cast<long>(active.size()) != batch())
-      throw invalid_argument(detail::describe("active.size()", active.size(), "must equal the batch size " + std::to_string(batch())));
-    for (long b = 0; b < batch(); ++b) lengths_host_(b) = active.empty() || active[b] ? 1 : 0;
+    sync();
+    set_active(active);
     const inputs_t in{q, k, v, alpha, beta1, gamma1, beta2, gamma2};
-    Kokkos::deep_copy(exec_, lengths_, lengths_host_);
-    if (cfg_.check_gates) check_gates(in, 1);
-    scratch_.reserve(batch(), cfg_.heads, 1, cfg_.slots, output_scratch());
-    kernels::trellis_chunks(exec_, kernels::TrellisParams::of(cfg_, 1), state_, scratch_, in, weights_.ln_weight,
-                            weights_.ln_bias, y, lengths_, 1);
+    if (cfg_.check_gates) check_gates(in, 1, active_);
+    run_decode(in, y);
+    advance(active_);
     fence_step();
-    for (long b = 0; b < batch(); ++b) tokens_[b] += lengths_host_(b);
+  }
+
+  /// decode() as launches only, for capture in a CUDA graph and replay: no host allocation, copy, fence or
+  /// read of device data; y is written when the execution space is fenced. The sequences set_active() chose
+  /// each take one token; on a GPU the host's token counts stay behind until sync(). What must stay fixed
+  /// between replays: the batch, the active set and the views' addresses. On a host memory space this is
+  /// decode() without the fence. Throws kvmem::invalid_argument, before anything is launched, for
+  /// mismatched shapes, a token count other than 1, or check_gates = true (the check reads its result from
+  /// the device: use decode()).
+  void decode_async(const tokens_in& q, const tokens_in& k, const tokens_in& v, const tokens_in& alpha,
+                    const gates_in& beta1, const gates_in& gamma1, const gates_in& beta2, const gates_in& gamma2,
+                    const tokens_out& y) {
+    if (q.extent(2) != 1) throw invalid_argument(detail::describe("q.extent(2)", q.extent(2), "decode takes one token per sequence"));
+    check_inputs(q, k, v, alpha, beta1, gamma1, beta2, gamma2, y, 1, "decode");
+    require(!cfg_.check_gates, "check_gates", "true",
+            "decode_async launches only, and the gate check reads its result from the device: use decode()");
+    run_decode({q, k, v, alpha, beta1, gamma1, beta2, gamma2}, y);
+    if constexpr (state::host_is_device<memory_space>)
+      advance(active_);
+    else {
+      kernels::advance_counts(exec_, tokens_.device(), active_.device());
+      tokens_.device_advanced();
+    }
+  }
+
+  /// Chooses the sequences the next decode steps advance: active[b] != 0 (all when `active` is empty). One
+  /// copy to the device when the set changes, none otherwise. Throws kvmem::invalid_argument for a size
+  /// other than the batch.
+  void set_active(std::span<const unsigned char> active) { state::set_active(active_, active, exec_); }
+
+  /// Brings the host's token counts (tokens()) up to the device's after decode_async steps on a GPU: one
+  /// fence and one copy; nothing on a host memory space or when the host is not behind.
+  void sync() {
+    static const std::string label = "kvmem::TrellisMemory::sync";
+    tokens_.sync(exec_, label);
   }
 
   /// Sets both memories of every sequence to zero (the initial state, spec TRELLIS.md §1) and the token
@@ -158,7 +202,9 @@ class TrellisMemory {
     Kokkos::deep_copy(exec_, state_.m1, 0.0f);
     Kokkos::deep_copy(exec_, state_.m2, 0.0f);
     exec_.fence();
-    tokens_.assign(tokens_.size(), 0);
+    sync();
+    for (long b = 0; b < batch(); ++b) tokens_.set(b, 0L);
+    tokens_.upload(exec_);
   }
 
   /// Loads a caller-supplied state (spec TRELLIS.md §1: "allow a caller-supplied state"): m1 [B, H, m, D],
@@ -176,9 +222,15 @@ class TrellisMemory {
 
   [[nodiscard]] const TrellisConfig& config() const { return cfg_; }
   [[nodiscard]] const TrellisWeights<memory_space>& weights() const { return weights_; }
-  [[nodiscard]] long batch() const { return static_cast<long>(tokens_.size()); }
+  [[nodiscard]] long batch() const { return tokens_.size(); }
   /// Tokens sequence b has seen since construction or reset().
-  [[nodiscard]] long tokens(long b) const { return tokens_.at(b); }
+  /// Throws kvmem::invalid_argument for b outside [0, B) or when decode_async steps ran on a GPU since the
+  /// last sync().
+  [[nodiscard]] long tokens(long b) const {
+    require(b >= 0 && b < batch(), "b", b, "must be in [0, batch = " + std::to_string(batch()) + ")");
+    require(!tokens_.ahead(), "tokens(b)", b, "the device is ahead after decode_async: call sync() first");
+    return tokens_.host(b);
+  }
   /// Key memory M1 [B, H, m, D] (pass 1), the state after the last token.
   [[nodiscard]] const state_view& m1() const { return state_.m1; }
   /// Value memory M2 [B, H, m, Dv] (pass 2), the state after the last token.
@@ -193,7 +245,7 @@ class TrellisMemory {
     return static_cast<long>(state_.m1.span() + state_.m2.span() + scratch_.u1.span() + scratch_.u2.span() +
                              scratch_.g1.span() + scratch_.g2.span() + scratch_.p.span() + scratch_.y.span()) *
                static_cast<long>(sizeof(float)) +
-           static_cast<long>((lengths_.span() + first_bad_gate_.span()) * sizeof(long));
+           static_cast<long>((3 * tokens_.device().span() + first_bad_gate_.span()) * sizeof(long));
   }
 
  private:
@@ -206,9 +258,21 @@ class TrellisMemory {
     exec_.fence(label);
   }
 
-  void check_gates(const inputs_t& in, long T) const {
+  /// One decode step of the sequences active_ holds (no fence, no copy).
+  void run_decode(const inputs_t& in, const tokens_out& y) {
+    kernels::trellis_chunks(exec_, kernels::TrellisParams::of(cfg_, 1), state_, scratch_, in, weights_.ln_weight,
+                            weights_.ln_bias, y, active_.device(), 1);
+  }
+  /// Adds a step's token counts to the host's and the device's token counts (on a host memory space one
+  /// view; elsewhere a kernel): no copy.
+  void advance(const state::SequenceCounts<long, memory_space>& lengths) {
+    if constexpr (!state::host_is_device<memory_space>) kernels::advance_counts(exec_, tokens_.device(), lengths.device());
+    for (long b = 0; b < batch(); ++b) tokens_.host(b) += lengths.host(b);
+  }
+
+  void check_gates(const inputs_t& in, long T, const state::SequenceCounts<long, memory_space>& lengths) const {
     const long H = cfg_.heads;
-    const long bad = kernels::trellis_first_bad_gate(exec_, in, lengths_, H, T, first_bad_gate_);
+    const long bad = kernels::trellis_first_bad_gate(exec_, in, lengths.device(), H, T, first_bad_gate_);
     if (bad < 0) return;
     const long B = batch(), t = bad % T, h = (bad / T) % H, b = (bad / (T * H)) % B, g = bad / (T * H * B);
     static const char* names[] = {"beta1", "gamma1", "beta2", "gamma2"};
@@ -256,12 +320,12 @@ class TrellisMemory {
   TrellisConfig cfg_;
   TrellisWeights<memory_space> weights_;
   ExecSpace exec_;
-  std::vector<long> tokens_;
+  state::SequenceCounts<long, memory_space> tokens_;   ///< tokens seen per sequence
+  state::SequenceCounts<long, memory_space> lengths_;  ///< a prefill's tokens per sequence
+  state::SequenceCounts<long, memory_space> active_;   ///< a decode step's tokens per sequence: 1 or 0
   kernels::TrellisState<memory_space> state_;
   kernels::TrellisScratch<memory_space> scratch_;
-  Kokkos::View<long*, memory_space> lengths_;
   Kokkos::View<long, memory_space> first_bad_gate_;  // check_gates' result (device scalar)
-  decltype(Kokkos::create_mirror_view(std::declval<Kokkos::View<long*, memory_space>>())) lengths_host_;
 };
 
 }  // namespace kvmem

@@ -20,16 +20,12 @@
 
 #include <kvmem/kvmem.hpp>
 
+#include "decode_stream.hpp"
+
 namespace {
 
-using exec = Kokkos::DefaultExecutionSpace;
-using mem = exec::memory_space;
-using view4 = Kokkos::View<float****, Kokkos::LayoutRight, mem>;
-using view3 = Kokkos::View<float***, Kokkos::LayoutRight, mem>;
+using namespace kvmem_test;
 
-constexpr long kSteps = 1000;
-constexpr int kBatch = 2, kKvHeads = 2, kGroup = 2, kQueryHeads = kKvHeads * kGroup, kHeadDim = 16, kChunk = 16;
-constexpr long kPrompt = 4 * kChunk;
 
 // ---- counting ----
 
@@ -200,87 +196,9 @@ void require_every_step(long first, long last, Step&& step) {
   REQUIRE(g_log.tool_fences == events_per_global_fence() * g_log.n.kernels);
 }
 
-// ---- inputs ----
-
-view4 random4(const std::string& name, long B, long H, long T, long C, std::uint64_t seed, float lo = -1.0f,
-              float hi = 1.0f) {
-  view4 v(name, B, H, T, C);
-  Kokkos::Random_XorShift64_Pool<exec> pool(seed);
-  Kokkos::fill_random(v, pool, lo, hi);
-  return v;
-}
-view3 random3(const std::string& name, long B, long H, long T, std::uint64_t seed, float lo, float hi) {
-  view3 v(name, B, H, T);
-  Kokkos::Random_XorShift64_Pool<exec> pool(seed);
-  Kokkos::fill_random(v, pool, lo, hi);
-  return v;
-}
-/// Tokens [first, first + count) of a (sequence, head, token, channel) view: a subview, no allocation.
-auto tokens(const view4& v, long first, long count) {
-  return Kokkos::subview(v, Kokkos::ALL, Kokkos::ALL, Kokkos::pair<long, long>(first, first + count), Kokkos::ALL);
-}
-/// Tokens [first, first + count) of a (sequence, head, token) view.
-auto gates(const view3& v, long first, long count) {
-  return Kokkos::subview(v, Kokkos::ALL, Kokkos::ALL, Kokkos::pair<long, long>(first, first + count));
-}
-
-/// The prompt and the 1,000 decode tokens of every sequence for the attention memories: queries of
-/// kQueryHeads heads (GQA group kGroup), keys, values and merge gates of kKvHeads kv-heads, and the output.
-struct Stream {
-  long T = kPrompt + kSteps;
-  view4 q = random4("q", kBatch, kQueryHeads, T, kHeadDim, 1), k = random4("k", kBatch, kKvHeads, T, kHeadDim, 2),
-        v = random4("v", kBatch, kKvHeads, T, kHeadDim, 3), y = view4("y", kBatch, kQueryHeads, T, kHeadDim);
-  view3 gate = random3("gate", kBatch, kKvHeads, T, 4, -2.0f, 2.0f);
-};
-
-/// The same for Trellis (no GQA: H = kKvHeads heads; latent targets of kSlots slots, forget gates near 1,
-/// small steps).
-constexpr int kSlots = 8;
-struct TrellisStream {
-  long T = kPrompt + kSteps;
-  view4 q = random4("trellis_q", kBatch, kKvHeads, T, kHeadDim, 11),
-        k = random4("trellis_k", kBatch, kKvHeads, T, kHeadDim, 12),
-        v = random4("trellis_v", kBatch, kKvHeads, T, kHeadDim, 13),
-        alpha = random4("trellis_alpha", kBatch, kKvHeads, T, kSlots, 14),
-        y = view4("trellis_y", kBatch, kKvHeads, T, kHeadDim);
-  view3 beta1 = random3("beta1", kBatch, kKvHeads, T, 15, 0.9f, 1.0f),
-        gamma1 = random3("gamma1", kBatch, kKvHeads, T, 16, 0.0f, 0.1f),
-        beta2 = random3("beta2", kBatch, kKvHeads, T, 17, 0.9f, 1.0f),
-        gamma2 = random3("gamma2", kBatch, kKvHeads, T, 18, 0.0f, 0.1f);
-};
-
-/// The label Kokkos gives the host mirror of a `mem` view labelled `label` (on a host backend the mirror
-/// is the view itself): the source label of a memory's host-to-device plan upload.
-std::string host_mirror_label(const std::string& label) {
-  Kokkos::View<long*, mem> device(label, 1);
-  return Kokkos::create_mirror_view(device).label();
-}
-/// "src (Host) -> dst (device space)": a host-to-device copy of a plan the host wrote into the mirror.
-std::string upload(const std::string& label) {
-  return in_space(host_mirror_label(label), Kokkos::HostSpace::name()) + " -> " + in_space(label, mem::name());
-}
 
 // ---- KVM and OVQ (kvmem::Memory) ----
 
-kvmem::MemoryConfig memory_config(int window_chunks, int sinks) {
-  kvmem::MemoryConfig c;
-  c.head_dim = c.value_dim = kHeadDim;
-  c.query_heads = kQueryHeads;
-  c.kv_heads = kKvHeads;
-  c.chunk = kChunk;
-  c.window_chunks = window_chunks;
-  c.rope_dims = 4;
-  c.sinks = sinks;
-  c.max_rows = 1 << 20;
-  return c;
-}
-
-kvmem::LayerWeights<mem> unit_weights() {
-  Kokkos::View<float*, mem> ones("ones", kHeadDim), zeros("zeros", kHeadDim), taus("taus", kQueryHeads);
-  Kokkos::deep_copy(ones, 1.0f);
-  Kokkos::deep_copy(taus, 1.0f);
-  return {ones, zeros, taus, taus};
-}
 
 /// The state views a regrowth resizes: keys, values, read keys, read values, radius, counts, and the
 /// row statistics under row eviction.
@@ -311,10 +229,29 @@ Counts regrowth_cost(bool row_eviction) {
   return e.n;
 }
 
+/// What one growth of a fold table costs (kernels::FoldTable::cover, doubling): the new table's allocation
+/// (and its host mirror's on a GPU), its copy to the device (none on a host backend), and the old table
+/// (and mirror) freed with whatever fence the memory space takes before a free. No kernel.
+Counts fold_table_growth_cost() {
+  kvmem::kernels::FoldTable<mem> table;
+  const kvmem::MemoryConfig cfg = memory_config(2, 1);
+  table.cover(exec(), cfg, kvmem::budget::Fixed{.min_rows = 32}, true, 1);
+  Recorder recorder;
+  table.cover(exec(), cfg, kvmem::budget::Fixed{.min_rows = 32}, true, table.folds + 1);
+  const Log e = g_log;
+  INFO("one fold-table growth: " << describe(e));
+  REQUIRE(e.n.allocations == (device_plans ? 2 : 1));
+  REQUIRE(e.n.deallocations == e.n.allocations);
+  REQUIRE(e.n.copies == (device_plans ? 1 : 0));
+  REQUIRE(e.n.kernels == 0);
+  return e.n;
+}
+
 /// Prefills four chunks, then decodes 1,000 tokens of a KVM or OVQ memory and checks every step against
 /// its budget (memory.hpp, decode() -> run_step()):
-///  - 1 deep copy host -> device of the step plan kvmem::step_plan (StepPlan::upload): each sequence's
-///    position, window start, state rows read and block to fold, written on the host from its cursor;
+///  - no deep copy: the host plans the step in place (kernels::plan_decode_token on the cursors, into the
+///    step plan the kernels read) on a host backend; on a GPU the host plans only the launch bounds, and
+///    1 kernel kvmem::plan works the same plan out on the device from the device's cursors;
 ///  - 1 fence kvmem::Memory::step: the API promises that y is written when decode() returns;
 ///  - 2 kernels, kvmem::window (the token's key, value and gate into the window ring) and kvmem::readout;
 ///  - on a step that folds a chunk into the state (once per kChunk tokens; the sequences are in lockstep,
@@ -324,35 +261,40 @@ Counts regrowth_cost(bool row_eviction) {
 ///  - with H2O row eviction: kvmem::row_attn on every step (the attention mass of the rows read; every
 ///    step reads rows, the prompt already filled the state and moved the window past it);
 ///  - on a fold step that needs more rows than allocated: one regrowth of the state (regrowth_cost), the
-///    amortised doubling of a growing budget (at most log2(final / initial capacity) times).
+///    amortised doubling of a growing budget (at most log2(final / initial capacity) times);
+///  - on a fold step whose block the fold table does not hold yet: one growth of the table
+///    (fold_table_growth_cost), doubling.
 /// Returns the number of regrowths.
 template <class Memory>
 long require_memory_steps(Memory& memory, const Stream& s) {
   constexpr bool row_eviction = Memory::row_policy_type::evicts;
-  const Counts regrowth = regrowth_cost(row_eviction);
-  const std::string plan_upload = upload("kvmem::step_plan");
+  const Counts regrowth = regrowth_cost(row_eviction), table_growth = fold_table_growth_cost();
   memory.prefill(tokens(s.q, 0, kPrompt), tokens(s.k, 0, kPrompt), tokens(s.v, 0, kPrompt), gates(s.gate, 0, kPrompt),
                  tokens(s.y, 0, kPrompt));
   exec().fence();
   const long capacity_before = memory.rows().capacity(), covered_before = memory.cursor(0).covered;
-  long folds = 0, regrowths = 0;
+  long folds = 0, regrowths = 0, table_growths = 0;
   bool lockstep = true, doubling = true;
 
   Recorder recorder;
   require_every_step(kPrompt, s.T, [&](long t) {
     const long covered = memory.cursor(0).covered, capacity = memory.rows().capacity();
+    const long table = memory.fold_table().folds;
     memory.decode(tokens(s.q, t, 1), tokens(s.k, t, 1), tokens(s.v, t, 1), gates(s.gate, t, 1), tokens(s.y, t, 1));
     const bool fold = memory.cursor(0).covered != covered, grew = memory.rows().capacity() != capacity;
+    const bool table_grew = memory.fold_table().folds != table;
     for (long b = 0; b < kBatch; ++b)
       lockstep = lockstep && memory.cursor(b).covered == memory.cursor(0).covered &&
                  (!fold || memory.cursor(b).covered == covered + kChunk);
     doubling = doubling && (!grew || memory.rows().capacity() == 2 * capacity);
     folds += fold ? 1 : 0;
     regrowths += grew ? 1 : 0;
-    Counts allowed{.copies = 1, .fences = 1, .kernels = 2};
+    table_growths += table_grew ? 1 : 0;
+    Counts allowed{.fences = 1, .kernels = device_plans ? 3 : 2};
     if (fold) allowed.kernels += 1;  // kvmem::update
     if (row_eviction) allowed.kernels += 1;  // kvmem::row_attn
     if (grew) allowed = allowed + regrowth;
+    if (table_grew) allowed = allowed + table_growth;
     return allowed;
   });
   const Log e = g_log;
@@ -365,108 +307,143 @@ long require_memory_steps(Memory& memory, const Stream& s) {
   REQUIRE(doubling);
   REQUIRE(memory.rows().capacity() == (capacity_before << regrowths));
 
+  // The table doubles: a few growths in 1,000 steps of 16-token chunks (16 -> 32 -> 64 -> 128 blocks).
+  REQUIRE(table_growths >= 1);
+  REQUIRE(table_growths <= 4);
   // The same events by label: kvmem's own exactly, Kokkos' (inside Kokkos::resize) only as regrowths.
-  REQUIRE(e.copies == Labels{{plan_upload, kSteps}});
+  REQUIRE(total(e.copies) == table_growths * table_growth.copies);
   Labels kernels{{"kvmem::window", kSteps}, {"kvmem::readout", kSteps}};
   kernels["kvmem::update"] = folds;
   if (row_eviction) kernels["kvmem::row_attn"] = kSteps;
+  if (device_plans) kernels["kvmem::plan"] = kSteps;
   REQUIRE(starting_with(e.kernels, "kvmem::") == kernels);
   REQUIRE(total(e.kernels) - total(kernels) == regrowths * regrowth.kernels);
   REQUIRE(count(e.fences, "kvmem::Memory::step") == kSteps);
-  REQUIRE(total(e.fences) - kSteps == regrowths * regrowth.fences);
+  REQUIRE(total(e.fences) - kSteps == regrowths * regrowth.fences + table_growths * table_growth.fences);
   Labels state;
   for (const char* v : {"kvmem::state_keys", "kvmem::state_values", "kvmem::state_read_keys",
                         "kvmem::state_read_values", "kvmem::state_radius", "kvmem::state_counts"})
     state[in_space(v, mem::name())] = regrowths;
   if (row_eviction) state[in_space("kvmem::state_stats", mem::name())] = regrowths;
   if (regrowths == 0) state.clear();
+  const Labels tables = starting_with(e.allocations, "kvmem::fold_table");
+  REQUIRE(total(tables) == table_growths * table_growth.allocations);
+  for (const auto& [label, n] : tables) state[label] = n;
   REQUIRE(e.allocations == state);
-  REQUIRE(e.deallocations == state);
+  REQUIRE(total(e.deallocations) == total(state));
   return regrowths;
+}
+
+/// The same stream through decode_async after reserve(): launches only, every step. No allocation, no
+/// copy, no fence. On a host backend the kernels of decode() (kvmem::update on a fold step only); on a GPU
+/// the same kernels on every step, so that one captured step replays them all: kvmem::plan,
+/// kvmem::window, kvmem::update (its teams return at once where no block folds), kvmem::readout and, with
+/// H2O row eviction, kvmem::row_attn. After the last step sync() brings the cursors back (on a GPU: one
+/// fence and two copies), and every sequence has seen every token.
+template <class Memory>
+void require_memory_async_steps(Memory& memory, const Stream& s) {
+  constexpr bool row_eviction = Memory::row_policy_type::evicts;
+  memory.prefill(tokens(s.q, 0, kPrompt), tokens(s.k, 0, kPrompt), tokens(s.v, 0, kPrompt), gates(s.gate, 0, kPrompt),
+                 tokens(s.y, 0, kPrompt));
+  memory.reserve(s.T);
+  exec().fence();
+  {
+    Recorder recorder;
+    require_every_step(kPrompt, s.T, [&](long t) {
+      const long covered = device_plans ? 0 : memory.cursor(0).covered;
+      memory.decode_async(tokens(s.q, t, 1), tokens(s.k, t, 1), tokens(s.v, t, 1), gates(s.gate, t, 1),
+                          tokens(s.y, t, 1));
+      const bool fold = !device_plans && memory.cursor(0).covered != covered;
+      Counts allowed{.kernels = 2};  // kvmem::window, kvmem::readout
+      if (device_plans || fold) allowed.kernels += 1;  // kvmem::update
+      if (device_plans) allowed.kernels += 1;  // kvmem::plan
+      if (row_eviction) allowed.kernels += 1;  // kvmem::row_attn
+      return allowed;
+    });
+    INFO(describe(g_log));
+    REQUIRE(g_log.copies.empty());
+    REQUIRE(g_log.fences.empty());
+    REQUIRE(g_log.allocations.empty());
+  }
+  memory.sync();
+  for (long b = 0; b < kBatch; ++b) REQUIRE(memory.cursor(b).tokens == s.T);
 }
 
 // ---- eviction memories ----
 
-/// Random mLSTM weights of the documented shapes (spec EVICTION.md §3); their values do not change the work.
-kvmem::score::MLstmWeights<mem> random_mlstm_weights() {
-  const long X = 2 * kHeadDim, h = kHeadDim / 2;
-  auto make3 = [&](const std::string& name, std::uint64_t seed) {
-    Kokkos::View<float***, Kokkos::LayoutRight, mem> v(name, kKvHeads, X, h);
-    Kokkos::Random_XorShift64_Pool<exec> pool(seed);
-    Kokkos::fill_random(v, pool, -0.1f, 0.1f);
-    return v;
-  };
-  auto make2 = [&](const std::string& name, long cols, std::uint64_t seed) {
-    Kokkos::View<float**, Kokkos::LayoutRight, mem> v(name, kKvHeads, cols);
-    Kokkos::Random_XorShift64_Pool<exec> pool(seed);
-    Kokkos::fill_random(v, pool, -0.1f, 0.1f);
-    return v;
-  };
-  auto zeros = [&](const std::string& name) { return Kokkos::View<float*, mem>(name, kKvHeads); };
-  kvmem::score::MLstmWeights<mem> w;
-  w.w_q = make3("w_q", 21);
-  w.w_k = make3("w_k", 22);
-  w.w_v = make3("w_v", 23);
-  w.w_i = make2("w_i", X, 24);
-  w.w_f = make2("w_f", X, 25);
-  w.w_s = make2("w_s", h, 26);
-  w.b_i = zeros("b_i");
-  w.b_f = zeros("b_f");
-  w.b_s = zeros("b_s");
-  w.theta = zeros("theta");
-  return w;
+
+/// An eviction memory with `scorer` (sinks 2, window 16, top-k 24) that has prefilled the stream's first
+/// four chunks (the prompt already evicts).
+template <class Scorer>
+kvmem::EvictionMemory<exec, Scorer> prefilled_eviction(const Stream& s, const Scorer& scorer) {
+  const kvmem::EvictionConfig cfg{.head_dim = kHeadDim, .value_dim = kHeadDim, .query_heads = kQueryHeads,
+                                  .kv_heads = kKvHeads, .sinks = 2, .window = 16, .top_k = 24};
+  kvmem::EvictionMemory<exec, Scorer> memory(cfg, kBatch, scorer);
+  memory.prefill(tokens(s.q, 0, kPrompt), tokens(s.k, 0, kPrompt), tokens(s.v, 0, kPrompt), tokens(s.y, 0, kPrompt));
+  exec().fence();
+  return memory;
 }
 
 /// Prefills four chunks into an eviction memory with `scorer` (sinks 2, window 16, top-k 24: the prompt
 /// already evicts), then decodes 1,000 tokens, each step within its budget (eviction_memory.hpp, decode()
 /// -> run()):
-///  - 2 deep copies host -> device: kvmem::evict_first (each sequence's position, from the host's token
-///    counter) and kvmem::evict_lengths (1 token per active sequence);
+///  - no deep copy: each sequence's position is its token count kvmem::evict_first, which the step
+///    advances where it lives (on a GPU with 1 kernel kvmem::advance), and the active set kvmem::evict_active
+///    was sent once, when it was set;
 ///  - 1 kernel kvmem::evict: the whole step (append, score, evict, readout) is one team kernel, whatever
 ///    the scorer (the mLSTM's update and the attention statistics run inside it);
 ///  - 1 fence kvmem::EvictionMemory::step (outputs written when decode() returns);
 ///  - no allocation: the B + 1 rows of every (sequence, kv-head) and the scorer's state are allocated at
 ///    construction.
+/// With `async`, the same steps through decode_async: the same kernels and nothing else (no fence); sync()
+/// then gives the token counts.
 template <class Scorer>
-void require_eviction_steps(const Stream& s, const Scorer& scorer) {
-  const kvmem::EvictionConfig cfg{.head_dim = kHeadDim, .value_dim = kHeadDim, .query_heads = kQueryHeads,
-                                  .kv_heads = kKvHeads, .sinks = 2, .window = 16, .top_k = 24};
-  kvmem::EvictionMemory<exec, Scorer> memory(cfg, kBatch, scorer);
-  const std::string first_upload = upload("kvmem::evict_first"), lengths_upload = upload("kvmem::evict_lengths");
-  memory.prefill(tokens(s.q, 0, kPrompt), tokens(s.k, 0, kPrompt), tokens(s.v, 0, kPrompt), tokens(s.y, 0, kPrompt));
-  exec().fence();
-  Recorder recorder;
-  require_every_step(kPrompt, s.T, [&](long t) {
-    memory.decode(tokens(s.q, t, 1), tokens(s.k, t, 1), tokens(s.v, t, 1), tokens(s.y, t, 1));
-    return Counts{.copies = 2, .fences = 1, .kernels = 1};
-  });
-  const Log e = g_log;
-  INFO(Scorer::name << ": " << describe(e));
-  REQUIRE(e.copies == Labels{{first_upload, kSteps}, {lengths_upload, kSteps}});
-  REQUIRE(e.fences == Labels{{"kvmem::EvictionMemory::step", kSteps}});
-  REQUIRE(e.kernels == Labels{{"kvmem::evict", kSteps}});
+void require_eviction_steps(const Stream& s, const Scorer& scorer, bool async = false) {
+  auto memory = prefilled_eviction(s, scorer);
+  {
+    Recorder recorder;
+    require_every_step(kPrompt, s.T, [&](long t) {
+      if (async)
+        memory.decode_async(tokens(s.q, t, 1), tokens(s.k, t, 1), tokens(s.v, t, 1), tokens(s.y, t, 1));
+      else
+        memory.decode(tokens(s.q, t, 1), tokens(s.k, t, 1), tokens(s.v, t, 1), tokens(s.y, t, 1));
+      return Counts{.fences = async ? 0 : 1, .kernels = device_plans ? 2 : 1};
+    });
+    const Log e = g_log;
+    INFO(Scorer::name << ": " << describe(e));
+    REQUIRE(e.copies.empty());
+    Labels fences{{"kvmem::EvictionMemory::step", kSteps}}, kernels{{"kvmem::evict", kSteps}};
+    if (async) fences.clear();
+    if (device_plans) kernels["kvmem::advance"] = kSteps;
+    REQUIRE(e.fences == fences);
+    REQUIRE(e.kernels == kernels);
+  }
+  memory.sync();
   REQUIRE(memory.tokens(0) == kPrompt + kSteps);
+  REQUIRE(memory.tokens(kBatch - 1) == kPrompt + kSteps);
 }
 
 // ---- Trellis ----
 
 /// Prefills four chunks into a Trellis memory, then decodes 1,000 tokens, each step within its budget
 /// (trellis_memory.hpp, decode()):
-///  - 1 deep copy host -> device of kvmem::trellis_lengths (1 token per active sequence);
+///  - no deep copy of the active set kvmem::trellis_active (sent once, when it was set), and on a GPU 1
+///    kernel kvmem::advance for the token counts the device keeps;
 ///  - 1 kernel, kvmem::trellis (kernels::trellis_chunks with one token);
 ///  - 1 fence kvmem::TrellisMemory::step (outputs written when decode() returns);
 ///  - with check_gates (the default), kernels::trellis_first_bad_gate before them: the result scalar
 ///    kvmem::trellis_first_bad_gate set from the host (a copy host -> device), 1 kernel kvmem::tr_gates,
 ///    the result read back (a copy device -> host, the one read of a step) and its fence
 ///    kvmem::tr_gates read, so that a bad gate throws before the state changes;
-///  - no allocation: the one-token scratch is left from the prefill (whose chunks need more).
-void require_trellis_steps(bool check_gates) {
+///  - no allocation: the one-token scratch is allocated at construction (a prefill's chunks may grow it).
+/// With `async` (and no gate check), the same steps through decode_async: no fence; sync() then gives the
+/// token counts.
+void require_trellis_steps(bool check_gates, bool async = false) {
   const TrellisStream s;
   kvmem::TrellisConfig cfg{.slots = kSlots, .head_dim = kHeadDim, .value_dim = kHeadDim, .heads = kKvHeads};
   cfg.chunk = kChunk;
   cfg.check_gates = check_gates;
   kvmem::TrellisMemory<exec> memory(cfg, kBatch);
-  const std::string lengths_upload = upload("kvmem::trellis_lengths");
   long scalar = 0;  // the check's host scalar is an unmanaged view over a local (no label)
   const Kokkos::View<long, Kokkos::HostSpace, Kokkos::MemoryUnmanaged> unmanaged(&scalar);
   const std::string host_scalar = in_space(unmanaged.label(), Kokkos::HostSpace::name());
@@ -477,15 +454,22 @@ void require_trellis_steps(bool check_gates) {
   exec().fence();
   Recorder recorder;
   require_every_step(kPrompt, s.T, [&](long t) {
-    memory.decode(tokens(s.q, t, 1), tokens(s.k, t, 1), tokens(s.v, t, 1), tokens(s.alpha, t, 1), gates(s.beta1, t, 1),
-                  gates(s.gamma1, t, 1), gates(s.beta2, t, 1), gates(s.gamma2, t, 1), tokens(s.y, t, 1));
-    return check_gates ? Counts{.copies = 3, .fences = 2, .kernels = 2}
-                       : Counts{.copies = 1, .fences = 1, .kernels = 1};
+    if (async)
+      memory.decode_async(tokens(s.q, t, 1), tokens(s.k, t, 1), tokens(s.v, t, 1), tokens(s.alpha, t, 1),
+                          gates(s.beta1, t, 1), gates(s.gamma1, t, 1), gates(s.beta2, t, 1), gates(s.gamma2, t, 1),
+                          tokens(s.y, t, 1));
+    else
+      memory.decode(tokens(s.q, t, 1), tokens(s.k, t, 1), tokens(s.v, t, 1), tokens(s.alpha, t, 1), gates(s.beta1, t, 1),
+                    gates(s.gamma1, t, 1), gates(s.beta2, t, 1), gates(s.gamma2, t, 1), tokens(s.y, t, 1));
+    const long advance = device_plans ? 1 : 0;
+    return check_gates ? Counts{.copies = 2, .fences = 2, .kernels = 2 + advance}
+                       : Counts{.fences = async ? 0 : 1, .kernels = 1 + advance};
   });
   const Log e = g_log;
   INFO("check_gates = " << check_gates << ": " << describe(e));
-  Labels copies{{lengths_upload, kSteps}}, fences{{"kvmem::TrellisMemory::step", kSteps}},
-      kernels{{"kvmem::trellis", kSteps}};
+  Labels copies, fences{{"kvmem::TrellisMemory::step", kSteps}}, kernels{{"kvmem::trellis", kSteps}};
+  if (async) fences.clear();
+  if (device_plans) kernels["kvmem::advance"] = kSteps;
   if (check_gates) {
     copies[host_scalar + " -> " + result] = kSteps;
     copies[result + " -> " + host_scalar] = kSteps;
@@ -495,6 +479,7 @@ void require_trellis_steps(bool check_gates) {
   REQUIRE(e.copies == copies);
   REQUIRE(e.fences == fences);
   REQUIRE(e.kernels == kernels);
+  memory.sync();
   REQUIRE(memory.tokens(0) == kPrompt + kSteps);
 }
 
@@ -529,19 +514,15 @@ TEST_CASE("decode-step counts: KVM and OVQ memories, step by step", "[decode-cou
     REQUIRE(regrowths == 0);
   }
   SECTION("KVM, power-law budget: the state regrows by doubling") {
-    kvmem::KvmMemory<exec, kvmem::budget::PowerLaw> memory(memory_config(2, 1), {.min_rows = 16, .growth_factor = 4.0},
-                                                           w, kBatch);
-    const long regrowths = require_memory_steps(memory, s);
-    REQUIRE(regrowths >= 1);
+    auto memory = kvm_power_law(w);
+    REQUIRE(require_memory_steps(memory, s) >= 1);
   }
   SECTION("OVQ, plateau budget") {
-    kvmem::OvqMemory<exec> memory(memory_config(1, 0), {.n = 48.0}, w, kBatch);
+    auto memory = ovq_plateau(w);
     require_memory_steps(memory, s);
   }
   SECTION("KVM with H2O row eviction: the row statistics regrow with the state") {
-    kvmem::KvmMemoryWithRowEviction<exec, kvmem::budget::PowerLaw, kvmem::score::RowAccumulatedAttention> memory(
-        memory_config(2, 1), {.min_rows = 16, .growth_factor = 4.0}, w, kBatch,
-        kvmem::score::RowAccumulatedAttention{.max_rows = 40});
+    auto memory = kvm_row_eviction(w);
     require_memory_steps(memory, s);
   }
 }
@@ -558,4 +539,24 @@ TEST_CASE("decode-step counts: eviction memories with every scorer, step by step
 TEST_CASE("decode-step counts: Trellis, step by step", "[decode-counts]") {
   SECTION("with the gate check") { require_trellis_steps(true); }
   SECTION("without the gate check") { require_trellis_steps(false); }
+}
+
+TEST_CASE("decode-step counts: decode_async launches only, for every memory", "[decode-counts]") {
+  const Stream s;
+  const auto w = unit_weights();
+  SECTION("KVM, power-law budget") {
+    auto memory = kvm_power_law(w);
+    require_memory_async_steps(memory, s);
+  }
+  SECTION("OVQ, plateau budget") {
+    auto memory = ovq_plateau(w);
+    require_memory_async_steps(memory, s);
+  }
+  SECTION("KVM with H2O row eviction") {
+    auto memory = kvm_row_eviction(w);
+    require_memory_async_steps(memory, s);
+  }
+  SECTION("eviction, H2O") { require_eviction_steps(s, kvmem::score::AccumulatedAttention{}, true); }
+  SECTION("eviction, KVPOP") { require_eviction_steps(s, kvmem::score::MLstm<mem>(random_mlstm_weights()), true); }
+  SECTION("Trellis (without the gate check: with it decode_async throws)") { require_trellis_steps(false, true); }
 }

@@ -6,6 +6,7 @@
 /// the host knows each kernel's work before it launches it and never waits on the device
 /// (the "plan" step of FlashInfer-style engines). Source: spec KVM.md §2, §4, §5.1, §6.
 
+#include <Kokkos_Core.hpp>
 #include <algorithm>
 
 #include "../config.hpp"
@@ -14,10 +15,10 @@
 namespace kvmem::state {
 
 /// Start of the block sliding window once `n` tokens exist, in tokens:
-/// max(0, ceil(n / C) * C - L) (spec KVM.md §2). Always a multiple of C.
-[[nodiscard]] inline long window_begin(long n, long chunk, long window) {
+/// max(0, ceil(n / C) * C - L) (spec KVM.md §2). Always a multiple of C. Host and device code.
+[[nodiscard]] KOKKOS_INLINE_FUNCTION long window_begin(long n, long chunk, long window) {
   const long end = ((n + chunk - 1) / chunk) * chunk;
-  return std::max(0L, end - window);
+  return end > window ? end - window : 0L;
 }
 
 /// One state update with the overflow block [block_begin, block_begin + chunk) (spec KVM.md §5.1).
@@ -43,7 +44,8 @@ template <budget::BudgetSchedule Budget>
   return p;
 }
 
-/// Token counts of one sequence as its memory sees them.
+/// Token counts of one sequence as its memory sees them (a plain struct: host vectors and device views
+/// hold it alike).
 struct SequenceCursor {
   long tokens = 0;   ///< n: tokens seen so far
   long covered = 0;  ///< cov: tokens [0, cov) are represented by the state

@@ -1,0 +1,99 @@
+#pragma once
+/// \file sequence_counts.hpp
+/// Per-sequence counts that live on the device beside the state (tokens seen, a step's token counts), with
+/// the host's copy of them: a decode step reads and advances them on the device, so it needs no plan, no
+/// copy and no fence from the host (docs/cuda.md, "A decode step").
+
+#include <Kokkos_Core.hpp>
+#include <span>
+#include <string>
+#include <type_traits>
+
+#include "../errors.hpp"
+
+namespace kvmem::state {
+
+/// Whether kernels of a memory space run on the host thread's memory: there the host's copy of a count is
+/// the device's, and the host plans a step in place (OpenMP, Serial, Threads). Elsewhere (Cuda) the device
+/// advances its own counts with a kernel and the host keeps a separate copy.
+template <class MemorySpace>
+inline constexpr bool host_is_device = std::is_same_v<MemorySpace, Kokkos::HostSpace>;
+
+/// B values of type T (a plain struct or an integer), one per sequence, on the device of `MemorySpace`
+/// and on the host.
+/// - On a host memory space both are one view: what the host writes the kernels read.
+/// - Elsewhere the host writes its copy and upload() sends it, only when it changed since the last upload
+///   (set() or mark_changed() record a change); a kernel that advances the device's values on its own is
+///   recorded with device_advanced(), and sync() brings them back (one fence and one copy) when the host
+///   needs them. So the host's copy is either exact or known to be behind, never silently stale.
+template <class T, class MemorySpace>
+class SequenceCounts {
+ public:
+  using device_view = Kokkos::View<T*, MemorySpace>;
+  using host_view = Kokkos::View<T*, Kokkos::HostSpace>;
+
+  /// Allocates B = `batch` values labelled `label`, each `init`, on both sides.
+  void allocate(const std::string& label, long batch, const T& init) {
+    device_ = device_view(label, batch);
+    if constexpr (host_is_device<MemorySpace>)
+      host_ = device_;
+    else
+      host_ = host_view(label + " (host)", batch);
+    for (long b = 0; b < batch; ++b) host_(b) = init;
+    changed_ = !host_is_device<MemorySpace>;
+    ahead_ = false;
+  }
+  [[nodiscard]] long size() const { return static_cast<long>(host_.extent(0)); }
+  /// The host's value of sequence b (exact unless ahead()).
+  [[nodiscard]] const T& host(long b) const { return host_(b); }
+  /// Writable host value; a write through it is sent by the next upload() only after mark_changed().
+  [[nodiscard]] T& host(long b) { return host_(b); }
+  [[nodiscard]] const device_view& device() const { return device_; }
+  /// Sets the host value of sequence b and records a change when it differs.
+  void set(long b, const T& value) {
+    if (host_(b) == value) return;
+    host_(b) = value;
+    changed_ = !host_is_device<MemorySpace>;
+  }
+  /// Records that host values were written through host(b) and must be sent.
+  void mark_changed() { changed_ = !host_is_device<MemorySpace>; }
+  /// Sends the host values to the device if they changed since the last upload: one deep copy, none on a
+  /// host memory space or when nothing changed.
+  template <class ExecSpace>
+  void upload(const ExecSpace& exec) {
+    if (!changed_) return;
+    Kokkos::deep_copy(exec, device_, host_);
+    changed_ = false;
+  }
+  /// Records that a kernel advanced the device values without the host (decode_async): the host's copy is
+  /// behind until sync(). Nothing to record on a host memory space, where both are one view.
+  void device_advanced() { ahead_ = !host_is_device<MemorySpace>; }
+  [[nodiscard]] bool ahead() const { return ahead_; }
+  /// After device_advanced(): waits for `exec` (fence `label`) and copies the device values to the host.
+  template <class ExecSpace>
+  void sync(const ExecSpace& exec, const std::string& label) {
+    if (!ahead_) return;
+    exec.fence(label);
+    Kokkos::deep_copy(host_, device_);
+    ahead_ = false;
+  }
+
+ private:
+  device_view device_;
+  host_view host_;
+  bool changed_ = false, ahead_ = false;
+};
+
+/// A decode step's active set: flags(b) = 1 for every sequence b with active[b] != 0 (all when `active` is
+/// empty), 0 otherwise, sent to the device with one copy when they changed. Throws kvmem::invalid_argument,
+/// before any flag changes, for an `active` whose size is neither 0 nor the batch.
+template <class MemorySpace, class ExecSpace>
+void set_active(SequenceCounts<long, MemorySpace>& flags, std::span<const unsigned char> active, const ExecSpace& exec) {
+  if (!active.empty() && static_cast<long>(active.size()) != flags.size())
+    throw invalid_argument(
+        detail::describe("active.size()", active.size(), "must equal the batch size " + std::to_string(flags.size())));
+  for (long b = 0; b < flags.size(); ++b) flags.set(b, active.empty() || active[b] ? 1L : 0L);
+  flags.upload(exec);
+}
+
+}  // namespace kvmem::state

@@ -1,0 +1,287 @@
+// Launch-only decoding (decode_async) and the decode plan the device works out for it:
+//  - kernels::plan_decode (the kernel a GPU runs every step) against the host's plan_decode_token, step by
+//    step, for every kind of merge policy, with sequences going inactive and back, and its refusals;
+//  - decode_async against decode() for every memory: the same outputs, bit for bit, and the same counts,
+//    while the active set changes (set_active);
+//  - a step past reserve()'s horizon is refused and reported by sync() (where the device plans: a GPU).
+#include <catch2/catch_test_macros.hpp>
+
+#include <array>
+#include <limits>
+#include <vector>
+
+#include "decode_stream.hpp"
+#include "float_bits.hpp"
+
+namespace {
+
+using namespace kvmem_test;
+using kvmem::state::SequenceCursor;
+
+// ---- the plan ----
+
+/// Which sequences take a token at decode step t: sequence 1 pauses every third step, sequence 2 for a
+/// stretch that spans folds.
+std::array<unsigned char, 3> active_at(long t) {
+  return {1, static_cast<unsigned char>(t % 3 != 1), static_cast<unsigned char>(t < 70 || t >= 150)};
+}
+
+bool same(const SequenceCursor& a, const SequenceCursor& b) {
+  return a.tokens == b.tokens && a.covered == b.covered && a.rows == b.rows && a.granted == b.granted;
+}
+
+/// Plans `steps` decode steps of 3 sequences from empty cursors twice, on the host with plan_decode_token
+/// and with the kernel plan_decode over device views, and requires the same plan rows and cursors after
+/// every step.
+template <class Budget>
+void require_device_plan(const kvmem::MemoryConfig& cfg, const Budget& budget, const kvmem::kernels::DecodeShape& shape,
+                         long steps) {
+  constexpr long B = 3;
+  kvmem::kernels::FoldTable<mem> table;
+  table.cover(exec(), cfg, budget, shape.verbatim, steps / cfg.chunk + 2);
+  Kokkos::View<SequenceCursor*, mem> cursors("cursors", B);
+  Kokkos::View<long*, mem> active("active", B);
+  Kokkos::View<long**, Kokkos::LayoutRight, mem> plan("plan", B, kvmem::kernels::plan_fields);
+  Kokkos::View<long[2], mem> error("error");
+  auto cursors_h = Kokkos::create_mirror_view(cursors);
+  auto active_h = Kokkos::create_mirror_view(active);
+  std::vector<SequenceCursor> host(B);
+  std::vector<long> row(kvmem::kernels::plan_fields);
+  long folds = 0, refusals = 0;
+  for (long t = 0; t < steps; ++t) {
+    const auto on = active_at(t);
+    for (long b = 0; b < B; ++b) active_h(b) = on[b];
+    Kokkos::deep_copy(active, active_h);
+    kvmem::kernels::plan_decode(exec(), shape, cursors, table.device, table.folds, std::numeric_limits<long>::max(),
+                                std::numeric_limits<long>::max(), active, plan, error);
+    const auto plan_h = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace{}, plan);
+    Kokkos::deep_copy(cursors_h, cursors);
+    for (long b = 0; b < B; ++b) {
+      std::fill(row.begin(), row.end(), 0L);
+      if (on[b]) {
+        const long block = kvmem::kernels::plan_decode_token(shape, host[b], table.host, table.folds,
+                                                             [&](int f, long v) { row[f] = v; });
+        REQUIRE(block >= 0);
+        folds += block == cfg.chunk ? 1 : 0;
+      }
+      for (int f = 0; f < kvmem::kernels::plan_fields; ++f) {
+        INFO("step " << t << ", sequence " << b << ", field " << f);
+        REQUIRE(plan_h(b, f) == row[f]);
+      }
+      REQUIRE(same(cursors_h(b), host[b]));
+    }
+    refusals += Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace{}, error)(0);
+  }
+  REQUIRE(refusals == 0);
+  REQUIRE(folds >= steps / cfg.chunk);  // the stream really folds (three sequences, some paused)
+}
+
+// ---- memories ----
+
+/// y[b, :, t] of two output views, bit for bit, for the steps [first, last).
+void require_same_outputs(const view4& a, const view4& b, long first, long last) {
+  const auto ha = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace{}, a);
+  const auto hb = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace{}, b);
+  long differ = 0;
+  for (long s = 0; s < static_cast<long>(a.extent(0)); ++s)
+    for (long h = 0; h < static_cast<long>(a.extent(1)); ++h)
+      for (long t = first; t < last; ++t)
+        for (long c = 0; c < static_cast<long>(a.extent(3)); ++c) differ += same_bits(ha(s, h, t, c), hb(s, h, t, c)) ? 0 : 1;
+  REQUIRE(differ == 0);
+}
+
+/// Which of kBatch = 2 sequences take decode step t: sequence 1 pauses for a stretch that spans a fold.
+std::array<unsigned char, kBatch> batch_active_at(long t) { return {1, static_cast<unsigned char>(t < 200 || t >= 260)}; }
+
+/// Runs `steps` decode steps of two equal memories, one through decode(active) and one through set_active()
+/// (when the set changes) and decode_async(), and requires the same y.
+template <class Make, class Step, class Async>
+void require_async_matches(const Make& make, long prompt, long last, const view4& y_sync, const view4& y_async,
+                           const Step& step, const Async& async_step) {
+  auto sync = make(y_sync), async = make(y_async);
+  std::array<unsigned char, kBatch> was{1, 1};
+  for (long t = prompt; t < last; ++t) {
+    const auto on = batch_active_at(t);
+    step(sync, t, std::span<const unsigned char>(on));
+    if (on != was) async.set_active(std::span<const unsigned char>(on));
+    was = on;
+    async_step(async, t);
+  }
+  exec().fence();
+  async.sync();
+  require_same_outputs(y_sync, y_async, prompt, last);
+}
+
+/// `construct`(weights) builds the memory (decode_stream.hpp: kvm_power_law, ovq_plateau, kvm_row_eviction).
+template <class Construct>
+void require_memory_async(const Construct& construct) {
+  using Memory = decltype(construct(unit_weights()));
+  const Stream s;
+  const auto w = unit_weights();
+  view4 y2("y2", kBatch, kQueryHeads, s.T, kHeadDim);
+  auto make = [&](const view4& y) {
+    Memory m = construct(w);
+    m.prefill(tokens(s.q, 0, kPrompt), tokens(s.k, 0, kPrompt), tokens(s.v, 0, kPrompt), gates(s.gate, 0, kPrompt),
+              tokens(y, 0, kPrompt));
+    m.reserve(s.T);
+    return m;
+  };
+  std::array<SequenceCursor, kBatch> want{};
+  require_async_matches(
+      make, kPrompt, s.T, s.y, y2,
+      [&](Memory& m, long t, std::span<const unsigned char> on) {
+        m.decode(tokens(s.q, t, 1), tokens(s.k, t, 1), tokens(s.v, t, 1), gates(s.gate, t, 1), tokens(s.y, t, 1), on);
+        for (long b = 0; b < kBatch; ++b) want[b] = m.cursor(b);
+      },
+      [&](Memory& m, long t) {
+        m.decode_async(tokens(s.q, t, 1), tokens(s.k, t, 1), tokens(s.v, t, 1), gates(s.gate, t, 1), tokens(y2, t, 1));
+      });
+  REQUIRE(want[1].tokens < want[0].tokens);  // the pause happened
+  REQUIRE(want[0].covered > kPrompt + 8 * kChunk);
+}
+
+template <class Scorer>
+void require_eviction_async(const Scorer& scorer) {
+  const Stream s;
+  const kvmem::EvictionConfig cfg{.head_dim = kHeadDim, .value_dim = kHeadDim, .query_heads = kQueryHeads,
+                                  .kv_heads = kKvHeads, .sinks = 2, .window = 16, .top_k = 24};
+  using Memory = kvmem::EvictionMemory<exec, Scorer>;
+  view4 y2("y2", kBatch, kQueryHeads, s.T, kHeadDim);
+  auto make = [&](const view4& y) {
+    Memory m(cfg, kBatch, scorer);
+    m.prefill(tokens(s.q, 0, kPrompt), tokens(s.k, 0, kPrompt), tokens(s.v, 0, kPrompt), tokens(y, 0, kPrompt));
+    return m;
+  };
+  require_async_matches(
+      make, kPrompt, s.T, s.y, y2,
+      [&](Memory& m, long t, std::span<const unsigned char> on) {
+        m.decode(tokens(s.q, t, 1), tokens(s.k, t, 1), tokens(s.v, t, 1), tokens(s.y, t, 1), on);
+      },
+      [&](Memory& m, long t) { m.decode_async(tokens(s.q, t, 1), tokens(s.k, t, 1), tokens(s.v, t, 1), tokens(y2, t, 1)); });
+}
+
+void require_trellis_async() {
+  const TrellisStream s;
+  kvmem::TrellisConfig cfg{.slots = kSlots, .head_dim = kHeadDim, .value_dim = kHeadDim, .heads = kKvHeads};
+  cfg.chunk = kChunk;
+  cfg.check_gates = false;
+  using Memory = kvmem::TrellisMemory<exec>;
+  view4 y2("y2", kBatch, kKvHeads, s.T, kHeadDim);
+  auto make = [&](const view4& y) {
+    Memory m(cfg, kBatch);
+    m.prefill(tokens(s.q, 0, kPrompt), tokens(s.k, 0, kPrompt), tokens(s.v, 0, kPrompt), tokens(s.alpha, 0, kPrompt),
+              gates(s.beta1, 0, kPrompt), gates(s.gamma1, 0, kPrompt), gates(s.beta2, 0, kPrompt),
+              gates(s.gamma2, 0, kPrompt), tokens(y, 0, kPrompt));
+    return m;
+  };
+  auto in = [&](long t) {
+    return std::make_tuple(tokens(s.q, t, 1), tokens(s.k, t, 1), tokens(s.v, t, 1), tokens(s.alpha, t, 1),
+                           gates(s.beta1, t, 1), gates(s.gamma1, t, 1), gates(s.beta2, t, 1), gates(s.gamma2, t, 1));
+  };
+  {  // the gate check reads the device: decode_async refuses it, before launching anything
+    kvmem::TrellisConfig checked = cfg;
+    checked.check_gates = true;
+    Memory m(checked, kBatch);
+    REQUIRE_THROWS_AS(std::apply([&](const auto&... x) { m.decode_async(x..., tokens(y2, kPrompt, 1)); }, in(kPrompt)),
+                      kvmem::invalid_argument);
+    REQUIRE(m.tokens(0) == 0);
+  }
+  require_async_matches(
+      make, kPrompt, s.T, s.y, y2,
+      [&](Memory& m, long t, std::span<const unsigned char> on) {
+        std::apply([&](const auto&... x) { m.decode(x..., tokens(s.y, t, 1), on); }, in(t));
+      },
+      [&](Memory& m, long t) { std::apply([&](const auto&... x) { m.decode_async(x..., tokens(y2, t, 1)); }, in(t)); });
+}
+
+}  // namespace
+
+TEST_CASE("decode plan: the device's plan_decode gives the host's plan and cursors, step by step", "[decode-async]") {
+  kvmem::MemoryConfig cfg = memory_config(2, 1);
+  SECTION("KVM: a verbatim first chunk, lazy folds") {
+    require_device_plan(cfg, kGrowing, kvmem::kernels::DecodeShape::of<kvmem::merge::WinnerTakeAll>(cfg, -1), 600);
+  }
+  SECTION("KVM with row eviction: rows capped at 40") {
+    require_device_plan(cfg, kGrowing, kvmem::kernels::DecodeShape::of<kvmem::merge::WinnerTakeAll>(cfg, 40), 600);
+  }
+  SECTION("OVQ: eager folds from an empty state, one window chunk") {
+    cfg = memory_config(1, 0);
+    require_device_plan(cfg, kvmem::budget::Plateau{.n = 48.0}, kvmem::kernels::DecodeShape::of<kvmem::merge::KMeansCount>(cfg, -1),
+                        600);
+  }
+}
+
+TEST_CASE("decode plan: a step past the horizon, the fold table or the capacity is refused, and says so",
+          "[decode-async]") {
+  const kvmem::MemoryConfig cfg = memory_config(2, 1);
+  const auto shape = kvmem::kernels::DecodeShape::of<kvmem::merge::WinnerTakeAll>(cfg, -1);
+  kvmem::kernels::FoldTable<mem> table;
+  table.cover(exec(), cfg, kvmem::budget::Fixed{.min_rows = 64}, true, 1);
+  Kokkos::View<SequenceCursor*, mem> cursors("cursors", 1);
+  Kokkos::View<long*, mem> active("active", 1);
+  Kokkos::View<long**, Kokkos::LayoutRight, mem> plan("plan", 1, kvmem::kernels::plan_fields);
+  Kokkos::View<long[2], mem> error("error");
+  Kokkos::deep_copy(active, 1L);
+  auto run = [&](long steps, long capacity, long horizon) {
+    for (long t = 0; t < steps; ++t)
+      kvmem::kernels::plan_decode(exec(), shape, cursors, table.device, table.folds, capacity, horizon, active, plan, error);
+    const auto e = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace{}, error);
+    const auto c = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace{}, cursors);
+    const auto p = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace{}, plan);
+    long row = 0;
+    for (int f = 0; f < kvmem::kernels::plan_fields; ++f) row += p(0, f) != 0 ? 1 : 0;
+    return std::make_tuple(e(0), e(1), c(0), row);
+  };
+  SECTION("the horizon") {
+    const auto [refusal, position, cursor, row] = run(100, 1 << 20, 90);
+    REQUIRE(refusal == kvmem::kernels::past_horizon);
+    REQUIRE(position == 91);
+    REQUIRE(cursor.tokens == 90);  // tokens 0..89 were planned, the rest kept the cursor
+    REQUIRE(row == 0);             // and wrote no work
+  }
+  SECTION("the capacity") {
+    // KVM's first chunk becomes rows verbatim (16), the first fold appends up to the budget: more than 20.
+    const auto [refusal, position, cursor, row] = run(200, 20, std::numeric_limits<long>::max());
+    REQUIRE(refusal == kvmem::kernels::past_table);
+    REQUIRE(cursor.rows <= 20);
+    REQUIRE(position == cursor.tokens + 1);
+    REQUIRE(row == 0);
+  }
+  SECTION("the fold table") {
+    const long steps = (table.folds + cfg.window_chunks + 2) * cfg.chunk;
+    const auto [refusal, position, cursor, row] = run(steps, 1 << 20, std::numeric_limits<long>::max());
+    REQUIRE(refusal == kvmem::kernels::past_table);
+    REQUIRE(cursor.covered == table.folds * cfg.chunk);
+    REQUIRE(row == 0);
+  }
+}
+
+TEST_CASE("decode_async gives decode()'s outputs bit for bit while the active set changes", "[decode-async]") {
+  SECTION("KVM, power-law budget") { require_memory_async(kvm_power_law); }
+  SECTION("OVQ, plateau budget") { require_memory_async(ovq_plateau); }
+  SECTION("KVM with H2O row eviction") { require_memory_async(kvm_row_eviction); }
+  SECTION("eviction, TOVA") { require_eviction_async(kvmem::score::LastQueryAttention{}); }
+  SECTION("eviction, KVPOP") { require_eviction_async(kvmem::score::MLstm<mem>(random_mlstm_weights())); }
+  SECTION("Trellis") { require_trellis_async(); }
+}
+
+TEST_CASE("decode_async: a step past reserve() is refused on the device and reported by sync()", "[decode-async]") {
+  const Stream s;
+  kvmem::KvmMemory<exec, kvmem::budget::Fixed> memory(memory_config(2, 1), {.min_rows = 32}, unit_weights(), kBatch);
+  memory.prefill(tokens(s.q, 0, kPrompt), tokens(s.k, 0, kPrompt), tokens(s.v, 0, kPrompt), gates(s.gate, 0, kPrompt),
+                 tokens(s.y, 0, kPrompt));
+  REQUIRE_THROWS_AS(memory.reserve(0), kvmem::invalid_argument);
+  memory.reserve(kPrompt + 10);
+  for (long t = kPrompt; t < kPrompt + 20; ++t)
+    memory.decode_async(tokens(s.q, t, 1), tokens(s.k, t, 1), tokens(s.v, t, 1), gates(s.gate, t, 1), tokens(s.y, t, 1));
+  if constexpr (device_plans) {
+    // The device refused tokens 10..19 of each sequence: sync() says so, and the counts stop at the horizon.
+    REQUIRE_THROWS_AS(memory.cursor(0), kvmem::invalid_argument);
+    REQUIRE_THROWS_AS(memory.sync(), kvmem::invalid_argument);
+    REQUIRE(memory.cursor(0).tokens == kPrompt + 10);
+  } else {
+    // On a host backend the host plans each step itself: the horizon only sizes what reserve() allocates.
+    memory.sync();
+    REQUIRE(memory.cursor(0).tokens == kPrompt + 20);
+  }
+}
