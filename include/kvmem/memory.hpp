@@ -87,6 +87,7 @@ class Memory {
     weights_.validate(cfg_, Merge::uses_layer_norm);
     require(batch >= 1, "batch", batch, "must be >= 1");
     cursors_.allocate("kvmem::cursors", batch, state::SequenceCursor{});
+    cursors_.upload(exec_);
     active_.allocate("kvmem::active", batch, 1L);
     active_.upload(exec_);
     plan_error_ = decltype(plan_error_)("kvmem::plan_error");
@@ -410,7 +411,7 @@ class Memory {
     for (long b = 0; b < batch(); ++b) {
       if (active_.host(b) == 0) continue;
       const long folded = kernels::plan_decode_token(s, cursors_.host(b), folds_.host, folds_.folds,
-                                                     [&](int f, long value) { plan_.host(b, f) = value; });
+                                                     kernels::PlanRow<decltype(plan_.host)>{plan_.host, b});
       if (folded < 0) throw std::logic_error("kvmem::Memory: a cursor the fold table does not describe");
       block = std::max(block, folded);
       queries = 1;

@@ -46,7 +46,7 @@ void require_device_plan(const kvmem::MemoryConfig& cfg, const Budget& budget, c
   auto cursors_h = Kokkos::create_mirror_view(cursors);
   auto active_h = Kokkos::create_mirror_view(active);
   std::vector<SequenceCursor> host(B);
-  std::vector<long> row(kvmem::kernels::plan_fields);
+  Kokkos::View<long**, Kokkos::LayoutRight, Kokkos::HostSpace> rows("rows", B, kvmem::kernels::plan_fields);
   long folds = 0, refusals = 0;
   for (long t = 0; t < steps; ++t) {
     const auto on = active_at(t);
@@ -57,16 +57,16 @@ void require_device_plan(const kvmem::MemoryConfig& cfg, const Budget& budget, c
     const auto plan_h = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace{}, plan);
     Kokkos::deep_copy(cursors_h, cursors);
     for (long b = 0; b < B; ++b) {
-      std::fill(row.begin(), row.end(), 0L);
+      for (int f = 0; f < kvmem::kernels::plan_fields; ++f) rows(b, f) = 0;
       if (on[b]) {
         const long block = kvmem::kernels::plan_decode_token(shape, host[b], table.host, table.folds,
-                                                             [&](int f, long v) { row[f] = v; });
+                                                             kvmem::kernels::PlanRow<decltype(rows)>{rows, b});
         REQUIRE(block >= 0);
         folds += block == cfg.chunk ? 1 : 0;
       }
       for (int f = 0; f < kvmem::kernels::plan_fields; ++f) {
         INFO("step " << t << ", sequence " << b << ", field " << f);
-        REQUIRE(plan_h(b, f) == row[f]);
+        REQUIRE(plan_h(b, f) == rows(b, f));
       }
       REQUIRE(same(cursors_h(b), host[b]));
     }

@@ -69,8 +69,18 @@ struct FoldTable {
   [[nodiscard]] long granted_after(long j) const { return host(j, 0) + host(j, 1); }
 };
 
+/// Writes plan_decode_token's fields into row b of a plan view [B, plan_fields] (a functor, not a lambda:
+/// host and device code call it alike).
+template <class Plan>
+struct PlanRow {
+  Plan plan;
+  long b;
+  KOKKOS_INLINE_FUNCTION void operator()(int field, long value) const { plan(b, field) = value; }
+};
+
 /// Plans one decode token of one sequence whose cursor is `cur` (spec KVM.md §6: push, direct append, at
-/// most one fold, readout): calls row(field, value) for every PlanField of its plan row and advances `cur`.
+/// most one fold, readout): calls row(field, value) for every PlanField of its plan row (e.g. a PlanRow)
+/// and advances `cur`.
 /// `table` is a FoldTable's host or device view with `folds` entries. Returns the tokens of the block the
 /// step folds (0: none; C: a block; 1: a token of a verbatim first chunk that becomes a row), or -1 when the
 /// table does not hold the fold the step needs or holds other granted rows for it (then nothing is written
@@ -142,7 +152,7 @@ void plan_decode(const ExecSpace& exec, const DecodeShape& s, const Cursors& cur
         state::SequenceCursor cur = cursors(b);
         long refusal = cur.tokens + 1 > horizon ? long(past_horizon) : long(decode_ok);
         if (refusal == decode_ok) {
-          const long block = plan_decode_token(s, cur, table, folds, [&](int f, long v) { plan(b, f) = v; });
+          const long block = plan_decode_token(s, cur, table, folds, PlanRow<Plan>{plan, b});
           if (block < 0 || plan(b, rows_before) + plan(b, append_count) > capacity) refusal = past_table;
         }
         if (refusal != decode_ok) {
