@@ -11,6 +11,7 @@
 #include "../config.hpp"
 #include "../policy/budget/concept.hpp"
 #include "../state/schedule.hpp"
+#include "step_launch.hpp"
 #include "step_plan.hpp"
 
 namespace kvmem::kernels {
@@ -146,7 +147,7 @@ void plan_decode(const ExecSpace& exec, const DecodeShape& s, const Cursors& cur
   const long B = static_cast<long>(cursors.extent(0));
   if (B == 0) return;
   Kokkos::parallel_for(
-      "kvmem::plan", Kokkos::RangePolicy<ExecSpace>(exec, 0, B), KOKKOS_LAMBDA(long b) {
+      "kvmem::plan", Kokkos::RangePolicy<ExecSpace, step_launch>(exec, 0, B), KOKKOS_LAMBDA(long b) {
         for (int f = 0; f < plan_fields; ++f) plan(b, f) = 0;
         if (active(b) == 0) return;
         state::SequenceCursor cur = cursors(b);
@@ -172,7 +173,7 @@ void advance_counts(const ExecSpace& exec, const Counts& counts, const Lengths& 
   const long B = static_cast<long>(counts.extent(0));
   if (B == 0) return;
   Kokkos::parallel_for(
-      "kvmem::advance", Kokkos::RangePolicy<ExecSpace>(exec, 0, B), KOKKOS_LAMBDA(long b) { counts(b) += lengths(b); });
+      "kvmem::advance", Kokkos::RangePolicy<ExecSpace, step_launch>(exec, 0, B), KOKKOS_LAMBDA(long b) { counts(b) += lengths(b); });
 }
 
 }  // namespace kvmem::kernels

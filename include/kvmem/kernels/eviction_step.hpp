@@ -14,6 +14,7 @@
 #include "../state/eviction_cache.hpp"
 #include "readout.hpp"
 #include "simd.hpp"
+#include "step_launch.hpp"
 #include "vector_ops.hpp"
 
 namespace kvmem::kernels {
@@ -359,7 +360,7 @@ void eviction_tokens(const ExecSpace& exec, const EvictionParams& p, const Cache
                      const Lengths& lengths, int team_size = 0) {
   const long B = static_cast<long>(k.extent(0)), H = static_cast<long>(k.extent(1));
   const bool layer = scorer.layer_wide();
-  using policy = Kokkos::TeamPolicy<ExecSpace>;
+  using policy = Kokkos::TeamPolicy<ExecSpace, step_launch>;
   const int leagues = static_cast<int>(layer ? B : B * H);
   Kokkos::parallel_for(
       "kvmem::evict", team_size > 0 ? policy(exec, leagues, team_size) : policy(exec, leagues, Kokkos::AUTO),

@@ -11,6 +11,7 @@
 #include "scratch.hpp"
 #include "simd.hpp"
 #include "softmax_exp.hpp"
+#include "step_launch.hpp"
 #include "step_plan.hpp"
 #include "tile_traits.hpp"
 #include "vector_ops.hpp"
@@ -706,7 +707,7 @@ void readout(const ExecSpace& exec, const MemoryConfig& cfg, const LayerWeightsR
   // Dynamic schedule: a causal query block's work grows with its position, so equal shares of the league
   // are unequal work (with a static split over 2 threads of one head, one thread did 3/4 of it). Each team
   // writes only its own outputs, so the schedule cannot change a bit.
-  using policy_t = Kokkos::TeamPolicy<ExecSpace, Kokkos::Schedule<Kokkos::Dynamic>>;
+  using policy_t = Kokkos::TeamPolicy<ExecSpace, Kokkos::Schedule<Kokkos::Dynamic>, step_launch>;
   using member_t = typename policy_t::member_type;
   using scratch_t = Kokkos::View<float*, typename ExecSpace::scratch_memory_space, Kokkos::MemoryUnmanaged>;
   constexpr bool packed = !std::is_same_v<T, float>;  // room for a widened key tile (QueryBlock::packs)

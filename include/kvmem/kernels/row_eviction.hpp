@@ -14,6 +14,7 @@
 #include "scratch.hpp"
 #include "simd.hpp"
 #include "softmax_exp.hpp"
+#include "step_launch.hpp"
 #include "step_plan.hpp"
 #include "tile_traits.hpp"
 #include "vector_ops.hpp"
@@ -59,7 +60,7 @@ void accumulate_row_attention(const ExecSpace& exec, const MemoryConfig& cfg, co
   };
   if constexpr (Traits::spread) {
     Kokkos::parallel_for(
-        "kvmem::row_attn", Kokkos::RangePolicy<ExecSpace>(exec, 0, B * H * max_rows), KOKKOS_LAMBDA(long idx) {
+        "kvmem::row_attn", Kokkos::RangePolicy<ExecSpace, step_launch>(exec, 0, B * H * max_rows), KOKKOS_LAMBDA(long idx) {
           const long i = idx % max_rows, h = (idx / max_rows) % H, b = idx / (max_rows * H);
           if (i >= p(b, read_rows)) return;
           const long first = p(b, query_begin), last = p(b, query_end), off = p(b, input_offset);
@@ -80,7 +81,7 @@ void accumulate_row_attention(const ExecSpace& exec, const MemoryConfig& cfg, co
     constexpr int L = row_attention_lanes, K = simd::width * 8 / L > 0 ? simd::width * 8 / L : 1;
     static_assert(L % simd::width == 0, "the rows of a team fill whole register vectors");
     const long tiles = (max_rows + L - 1) / L;
-    using policy_t = Kokkos::TeamPolicy<ExecSpace>;
+    using policy_t = Kokkos::TeamPolicy<ExecSpace, step_launch>;
     int level = 0;
     const auto team_policy = with_float_scratch(policy_t(exec, B * H * tiles, 1), long(D) * L, level);
     Kokkos::parallel_for("kvmem::row_attn", team_policy, KOKKOS_LAMBDA(const typename policy_t::member_type& team) {

@@ -25,6 +25,7 @@
 
 #include "../policy/merge/gradient_descent.hpp"
 #include "../trellis_config.hpp"
+#include "step_launch.hpp"
 #include "team_size.hpp"
 #include "vector_ops.hpp"
 #include "zero_tail.hpp"
@@ -203,7 +204,7 @@ void trellis_chunks(const ExecSpace& exec, const TrellisParams& prm, const Trell
   if (B * H == 0 || tokens <= 0) return;
   const float* lnw = ln_weight.data();
   const float* lnb = ln_bias.data();
-  using policy_t = Kokkos::TeamPolicy<ExecSpace>;
+  using policy_t = Kokkos::TeamPolicy<ExecSpace, step_launch>;
   using member_t = typename policy_t::member_type;
   const long elements = static_cast<long>(prm.m) * (prm.D + prm.Dv);
   const auto body = KOKKOS_LAMBDA(const member_t& team) {

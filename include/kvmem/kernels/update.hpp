@@ -35,6 +35,7 @@
 #include "row_eviction.hpp"
 #include "scratch.hpp"
 #include "simd.hpp"
+#include "step_launch.hpp"
 #include "step_plan.hpp"
 #include "team_size.hpp"
 #include "vector_ops.hpp"
@@ -438,7 +439,7 @@ void update_state(const ExecSpace& exec, const MemoryConfig& cfg, const LayerWei
     st.template refresh<Merge>(cfg, w, b, h, i);
   };
 
-  using policy_t = Kokkos::TeamPolicy<ExecSpace>;
+  using policy_t = Kokkos::TeamPolicy<ExecSpace, step_launch>;
   using member_t = typename policy_t::member_type;
   using scratch_t = Kokkos::View<float*, typename ExecSpace::scratch_memory_space, Kokkos::MemoryUnmanaged>;
   // The team size before the backend's cap, and the scratch level where that many threads' register-tile

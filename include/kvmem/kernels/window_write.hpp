@@ -6,6 +6,7 @@
 
 #include "../config.hpp"
 #include "../state/state_rows.hpp"
+#include "step_launch.hpp"
 #include "step_plan.hpp"
 
 namespace kvmem::kernels {
@@ -29,7 +30,7 @@ void write_window(const ExecSpace& exec, const MemoryConfig& cfg,
   // A label of at most 15 characters: Kokkos copies it into a std::string at every launch, and a longer
   // one would be a heap allocation per decoded token (docs/reliability.md).
   Kokkos::parallel_for(
-      "kvmem::window", Kokkos::RangePolicy<ExecSpace>(exec, 0, B * H * max_tokens), KOKKOS_LAMBDA(long idx) {
+      "kvmem::window", Kokkos::RangePolicy<ExecSpace, step_launch>(exec, 0, B * H * max_tokens), KOKKOS_LAMBDA(long idx) {
         const long i = idx % max_tokens, h = (idx / max_tokens) % H, b = idx / (max_tokens * H);
         const long pos = p(b, write_begin) + i;
         if (pos >= p(b, write_end)) return;
