@@ -143,8 +143,10 @@ class EvictionMemory {
   /// other than the batch.
   void set_active(std::span<const unsigned char> active) { state::set_active(active_, active, exec_); }
 
-  /// Brings the host's token counts (tokens()) up to the device's after decode_async steps on a GPU: one
-  /// fence and one copy; nothing on a host memory space or when the host is not behind.
+  /// Brings the host's token counts (tokens()) up to the device's after decode_async steps on a GPU and
+  /// their replays: one fence and one copy; nothing on a host memory space or before the first
+  /// decode_async. The host cannot see a graph's replays, so from then until reset() every call reads back
+  /// (decode() and prefill() call it).
   void sync() {
     static const std::string label = "kvmem::EvictionMemory::sync";
     tokens_.sync(exec_, label);
@@ -152,13 +154,14 @@ class EvictionMemory {
 
   /// Empties the cache of every sequence and resets the scorer's state; keeps the allocations.
   void reset() {
-    sync();
     Kokkos::deep_copy(exec_, cache_.positions, -1L);
     Kokkos::deep_copy(exec_, cache_.live, 0L);
     exec_.fence();
     scorer_.reset();
     Kokkos::fence();
-    for (long b = 0; b < batch(); ++b) tokens_.set(b, 0L);
+    tokens_.forget_replays();
+    for (long b = 0; b < batch(); ++b) tokens_.host(b) = 0;
+    tokens_.mark_changed();  // the device's counts may have moved without the host
     tokens_.upload(exec_);
   }
 

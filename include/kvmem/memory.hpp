@@ -216,8 +216,11 @@ class Memory {
   /// reserve() fixes) and the horizon. A step that would reach the horizon is refused on the device (that
   /// sequence keeps its state and its y) and reported by the next sync(). On a host memory space this is
   /// decode() with the active set of set_active() and without the fence (CUDA graphs do not apply there).
-  /// Throws kvmem::invalid_argument, before anything is launched, for mismatched shapes, a token count other
-  /// than 1, or (on a GPU) no reserve() since the last prefill() or reset().
+  /// Once it has run on a GPU, the host cannot know how often a graph replayed it: every later sync() (and
+  /// so every decode(), prefill() and reserve()) reads the counts back, one fence and two copies, until
+  /// reset(). decode() with an empty `active` makes every sequence active again, which a graph captured for
+  /// fewer would then replay. Throws kvmem::invalid_argument, before anything is launched, for mismatched
+  /// shapes, a token count other than 1, or (on a GPU) no reserve() since construction or reset().
   void decode_async(const tokens_in& q, const tokens_in& k, const tokens_in& v, const gates_in& gate,
                     const tokens_out& y) {
     check_decode(q, k, v, gate, y);
@@ -248,8 +251,9 @@ class Memory {
 
   /// Prepares launch-only decoding (decode_async) of every sequence up to `tokens` tokens: the fold table
   /// and the state capacity those positions need (one allocation and copy each when they grow, and the
-  /// state's regrowth), so that no replay allocates. Throws kvmem::invalid_argument for `tokens` < 1 or
-  /// sinks >= chunk when `tokens` passes window + chunk (merges then need a non-sink row).
+  /// state's regrowth), so that no replay allocates. Throws kvmem::invalid_argument for `tokens` < 1,
+  /// sinks >= chunk when `tokens` passes window + chunk (merges then need a non-sink row), or a refusal
+  /// that sync() reports.
   void reserve(long tokens) {
     require(tokens >= 1, "tokens", tokens, "must be >= 1");
     cfg_.check_sinks(tokens);
@@ -258,31 +262,38 @@ class Memory {
     const long needed = state::window_begin(tokens + 1, C, cfg_.window()) / C + 1;  // blocks folded by then
     folds_.cover(exec_, cfg_, budget_, Merge::first_chunk_verbatim, needed);
     long rows = folds_.granted_after(needed - 1);
-    if constexpr (RowPolicy::evicts) rows = std::min(rows, row_policy_.max_rows + C);
+    if constexpr (RowPolicy::evicts)  // a verbatim first chunk holds C rows before any eviction
+      rows = std::min(rows, std::max(row_policy_.max_rows, Merge::first_chunk_verbatim ? C : 0L) + C);
     rows_.grow(std::max({rows, C, 1L}));
     horizon_ = tokens;
   }
 
   /// Brings the host's counts (cursor(), window_tokens(), held_bytes()) up to the device's after
-  /// decode_async steps on a GPU: one fence and two copies; nothing on a host memory space or when the host
-  /// is not behind. Throws kvmem::invalid_argument when a step was refused for passing reserve()'s horizon
-  /// or its fold table (naming the position), after taking the counts back.
+  /// decode_async steps on a GPU and their replays: one fence and two copies; nothing on a host memory
+  /// space or before the first decode_async. Throws kvmem::invalid_argument when a step was refused
+  /// (naming the position and whether it passed reserve()'s horizon or needed a fold or state rows that
+  /// reserve() did not prepare), after taking the counts back.
   void sync() {
-    if (!cursors_.ahead()) return;
+    if (!cursors_.replayable()) return;
     static const std::string label = "kvmem::Memory::sync";
     cursors_.sync(exec_, label);
     const auto error = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace{}, plan_error_);
     if (error(0) == kernels::decode_ok) return;
     Kokkos::deep_copy(plan_error_, 0L);
-    throw invalid_argument(detail::describe(
-        "decode_async position", error(1) - 1,
-        "a replayed step passed reserve(tokens = " + std::to_string(horizon_) +
-            ") and was refused (that sequence kept its state and y); reserve further before replaying"));
+    const std::string why = error(0) == kernels::past_horizon
+                                ? "passed reserve(tokens = " + std::to_string(horizon_) + ")"
+                                : "needed a fold or state rows that reserve(tokens = " + std::to_string(horizon_) +
+                                      ") did not prepare";
+    throw invalid_argument(detail::describe("decode_async position", error(1) - 1,
+                                            "a replayed step " + why +
+                                                " and was refused (that sequence kept its state and y); reserve "
+                                                "further before replaying"));
   }
 
   /// Forgets every sequence (state rows and window); keeps the allocations.
   void reset() {
-    if (cursors_.ahead()) cursors_.sync(exec_, "kvmem::Memory::sync");
+    exec_.fence();  // replays still in flight write the cursors
+    cursors_.forget_replays();
     Kokkos::deep_copy(exec_, plan_error_, 0L);
     for (long b = 0; b < batch(); ++b) cursors_.host(b) = state::SequenceCursor{};
     cursors_.mark_changed();

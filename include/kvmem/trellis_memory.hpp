@@ -189,8 +189,10 @@ class TrellisMemory {
   /// other than the batch.
   void set_active(std::span<const unsigned char> active) { state::set_active(active_, active, exec_); }
 
-  /// Brings the host's token counts (tokens()) up to the device's after decode_async steps on a GPU: one
-  /// fence and one copy; nothing on a host memory space or when the host is not behind.
+  /// Brings the host's token counts (tokens()) up to the device's after decode_async steps on a GPU and
+  /// their replays: one fence and one copy; nothing on a host memory space or before the first
+  /// decode_async. The host cannot see a graph's replays, so from then until reset() every call reads back
+  /// (decode() and prefill() call it).
   void sync() {
     static const std::string label = "kvmem::TrellisMemory::sync";
     tokens_.sync(exec_, label);
@@ -202,8 +204,9 @@ class TrellisMemory {
     Kokkos::deep_copy(exec_, state_.m1, 0.0f);
     Kokkos::deep_copy(exec_, state_.m2, 0.0f);
     exec_.fence();
-    sync();
-    for (long b = 0; b < batch(); ++b) tokens_.set(b, 0L);
+    tokens_.forget_replays();
+    for (long b = 0; b < batch(); ++b) tokens_.host(b) = 0;
+    tokens_.mark_changed();  // the device's counts may have moved without the host
     tokens_.upload(exec_);
   }
 

@@ -24,8 +24,10 @@ inline constexpr bool host_is_device = std::is_same_v<MemorySpace, Kokkos::HostS
 /// - On a host memory space both are one view: what the host writes the kernels read.
 /// - Elsewhere the host writes its copy and upload() sends it, only when it changed since the last upload
 ///   (set() or mark_changed() record a change); a kernel that advances the device's values on its own is
-///   recorded with device_advanced(), and sync() brings them back (one fence and one copy) when the host
-///   needs them. So the host's copy is either exact or known to be behind, never silently stale.
+///   recorded with device_advanced(), and sync() brings them back (one fence and one copy). A captured
+///   CUDA graph may replay such a kernel without the host knowing, so from the first device_advanced()
+///   until forget_replays() every sync() reads the device's values back; ahead() says only whether the host
+///   launched such a kernel since the last sync().
 template <class T, class MemorySpace>
 class SequenceCounts {
  public:
@@ -67,12 +69,16 @@ class SequenceCounts {
   }
   /// Records that a kernel advanced the device values without the host (decode_async): the host's copy is
   /// behind until sync(). Nothing to record on a host memory space, where both are one view.
-  void device_advanced() { ahead_ = !host_is_device<MemorySpace>; }
+  void device_advanced() { ahead_ = replayable_ = !host_is_device<MemorySpace>; }
   [[nodiscard]] bool ahead() const { return ahead_; }
-  /// After device_advanced(): waits for `exec` (fence `label`) and copies the device values to the host.
+  /// Whether the device's values may have moved without the host (since the first device_advanced()).
+  [[nodiscard]] bool replayable() const { return replayable_; }
+  /// Ends replayable(): the host has just set every value and sent it (a reset).
+  void forget_replays() { ahead_ = replayable_ = false; }
+  /// When replayable(): waits for `exec` (fence `label`) and copies the device values to the host.
   template <class ExecSpace>
   void sync(const ExecSpace& exec, const std::string& label) {
-    if (!ahead_) return;
+    if (!replayable_) return;
     exec.fence(label);
     Kokkos::deep_copy(host_, device_);
     ahead_ = false;
@@ -81,7 +87,7 @@ class SequenceCounts {
  private:
   device_view device_;
   host_view host_;
-  bool changed_ = false, ahead_ = false;
+  bool changed_ = false, ahead_ = false, replayable_ = false;
 };
 
 /// A decode step's active set: flags(b) = 1 for every sequence b with active[b] != 0 (all when `active` is
