@@ -8,6 +8,8 @@
 
 #include <kvmem/kvmem.hpp>
 
+#include "float_bits.hpp"
+
 namespace kvmem_test {
 
 using exec = Kokkos::DefaultExecutionSpace;
@@ -119,6 +121,18 @@ inline kvmem::score::MLstmWeights<mem> random_mlstm_weights() {
   w.b_s = zeros("b_s");
   w.theta = zeros("theta");
   return w;
+}
+
+/// Elements of y[b, h, t, :] for t in [first, last) whose bits differ between the outputs `a` and `b`.
+inline long differing_outputs(const view4& a, const view4& b, long first, long last) {
+  const auto ha = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace{}, a);
+  const auto hb = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace{}, b);
+  long differ = 0;
+  for (long s = 0; s < static_cast<long>(a.extent(0)); ++s)
+    for (long h = 0; h < static_cast<long>(a.extent(1)); ++h)
+      for (long t = first; t < last; ++t)
+        for (long c = 0; c < static_cast<long>(a.extent(3)); ++c) differ += same_bits(ha(s, h, t, c), hb(s, h, t, c)) ? 0 : 1;
+  return differ;
 }
 
 /// The attention memories the decode tests run, with the budgets that make the stream grow, regrow and

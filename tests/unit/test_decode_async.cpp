@@ -11,7 +11,6 @@
 #include <vector>
 
 #include "decode_stream.hpp"
-#include "float_bits.hpp"
 
 namespace {
 
@@ -78,18 +77,6 @@ void require_device_plan(const kvmem::MemoryConfig& cfg, const Budget& budget, c
 
 // ---- memories ----
 
-/// y[b, :, t] of two output views, bit for bit, for the steps [first, last).
-void require_same_outputs(const view4& a, const view4& b, long first, long last) {
-  const auto ha = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace{}, a);
-  const auto hb = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace{}, b);
-  long differ = 0;
-  for (long s = 0; s < static_cast<long>(a.extent(0)); ++s)
-    for (long h = 0; h < static_cast<long>(a.extent(1)); ++h)
-      for (long t = first; t < last; ++t)
-        for (long c = 0; c < static_cast<long>(a.extent(3)); ++c) differ += same_bits(ha(s, h, t, c), hb(s, h, t, c)) ? 0 : 1;
-  REQUIRE(differ == 0);
-}
-
 /// Which of kBatch = 2 sequences take decode step t: sequence 1 pauses for a stretch that spans a fold.
 std::array<unsigned char, kBatch> batch_active_at(long t) { return {1, static_cast<unsigned char>(t < 200 || t >= 260)}; }
 
@@ -109,7 +96,7 @@ void require_async_matches(const Make& make, long prompt, long last, const view4
   }
   exec().fence();
   async.sync();
-  require_same_outputs(y_sync, y_async, prompt, last);
+  REQUIRE(differing_outputs(y_sync, y_async, prompt, last) == 0);
 }
 
 /// `construct`(weights) builds the memory (decode_stream.hpp: kvm_power_law, ovq_plateau, kvm_row_eviction).

@@ -14,12 +14,10 @@
 #include <cuda_runtime.h>
 
 #include <array>
-#include <functional>
-#include <span>
 #include <type_traits>
+#include <vector>
 
 #include "decode_stream.hpp"
-#include "float_bits.hpp"
 
 namespace {
 
@@ -36,16 +34,28 @@ struct CaptureStream {
   CaptureStream& operator=(const CaptureStream&) = delete;
 };
 
-/// Fixed-address views of one token: the graph reads these, the host refills them before each replay.
-struct TokenSlot {
-  view4 q, k, v, y, alpha;
-  view3 gate, beta1, gamma1, beta2, gamma2;
+/// A stream view of one input and the fixed-address view of one token that a captured step reads from;
+/// the host refills the slot from the stream before each replay.
+template <class View>
+struct Input {
+  View slot, stream;
 };
+using Input4 = Input<view4>;
+using Input3 = Input<view3>;
 
-/// Captures `step` (one decode_async on `on_stream`'s stream) into a graph, then for every token t in
-/// [first, last): `load`(t) fills the slot on `on_stream`, the graph replays, `store`(t) copies y out on it.
-void replay(const cuda_t& on_stream, cudaStream_t stream, long first, long last, const std::function<void()>& step,
-            const std::function<void(long)>& load, const std::function<void(long)>& store) {
+/// The captured half of a test: with the active set empty, one warm-up `step` (one decode_async, which
+/// performs Kokkos' lazy allocations); all sequences active; `step` captured on `on_stream`'s stream into
+/// a graph; then for every token t in [first, last) the inputs' slots refilled with token t, the graph
+/// replayed and `slot_y` copied to y_out[:, :, t]. Ends with a fence and memory.sync(), and requires y_out
+/// to equal `want` over [first, last) bit for bit.
+template <class Memory, class Step>
+void capture_and_replay(Memory& memory, const cuda_t& on_stream, cudaStream_t stream, const Step& step, long first,
+                        long last, const std::vector<Input4>& inputs4, const std::vector<Input3>& inputs3,
+                        const view4& slot_y, const view4& y_out, const view4& want) {
+  const std::array<unsigned char, kBatch> none{};
+  memory.set_active(none);
+  step();
+  memory.set_active({});
   on_stream.fence();
   cudaGraph_t graph{};
   REQUIRE(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal) == cudaSuccess);
@@ -54,42 +64,35 @@ void replay(const cuda_t& on_stream, cudaStream_t stream, long first, long last,
   cudaGraphExec_t instance{};
   REQUIRE(cudaGraphInstantiate(&instance, graph, 0) == cudaSuccess);
   for (long t = first; t < last; ++t) {
-    load(t);
+    for (const auto& in : inputs4) Kokkos::deep_copy(on_stream, in.slot, tokens(in.stream, t, 1));
+    for (const auto& in : inputs3) Kokkos::deep_copy(on_stream, in.slot, gates(in.stream, t, 1));
     REQUIRE(cudaGraphLaunch(instance, stream) == cudaSuccess);
-    store(t);
+    Kokkos::deep_copy(on_stream, tokens(y_out, t, 1), slot_y);
   }
   on_stream.fence();
   REQUIRE(cudaGraphExecDestroy(instance) == cudaSuccess);
   REQUIRE(cudaGraphDestroy(graph) == cudaSuccess);
+  memory.sync();
+  REQUIRE(differing_outputs(want, y_out, first, last) == 0);
 }
 
-void require_same(const view4& a, const view4& b, long first, long last) {
-  const auto ha = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace{}, a);
-  const auto hb = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace{}, b);
-  long differ = 0;
-  for (long s = 0; s < static_cast<long>(a.extent(0)); ++s)
-    for (long h = 0; h < static_cast<long>(a.extent(1)); ++h)
-      for (long t = first; t < last; ++t)
-        for (long c = 0; c < static_cast<long>(a.extent(3)); ++c) differ += same_bits(ha(s, h, t, c), hb(s, h, t, c)) ? 0 : 1;
-  REQUIRE(differ == 0);
-}
-
-constexpr std::array<unsigned char, kBatch> kNone{0, 0};
+/// One token's slot of a view [B, heads, T, channels] or [B, heads, T].
+view4 slot(const view4& v) { return view4("slot", v.extent(0), v.extent(1), 1, v.extent(3)); }
+view3 slot(const view3& v) { return view3("slot", v.extent(0), v.extent(1), 1); }
+Input4 input(const view4& v) { return {slot(v), v}; }
+Input3 input(const view3& v) { return {slot(v), v}; }
 
 }  // namespace
 
 TEST_CASE("decode_async: one step captured in a CUDA graph replays decode()'s outputs", "[decode-async][cuda]") {
   CaptureStream cs;
   const cuda_t on_stream(cs.stream);
-  auto one = [](long heads, long channels) { return view4("slot", kBatch, heads, 1, channels); };
-  auto one3 = [](long heads) { return view3("slot", kBatch, heads, 1); };
 
   SECTION("KVM, power-law budget") {
     const Stream s;
     const auto w = unit_weights();
     KvmPowerLaw want = kvm_power_law(w);
-    using Graphed = kvmem::KvmMemory<cuda_t, kvmem::budget::PowerLaw>;
-    Graphed got(memory_config(2, 1), kGrowing, w, kBatch, on_stream);
+    kvmem::KvmMemory<cuda_t, kvmem::budget::PowerLaw> got(memory_config(2, 1), kGrowing, w, kBatch, on_stream);
     view4 y2("y2", kBatch, kQueryHeads, s.T, kHeadDim);
     want.prefill(tokens(s.q, 0, kPrompt), tokens(s.k, 0, kPrompt), tokens(s.v, 0, kPrompt), gates(s.gate, 0, kPrompt),
                  tokens(s.y, 0, kPrompt));
@@ -97,24 +100,13 @@ TEST_CASE("decode_async: one step captured in a CUDA graph replays decode()'s ou
                 tokens(y2, 0, kPrompt));
     for (long t = kPrompt; t < s.T; ++t)
       want.decode(tokens(s.q, t, 1), tokens(s.k, t, 1), tokens(s.v, t, 1), gates(s.gate, t, 1), tokens(s.y, t, 1));
-    const TokenSlot slot{one(kQueryHeads, kHeadDim), one(kKvHeads, kHeadDim), one(kKvHeads, kHeadDim),
-                         one(kQueryHeads, kHeadDim), {}, one3(kKvHeads), {}, {}, {}, {}};
-    auto step = [&] { got.decode_async(slot.q, slot.k, slot.v, slot.gate, slot.y); };
+    const Input4 q = input(s.q), k = input(s.k), v = input(s.v);
+    const Input3 gate = input(s.gate);
+    const view4 y = slot(s.y);
     got.reserve(s.T);
-    got.set_active(kNone);
-    step();  // warm-up: no sequence is active
-    got.set_active({});
-    replay(
-        on_stream, cs.stream, kPrompt, s.T, step,
-        [&](long t) {
-          Kokkos::deep_copy(on_stream, slot.q, tokens(s.q, t, 1));
-          Kokkos::deep_copy(on_stream, slot.k, tokens(s.k, t, 1));
-          Kokkos::deep_copy(on_stream, slot.v, tokens(s.v, t, 1));
-          Kokkos::deep_copy(on_stream, slot.gate, gates(s.gate, t, 1));
-        },
-        [&](long t) { Kokkos::deep_copy(on_stream, tokens(y2, t, 1), slot.y); });
-    got.sync();
-    require_same(s.y, y2, kPrompt, s.T);
+    capture_and_replay(
+        got, on_stream, cs.stream, [&] { got.decode_async(q.slot, k.slot, v.slot, gate.slot, y); }, kPrompt, s.T,
+        {q, k, v}, {gate}, y, y2, s.y);
     for (long b = 0; b < kBatch; ++b) {
       REQUIRE(got.cursor(b).tokens == want.cursor(b).tokens);
       REQUIRE(got.cursor(b).rows == want.cursor(b).rows);
@@ -132,22 +124,11 @@ TEST_CASE("decode_async: one step captured in a CUDA graph replays decode()'s ou
     got.prefill(tokens(s.q, 0, kPrompt), tokens(s.k, 0, kPrompt), tokens(s.v, 0, kPrompt), tokens(y2, 0, kPrompt));
     for (long t = kPrompt; t < s.T; ++t)
       want.decode(tokens(s.q, t, 1), tokens(s.k, t, 1), tokens(s.v, t, 1), tokens(s.y, t, 1));
-    const TokenSlot slot{one(kQueryHeads, kHeadDim), one(kKvHeads, kHeadDim), one(kKvHeads, kHeadDim),
-                         one(kQueryHeads, kHeadDim), {}, {}, {}, {}, {}, {}};
-    auto step = [&] { got.decode_async(slot.q, slot.k, slot.v, slot.y); };
-    got.set_active(kNone);
-    step();
-    got.set_active({});
-    replay(
-        on_stream, cs.stream, kPrompt, s.T, step,
-        [&](long t) {
-          Kokkos::deep_copy(on_stream, slot.q, tokens(s.q, t, 1));
-          Kokkos::deep_copy(on_stream, slot.k, tokens(s.k, t, 1));
-          Kokkos::deep_copy(on_stream, slot.v, tokens(s.v, t, 1));
-        },
-        [&](long t) { Kokkos::deep_copy(on_stream, tokens(y2, t, 1), slot.y); });
-    got.sync();
-    require_same(s.y, y2, kPrompt, s.T);
+    const Input4 q = input(s.q), k = input(s.k), v = input(s.v);
+    const view4 y = slot(s.y);
+    capture_and_replay(
+        got, on_stream, cs.stream, [&] { got.decode_async(q.slot, k.slot, v.slot, y); }, kPrompt, s.T, {q, k, v}, {},
+        y, y2, s.y);
     REQUIRE(got.tokens(0) == want.tokens(0));
   }
 
@@ -169,30 +150,13 @@ TEST_CASE("decode_async: one step captured in a CUDA graph replays decode()'s ou
     for (long t = kPrompt; t < s.T; ++t)
       want.decode(tokens(s.q, t, 1), tokens(s.k, t, 1), tokens(s.v, t, 1), tokens(s.alpha, t, 1), gates(s.beta1, t, 1),
                   gates(s.gamma1, t, 1), gates(s.beta2, t, 1), gates(s.gamma2, t, 1), tokens(s.y, t, 1));
-    const TokenSlot slot{one(kKvHeads, kHeadDim), one(kKvHeads, kHeadDim), one(kKvHeads, kHeadDim),
-                         one(kKvHeads, kHeadDim), one(kKvHeads, kSlots), {}, one3(kKvHeads), one3(kKvHeads),
-                         one3(kKvHeads), one3(kKvHeads)};
-    auto step = [&] {
-      got.decode_async(slot.q, slot.k, slot.v, slot.alpha, slot.beta1, slot.gamma1, slot.beta2, slot.gamma2, slot.y);
-    };
-    got.set_active(kNone);
-    step();
-    got.set_active({});
-    replay(
-        on_stream, cs.stream, kPrompt, s.T, step,
-        [&](long t) {
-          Kokkos::deep_copy(on_stream, slot.q, tokens(s.q, t, 1));
-          Kokkos::deep_copy(on_stream, slot.k, tokens(s.k, t, 1));
-          Kokkos::deep_copy(on_stream, slot.v, tokens(s.v, t, 1));
-          Kokkos::deep_copy(on_stream, slot.alpha, tokens(s.alpha, t, 1));
-          Kokkos::deep_copy(on_stream, slot.beta1, gates(s.beta1, t, 1));
-          Kokkos::deep_copy(on_stream, slot.gamma1, gates(s.gamma1, t, 1));
-          Kokkos::deep_copy(on_stream, slot.beta2, gates(s.beta2, t, 1));
-          Kokkos::deep_copy(on_stream, slot.gamma2, gates(s.gamma2, t, 1));
-        },
-        [&](long t) { Kokkos::deep_copy(on_stream, tokens(y2, t, 1), slot.y); });
-    got.sync();
-    require_same(s.y, y2, kPrompt, s.T);
+    const Input4 q = input(s.q), k = input(s.k), v = input(s.v), alpha = input(s.alpha);
+    const Input3 b1 = input(s.beta1), g1 = input(s.gamma1), b2 = input(s.beta2), g2 = input(s.gamma2);
+    const view4 y = slot(s.y);
+    capture_and_replay(
+        got, on_stream, cs.stream,
+        [&] { got.decode_async(q.slot, k.slot, v.slot, alpha.slot, b1.slot, g1.slot, b2.slot, g2.slot, y); }, kPrompt,
+        s.T, {q, k, v, alpha}, {b1, g1, b2, g2}, y, y2, s.y);
     REQUIRE(got.tokens(0) == want.tokens(0));
   }
 }
