@@ -81,10 +81,11 @@ void require_device_plan(const kvmem::MemoryConfig& cfg, const Budget& budget, c
 std::array<unsigned char, kBatch> batch_active_at(long t) { return {1, static_cast<unsigned char>(t < 200 || t >= 260)}; }
 
 /// Runs `steps` decode steps of two equal memories, one through decode(active) and one through set_active()
-/// (when the set changes) and decode_async(), and requires the same y.
-template <class Make, class Step, class Async>
+/// (when the set changes) and decode_async(), and requires the same y and, after sync(), the same
+/// `counts`(memory, b) for every sequence.
+template <class Make, class Step, class Async, class Counts>
 void require_async_matches(const Make& make, long prompt, long last, const view4& y_sync, const view4& y_async,
-                           const Step& step, const Async& async_step) {
+                           const Step& step, const Async& async_step, const Counts& counts) {
   auto sync = make(y_sync), async = make(y_async);
   std::array<unsigned char, kBatch> was{1, 1};
   for (long t = prompt; t < last; ++t) {
@@ -97,7 +98,11 @@ void require_async_matches(const Make& make, long prompt, long last, const view4
   exec().fence();
   async.sync();
   REQUIRE(differing_outputs(y_sync, y_async, prompt, last) == 0);
+  for (long b = 0; b < kBatch; ++b) REQUIRE(counts(sync, b) == counts(async, b));
 }
+
+/// The token count of sequence b (an eviction or Trellis memory).
+constexpr auto token_count = [](const auto& memory, long b) { return memory.tokens(b); };
 
 /// `construct`(weights) builds the memory (decode_stream.hpp: kvm_power_law, ovq_plateau, kvm_row_eviction).
 template <class Construct>
@@ -122,6 +127,10 @@ void require_memory_async(const Construct& construct) {
       },
       [&](Memory& m, long t) {
         m.decode_async(tokens(s.q, t, 1), tokens(s.k, t, 1), tokens(s.v, t, 1), gates(s.gate, t, 1), tokens(y2, t, 1));
+      },
+      [](const Memory& m, long b) {
+        const SequenceCursor& c = m.cursor(b);
+        return std::array<long, 4>{c.tokens, c.covered, c.rows, c.granted};
       });
   REQUIRE(want[1].tokens < want[0].tokens);  // the pause happened
   REQUIRE(want[0].covered > kPrompt + 8 * kChunk);
@@ -144,7 +153,8 @@ void require_eviction_async(const Scorer& scorer) {
       [&](Memory& m, long t, std::span<const unsigned char> on) {
         m.decode(tokens(s.q, t, 1), tokens(s.k, t, 1), tokens(s.v, t, 1), tokens(s.y, t, 1), on);
       },
-      [&](Memory& m, long t) { m.decode_async(tokens(s.q, t, 1), tokens(s.k, t, 1), tokens(s.v, t, 1), tokens(y2, t, 1)); });
+      [&](Memory& m, long t) { m.decode_async(tokens(s.q, t, 1), tokens(s.k, t, 1), tokens(s.v, t, 1), tokens(y2, t, 1)); },
+      token_count);
 }
 
 void require_trellis_async() {
@@ -178,7 +188,8 @@ void require_trellis_async() {
       [&](Memory& m, long t, std::span<const unsigned char> on) {
         std::apply([&](const auto&... x) { m.decode(x..., tokens(s.y, t, 1), on); }, in(t));
       },
-      [&](Memory& m, long t) { std::apply([&](const auto&... x) { m.decode_async(x..., tokens(y2, t, 1)); }, in(t)); });
+      [&](Memory& m, long t) { std::apply([&](const auto&... x) { m.decode_async(x..., tokens(y2, t, 1)); }, in(t)); },
+      token_count);
 }
 
 }  // namespace

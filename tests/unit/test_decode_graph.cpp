@@ -2,7 +2,7 @@
 // by scripts/gpu-check; an OpenMP build compiles nothing here). For a KVM, an eviction and a Trellis
 // memory: the reference decodes the stream with decode(); the other memory runs on a Kokkos::Cuda
 // instance over a stream of its own, captures one decode_async() step into a graph (after reserve(),
-// set_active() and a warm-up step of no active sequence, which performs Kokkos' lazy allocations), then,
+// kernels::warm_team_scratch, set_active() and a warm-up step of no active sequence), then,
 // per token, copies the token into fixed input views, replays the graph and copies y out. Every output
 // must equal the reference's bit for bit, and sync() must give the reference's counts
 // (docs/cuda.md, "Capturing a decode step in a CUDA graph").
@@ -28,7 +28,8 @@ static_assert(std::is_same_v<mem, cuda_t::memory_space>, "the test streams live 
 /// A stream of its own and a Kokkos::Cuda instance on it; destroyed after the instance.
 struct CaptureStream {
   cudaStream_t stream{};
-  CaptureStream() { REQUIRE(cudaStreamCreate(&stream) == cudaSuccess); }
+  // Non-blocking: nothing on the legacy default stream can join (and so invalidate) a capture on it.
+  CaptureStream() { REQUIRE(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking) == cudaSuccess); }
   ~CaptureStream() { cudaStreamDestroy(stream); }
   CaptureStream(const CaptureStream&) = delete;
   CaptureStream& operator=(const CaptureStream&) = delete;
@@ -43,8 +44,9 @@ struct Input {
 using Input4 = Input<view4>;
 using Input3 = Input<view3>;
 
-/// The captured half of a test: with the active set empty, one warm-up `step` (one decode_async, which
-/// performs Kokkos' lazy allocations); all sequences active; `step` captured on `on_stream`'s stream into
+/// The captured half of a test: Kokkos' team-scratch pool given memory (kernels::warm_team_scratch); with
+/// the active set empty, one warm-up `step` (one decode_async, which performs Kokkos' other lazy
+/// allocations); all sequences active; `step` captured on `on_stream`'s stream into
 /// a graph; then for every token t in [first, last) the inputs' slots refilled with token t, the graph
 /// replayed and `slot_y` copied to y_out[:, :, t]. Ends with a fence and memory.sync(), and requires y_out
 /// to equal `want` over [first, last) bit for bit.
@@ -53,13 +55,19 @@ void capture_and_replay(Memory& memory, const cuda_t& on_stream, cudaStream_t st
                         long last, const std::vector<Input4>& inputs4, const std::vector<Input3>& inputs3,
                         const view4& slot_y, const view4& y_out, const view4& want) {
   const std::array<unsigned char, kBatch> none{};
+  kvmem::kernels::warm_team_scratch(on_stream);  // else each team launch asks for a zero-byte pool
   memory.set_active(none);
   step();
   memory.set_active({});
   on_stream.fence();
   cudaGraph_t graph{};
   REQUIRE(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal) == cudaSuccess);
-  step();
+  try {
+    step();
+  } catch (...) {  // end the capture whatever happened, so that the stream is usable again
+    cudaStreamEndCapture(stream, &graph);
+    throw;
+  }
   REQUIRE(cudaStreamEndCapture(stream, &graph) == cudaSuccess);
   cudaGraphExec_t instance{};
   REQUIRE(cudaGraphInstantiate(&instance, graph, 0) == cudaSuccess);

@@ -2,7 +2,8 @@
 /// \file decode_plan.hpp
 /// A decode step's plan worked out where the counts live: one token per active sequence (its window write,
 /// readout and at most one fold), by one function that the host and a device kernel both run, so a decode
-/// step on a GPU needs no plan from the host (spec KVM.md §6; docs/cuda.md, "A decode step").
+/// step on a GPU needs no plan from the host (spec KVM.md §6; docs/cuda.md, "A decode step: plan once, run
+/// many").
 
 #include <Kokkos_Core.hpp>
 #include <algorithm>
@@ -44,7 +45,7 @@ struct FoldTable {
   long folds = 0;  ///< entries held, blocks
 
   /// Makes the table hold at least `needed` blocks: nothing when it does; otherwise max(needed, 2 * folds,
-  /// 16) blocks, one allocation and one copy to the device (none on a host memory space).
+  /// 16) blocks: one allocation, and on a GPU a host mirror's too and one copy to the device.
   template <class ExecSpace, budget::BudgetSchedule Budget>
   void cover(const ExecSpace& exec, const MemoryConfig& cfg, const Budget& budget, bool verbatim, long needed) {
     if (needed <= folds) return;

@@ -2,7 +2,7 @@
 /// \file sequence_counts.hpp
 /// Per-sequence counts that live on the device beside the state (tokens seen, a step's token counts), with
 /// the host's copy of them: a decode step reads and advances them on the device, so it needs no plan, no
-/// copy and no fence from the host (docs/cuda.md, "A decode step").
+/// copy and no fence from the host (docs/cuda.md, "A decode step: plan once, run many").
 
 #include <Kokkos_Core.hpp>
 #include <span>
