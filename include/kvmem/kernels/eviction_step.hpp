@@ -15,6 +15,7 @@
 #include "readout.hpp"
 #include "simd.hpp"
 #include "step_launch.hpp"
+#include "team_select.hpp"
 #include "vector_ops.hpp"
 
 namespace kvmem::kernels {
@@ -123,12 +124,13 @@ struct RetainedRange {
 /// The entry of [r.begin, r.end) to evict at step q: the lowest sum over kv-heads [h0, h1) of effective
 /// scores (one head, or every head of the layer for a layer-wide scorer; they hold the same positions);
 /// on a tie the older token (the first entry) loses (spec §4: newer wins). As the serial scan that keeps the
-/// first strictly lower score: a NaN score at r.begin keeps r.begin, NaN elsewhere never wins. Two exact
-/// team reductions (the lowest score, then its first entry): the same entry for every team size.
+/// first strictly lower score: a NaN score at r.begin keeps r.begin, NaN elsewhere never wins. One exact
+/// team reduction (team_lowest: Kokkos::MinFirstLoc, CUB's warp reduction on Cuda): the same entry for
+/// every team size and backend. Ends with a team barrier.
 template <class Team, class Scorer, class Cache>
 KOKKOS_INLINE_FUNCTION long eviction_worst(const Team& team, const EvictionParams& p, const Cache& c,
                                            const Scorer& scorer, long b, int h0, int h1, long q,
-                                           const RetainedRange& r) {
+                                           const RetainedRange& r, TeamSelectScratch select) {
   auto score = [&](long i) {
     double e = 0.0;
     for (int h = h0; h < h1; ++h) {
@@ -137,25 +139,7 @@ KOKKOS_INLINE_FUNCTION long eviction_worst(const Team& team, const EvictionParam
     }
     return e;
   };
-  const double first = score(r.begin);
-  if (first != first) return r.begin;
-  double lowest = first;
-  Kokkos::parallel_reduce(
-      Kokkos::TeamThreadRange(team, r.begin + 1, r.end),
-      [&](long i, double& m) {
-        const double e = score(i);
-        if (e < m) m = e;
-      },
-      Kokkos::Min<double>(lowest));
-  lowest = lowest < first ? lowest : first;
-  long worst = r.end;
-  Kokkos::parallel_reduce(
-      Kokkos::TeamThreadRange(team, r.begin, r.end),
-      [&](long i, long& w) {
-        if (i < w && score(i) == lowest) w = i;
-      },
-      Kokkos::Min<long>(worst));
-  return worst;
+  return team_lowest(team, r.begin, r.end, score, [](long) { return false; }, select);
 }
 
 /// Frees the slot of order entry `index` of (b, h) and closes the gap in the position order: entries
@@ -322,10 +306,11 @@ KOKKOS_INLINE_FUNCTION void eviction_attend(const Team& team, const EvictionPara
 template <class Team, class Scorer, class Cache, class T, class QueryOf, class OutOf>
 KOKKOS_INLINE_FUNCTION void eviction_step(const Team& team, const EvictionParams& p, const Cache& c,
                                           const Scorer& scorer, long b, int h, long q, const T* key,
-                                          const T* value, const QueryOf& query_of, const OutOf& out_of) {
+                                          const T* value, const QueryOf& query_of, const OutOf& out_of,
+                                          TeamSelectScratch select = {}) {
   eviction_append(team, p, c, scorer, b, h, q, key, value);
   for (RetainedRange r(p, c.live(b, h), q); r.end - r.begin > p.top_k; r = RetainedRange(p, c.live(b, h), q)) {
-    eviction_remove(team, c, b, h, eviction_worst(team, p, c, scorer, b, h, h + 1, q, r));
+    eviction_remove(team, c, b, h, eviction_worst(team, p, c, scorer, b, h, h + 1, q, r, select));
   }
   eviction_attend(team, p, c, scorer, b, h, query_of, out_of);
 }
@@ -337,10 +322,10 @@ template <class Team, class Scorer, class Cache, class QueryOf, class OutOf, cla
 KOKKOS_INLINE_FUNCTION void eviction_step_layer(const Team& team, const EvictionParams& p, const Cache& c,
                                                 const Scorer& scorer, long b, int heads, long q, const KeyOf& key_of,
                                                 const ValueOf& value_of, const QueryOf& query_of,
-                                                const OutOf& out_of) {
+                                                const OutOf& out_of, TeamSelectScratch select = {}) {
   for (int h = 0; h < heads; ++h) eviction_append(team, p, c, scorer, b, h, q, key_of(h), value_of(h));
   for (RetainedRange r(p, c.live(b, 0), q); r.end - r.begin > p.top_k; r = RetainedRange(p, c.live(b, 0), q)) {
-    const long worst = eviction_worst(team, p, c, scorer, b, 0, heads, q, r);
+    const long worst = eviction_worst(team, p, c, scorer, b, 0, heads, q, r, select);
     for (int h = 0; h < heads; ++h) eviction_remove(team, c, b, h, worst);
   }
   for (int h = 0; h < heads; ++h)
@@ -353,7 +338,8 @@ KOKKOS_INLINE_FUNCTION void eviction_step_layer(const Team& team, const Eviction
 /// definition (spec EVICTION.md §1), the heads and sequences independent, the rows and channels of a step
 /// spread over the team; one team per sequence for a layer-wide scorer (eviction_step_layer).
 /// `team_size`: threads per team, Kokkos::AUTO's choice when 0 (the memory's); every team size gives the
-/// same bits (the tests run several).
+/// same bits (the tests run several). On Cuda each team also gets the shared memory of CUB's selection
+/// (team_select_bytes).
 template <class Scorer, class ExecSpace, class Cache, class TokensIn, class TokensOut, class Lengths>
 void eviction_tokens(const ExecSpace& exec, const EvictionParams& p, const Cache& cache, const Scorer& scorer,
                      const TokensIn& q, const TokensIn& k, const TokensIn& v, const TokensOut& y, const Lengths& first,
@@ -362,17 +348,19 @@ void eviction_tokens(const ExecSpace& exec, const EvictionParams& p, const Cache
   const bool layer = scorer.layer_wide();
   using policy = Kokkos::TeamPolicy<ExecSpace, step_launch>;
   const int leagues = static_cast<int>(layer ? B : B * H);
+  auto launch = team_size > 0 ? policy(exec, leagues, team_size) : policy(exec, leagues, Kokkos::AUTO);
+  if constexpr (team_select_bytes<ExecSpace> > 0) launch.set_scratch_size(0, Kokkos::PerTeam(team_select_bytes<ExecSpace>));
   Kokkos::parallel_for(
-      "kvmem::evict", team_size > 0 ? policy(exec, leagues, team_size) : policy(exec, leagues, Kokkos::AUTO),
-      KOKKOS_LAMBDA(const typename policy::member_type& team) {
+      "kvmem::evict", launch, KOKKOS_LAMBDA(const typename policy::member_type& team) {
         const long idx = team.league_rank();
+        const TeamSelectScratch select = team_select_scratch(team);
         if (layer) {
           const long b = idx;
           for (long i = 0; i < lengths(b); ++i)
             eviction_step_layer(
                 team, p, cache, scorer, b, static_cast<int>(H), first(b) + i, [&](int h) { return &k(b, h, i, 0); },
                 [&](int h) { return &v(b, h, i, 0); }, [&](int h, int g) { return &q(b, h * p.group + g, i, 0); },
-                [&](int h, int g) { return &y(b, h * p.group + g, i, 0); });
+                [&](int h, int g) { return &y(b, h * p.group + g, i, 0); }, select);
           return;
         }
         const long b = idx / H;
@@ -380,7 +368,8 @@ void eviction_tokens(const ExecSpace& exec, const EvictionParams& p, const Cache
         for (long i = 0; i < lengths(b); ++i) {
           auto query_of = [&](int g) { return &q(b, h * p.group + g, i, 0); };
           auto out_of = [&](int g) { return &y(b, h * p.group + g, i, 0); };
-          eviction_step(team, p, cache, scorer, b, h, first(b) + i, &k(b, h, i, 0), &v(b, h, i, 0), query_of, out_of);
+          eviction_step(team, p, cache, scorer, b, h, first(b) + i, &k(b, h, i, 0), &v(b, h, i, 0), query_of, out_of,
+                        select);
         }
       });
 }

@@ -16,6 +16,7 @@
 #include "softmax_exp.hpp"
 #include "step_launch.hpp"
 #include "step_plan.hpp"
+#include "team_select.hpp"
 #include "tile_traits.hpp"
 #include "vector_ops.hpp"
 
@@ -137,14 +138,15 @@ inline constexpr int evict_rows_channels = 16;
 /// first row still in play is evicted, a NaN elsewhere never. Compacts the rest in their order (keys, values,
 /// read caches, decision keys, radius, counts, statistics). New rows of this fold start at statistic 0 (set
 /// here). Called by every thread of `team` (any team size, the same result): the search is exact team
-/// reductions, the compaction gives each thread whole columns (evict_rows_channels channels of one array)
+/// reductions (the first row in play, then team_lowest from it: CUB's warp reduction on Cuda, with
+/// `select`'s shared memory), the compaction gives each thread whole columns (evict_rows_channels channels of one array)
 /// walked in row order, so that no row is read after it is overwritten; radius, counts and statistics
 /// follow on one thread after a barrier. `p` is the plan's device view (StepPlan::device); p(b, block_count)
 /// > 0. Ends with a team barrier. Source: H2O (Zhang et al., 2023, Sec. 3) over state rows (kvmem's
 /// combination, score::RowAccumulatedAttention).
 template <class Team, class Rows, class Plan>
 KOKKOS_INLINE_FUNCTION void evict_rows_team(const Team& team, const MemoryConfig& cfg, const Rows& rows,
-                                            const Plan& p, long b, long h) {
+                                            const Plan& p, long b, long h, TeamSelectScratch select = {}) {
   const long before = p(b, rows_before), m = before + p(b, append_count), sinks = cfg.sinks;
   // The fold's fresh rows [before, m) have not been read by any query yet (statistic 0): they are exempt
   // while older rows remain, so a fold evicts stale rows, not the tokens it just appended.
@@ -157,7 +159,7 @@ KOKKOS_INLINE_FUNCTION void evict_rows_team(const Team& team, const MemoryConfig
   for (int pass = 0; pass < 2 && evict > 0; ++pass) {
     const long lo = pass == 0 ? sinks : (before > sinks ? before : sinks), hi = pass == 0 ? before : m;
     while (evict > 0) {
-      // (A reduction's result replaces its variable's initial value: those below only document it.)
+      // (A reduction's result replaces its variable's initial value: this one only documents it.)
       long first = hi;  // the first row still in play
       Kokkos::parallel_reduce(
           Kokkos::TeamThreadRange(team, lo, hi),
@@ -166,29 +168,7 @@ KOKKOS_INLINE_FUNCTION void evict_rows_team(const Team& team, const MemoryConfig
           },
           Kokkos::Min<long>(first));
       if (first >= hi) break;
-      long worst = first;
-      const double s0 = stat(first);
-      if (s0 == s0) {
-        double lowest = s0;
-        Kokkos::parallel_reduce(
-            Kokkos::TeamThreadRange(team, first + 1, hi),
-            [&](long i, double& v) {
-              const double s = stat(i);
-              if (s < v) v = s;  // NaN and evicted rows (+inf) never lower
-            },
-            Kokkos::Min<double>(lowest));
-        if (lowest < s0) {
-          worst = hi;
-          Kokkos::parallel_reduce(
-              Kokkos::TeamThreadRange(team, first + 1, hi),
-              [&](long i, long& w) {
-                if (i < w && stat(i) == lowest) w = i;
-              },
-              Kokkos::Min<long>(worst));
-        }
-      } else {
-        team.team_barrier();  // every thread has read s0 (a reduction above does this otherwise)
-      }
+      const long worst = team_lowest(team, first, hi, stat, [&](long i) { return stat(i) == gone; }, select);
       KOKKOS_ASSERT(worst >= lo && worst < hi);
       Kokkos::single(Kokkos::PerTeam(team), [&] { rows.stats(b, h, worst) = gone; });
       team.team_barrier();

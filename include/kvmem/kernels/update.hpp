@@ -25,6 +25,7 @@
 /// must not allocate).
 
 #include <Kokkos_Core.hpp>
+#include <cstdint>
 #include <type_traits>
 
 #include "../config.hpp"
@@ -37,6 +38,7 @@
 #include "simd.hpp"
 #include "step_launch.hpp"
 #include "step_plan.hpp"
+#include "team_select.hpp"
 #include "team_size.hpp"
 #include "vector_ops.hpp"
 
@@ -309,25 +311,12 @@ void update_state(const ExecSpace& exec, const MemoryConfig& cfg, const LayerWei
     }
   };
   // 3. select: rank by (score asc, token index asc); the first `selected` found rows. NaN scores (from a
-  //    non-finite key) rank after every number, so the ranks stay a permutation of 0..count-1: with plain
-  //    `<` every NaN would rank 0, more tokens than planned would found rows, past the rows the host
-  //    planned and allocated, or several tokens would write one row.
-  auto select_token = [=] KOKKOS_FUNCTION(long b, long h, long j) {
-    const long count = p(b, block_count);
-    long rank = j;  // every token selected in token order when no ranking is needed
-    if (must_rank(b)) {
-      const float sj = scores(b, h, j);
-      const bool nan_j = sj != sj;
-      rank = 0;
-      for (long i = 0; i < count; ++i) {
-        const float si = scores(b, h, i);
-        const bool nan_i = si != si;
-        const bool before = nan_i || nan_j ? (nan_j && (!nan_i || i < j)) : (si < sj || (si == sj && i < j));
-        rank += before ? 1 : 0;
-      }
-    }
-    ranks(b, h, j) = rank;
-  };
+  //    non-finite key) rank after every number (order_key), so the ranks stay a permutation of
+  //    0..count-1: with plain `<` every NaN would rank 0, more tokens than planned would found rows, past
+  //    the rows the host planned and allocated, or several tokens would write one row. Without a ranking
+  //    every token is selected in token order.
+  auto score_key = [=] KOKKOS_FUNCTION(long b, long h, long j) { return order_key(scores(b, h, j)); };
+  auto token_order = [=] KOKKOS_FUNCTION(long b, long h, long j) { ranks(b, h, j) = j; };
   // 4. append: selected tokens become rows base.. in token or score order (spec KVM.md §5.4, OVQ.md §5.1).
   auto append = [=] KOKKOS_FUNCTION(long b, long h, long j) {
     const long n = selected(b), m = p(b, rows_before);
@@ -412,16 +401,13 @@ void update_state(const ExecSpace& exec, const MemoryConfig& cfg, const LayerWei
                   });
     routes(b, h, j) = best_row;
   };
-  // 6. group the routed tokens by row: position of token j = #{i : (route_i, i) < (route_j, j)}, so each
-  //    row's tokens are one run in token order (tokens that found rows, route no_route, come last).
-  auto group = [=] KOKKOS_FUNCTION(long b, long h, long j) {
-    const long count = p(b, block_count);
-    const long rj = routes(b, h, j);
-    const long* r = &routes(b, h, 0);
-    long pos = 0;
-    for (long i = 0; i < j; ++i) pos += r[i] <= rj ? 1 : 0;
-    for (long i = j + 1; i < count; ++i) pos += r[i] < rj ? 1 : 0;
-    grouped(b, h, pos) = j;
+  // 6. group the routed tokens by row: position of token j = #{i : (route_i, i) < (route_j, j)} (team_rank
+  //    of the routes as keys), so each row's tokens are one run in token order (tokens that found rows,
+  //    route no_route, come last).
+  auto route_key = [=] KOKKOS_FUNCTION(long b, long h, long j) {
+    constexpr long last = static_cast<long>(~std::uint32_t{0});
+    const long r = routes(b, h, j);
+    return static_cast<std::uint32_t>(r < last ? r : last);
   };
   // 7. fold each row's run of routed tokens into it in token order, then refresh its read caches: one
   //    thread per run, found at the run's first position k.
@@ -444,7 +430,10 @@ void update_state(const ExecSpace& exec, const MemoryConfig& cfg, const LayerWei
   using scratch_t = Kokkos::View<float*, typename ExecSpace::scratch_memory_space, Kokkos::MemoryUnmanaged>;
   // The team size before the backend's cap, and the scratch level where that many threads' register-tile
   // buffers (D x L floats each) fit together; the cap below only lowers the size.
-  const int wanted = head_team_size(exec, B * H, max_block, Kokkos::Experimental::finite_max_v<int>);
+  // (On Cuda whole blocks of backend::cuda::rank_team threads, which CUB's block sort of the ranks takes.)
+  const int wanted = team_select_bytes<ExecSpace> > 0
+                         ? backend::cuda::rank_team
+                         : head_team_size(exec, B * H, max_block, Kokkos::Experimental::finite_max_v<int>);
   const std::size_t bytes = lanes ? scratch_t::shmem_size(long(D) * L) : 0;
   const int level =
       bytes * static_cast<std::size_t>(wanted) <= static_cast<std::size_t>(policy_t(exec, 1, 1).scratch_size_max(0)) ? 0 : 1;
@@ -452,6 +441,7 @@ void update_state(const ExecSpace& exec, const MemoryConfig& cfg, const LayerWei
     const long h = team.league_rank() % H, b = team.league_rank() / H;
     const long count = p(b, block_count);
     if (count <= 0) return;  // the whole team: no barrier is left waiting
+    const TeamSelectScratch select = team_select_scratch(team);
     // (plain `if` on the constexpr flags: nvcc's extended lambdas cannot first-capture inside if constexpr)
     float* at = nullptr;
     if (lanes) at = static_cast<float*>(team.thread_scratch(level).get_shmem(sizeof(float) * D * L));
@@ -475,20 +465,26 @@ void update_state(const ExecSpace& exec, const MemoryConfig& cfg, const LayerWei
         tokens(score_token);
     }
     if (selected(b) > 0) {
-      tokens(select_token);
+      if (must_rank(b))
+        team_rank(team, count, [&](long j) { return score_key(b, h, j); }, [&](long j, long r) { ranks(b, h, j) = r; },
+                  select);
+      else
+        tokens(token_order);
       tokens(append);
     }
     if (lanes)
       token_blocks(route_block);
     else
       tokens(route_token);
-    tokens(group);
+    team_rank(team, count, [&](long j) { return route_key(b, h, j); }, [&](long j, long pos) { grouped(b, h, pos) = j; },
+              select);
     tokens(fold);
-    if (EvictRows) evict_rows_team(team, cfg, st, p, b, h);
+    if (EvictRows) evict_rows_team(team, cfg, st, p, b, h, select);
   };
   const int most = policy_t(exec, B * H, 1).team_size_max(body, Kokkos::ParallelForTag());
   policy_t policy(exec, B * H, Kokkos::min(wanted, most));
   if (bytes > 0) policy.set_scratch_size(level, Kokkos::PerThread(bytes));
+  if constexpr (team_select_bytes<ExecSpace> > 0) policy.set_scratch_size(0, Kokkos::PerTeam(team_select_bytes<ExecSpace>));
   Kokkos::parallel_for("kvmem::update", policy, body);
 }
 
