@@ -127,12 +127,16 @@ struct Rows {
     kvmem::MemoryConfig cfg;
     long heads;
     KOKKOS_FUNCTION void operator()(const typename policy_t::member_type& team) const {
-      kk::evict_rows_team(team, cfg, rows, plan, team.league_rank() / heads, team.league_rank() % heads);
+      // With the team's selection scratch: on Cuda the search for the lowest row is CUB's (team_select.hpp).
+      kk::evict_rows_team(team, cfg, rows, plan, team.league_rank() / heads, team.league_rank() % heads,
+                          kk::team_select_scratch(team));
     }
   };
   [[nodiscard]] Kernel kernel() const { return Kernel{rows, plan.device, cfg, cfg.kv_heads}; }
   [[nodiscard]] policy_t policy(int team_size) const {
-    return policy_t(exec(), static_cast<long>(folds.size()) * cfg.kv_heads, team_size);
+    policy_t p(exec(), static_cast<long>(folds.size()) * cfg.kv_heads, team_size);
+    if (kk::team_select_bytes<exec> > 0) p.set_scratch_size(0, Kokkos::PerTeam(kk::team_select_bytes<exec>));
+    return p;
   }
   /// Team sizes 1, 2 and the backend's largest for this kernel (those the backend allows).
   [[nodiscard]] std::vector<int> team_sizes() const {

@@ -13,6 +13,7 @@
 #include <limits>
 #include <numeric>
 #include <random>
+#include <type_traits>
 #include <vector>
 
 #include <kvmem/kernels/team_select.hpp>
@@ -69,6 +70,11 @@ void check_order_keys() {
       CHECK((kk::order_key(a) == kk::order_key(b)) == same);
     }
 }
+
+#ifdef KOKKOS_ENABLE_CUDA
+static_assert(!std::is_same_v<exec, Kokkos::Cuda> || kk::team_select_bytes<exec> > 0,
+              "on Cuda the selections take CUB's paths, which need team scratch");
+#endif
 
 TEST_CASE("team select: order_key orders numbers as < does, -0 as +0, every NaN after +inf", "[team-select]") {
   check_order_keys<float>();
