@@ -19,7 +19,8 @@
 ///              (evict_rows_team, row_eviction.hpp).
 /// One kernel runs them all (update_state): a team per (sequence, kv-head), each pass split over the team's
 /// threads with a team barrier after it; score runs only where a block is ranked, select and append only
-/// where tokens found rows. The same kernel serves KVM's first-chunk copy (every token appended), so
+/// where tokens found rows. Select and group rank through kernels::team_rank (CUB's block radix sort on
+/// Cuda, rank counting elsewhere: the same ranks). The same kernel serves KVM's first-chunk copy (every token appended), so
 /// prefill and decode produce identical bits. Its Kokkos label, kvmem::update, has at most 15 characters,
 /// which a std::string holds without a heap allocation (Kokkos copies the label at every launch; decode
 /// must not allocate).
