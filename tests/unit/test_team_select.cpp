@@ -4,7 +4,9 @@
 // on the default execution space at several team sizes, with and without the team's selection scratch:
 // on Kokkos::Cuda with it, CUB's warp reduction and block radix sort (backend/cuda/team_select.hpp),
 // without it the portable Kokkos path, so where a GPU runs this test the CUB fast paths must choose what
-// the portable paths choose, and both what the host reference chooses.
+// the portable paths choose, and both what the host reference chooses. The tests also call the CUB
+// functions directly and require them to apply exactly where they should (whole warps, or a team of
+// rank_team threads, given the scratch), so a fast path that silently fell back would fail here.
 #include <catch2/catch_test_macros.hpp>
 
 #include <algorithm>
@@ -16,6 +18,7 @@
 #include <type_traits>
 #include <vector>
 
+#include <kvmem/backend/cuda/team_select.hpp>
 #include <kvmem/kernels/team_select.hpp>
 
 namespace {
@@ -134,10 +137,16 @@ struct LowestKernel {
   Kokkos::View<int**, Kokkos::LayoutRight, mem> skip;
   Kokkos::View<long**, Kokkos::LayoutRight, mem> range;  // [case, 2]: begin, end
   Kokkos::View<long*, mem> out;
+  Kokkos::View<long*, mem> fast;  // CUB's own answer where its path applies, -1 where it does not
   bool with_scratch;
   KOKKOS_FUNCTION void operator()(const member_t& team) const {
     const long x = team.league_rank();
     const kk::TeamSelectScratch select = with_scratch ? kk::team_select_scratch(team) : kk::TeamSelectScratch{};
+    long cub = -1;
+    const bool applies = kvmem::backend::cuda::team_lowest(
+        team, range(x, 0), range(x, 1),
+        [&](long i) { return skip(x, i) != 0 ? ~std::uint64_t{0} : kk::order_key(scores(x, i)); }, select.shared, cub);
+    Kokkos::single(Kokkos::PerTeam(team), [&] { fast(x) = applies ? cub : -1; });
     const long lowest = kk::team_lowest(
         team, range(x, 0), range(x, 1), [&](long i) { return scores(x, i); }, [&](long i) { return skip(x, i) != 0; },
         select);
@@ -156,7 +165,8 @@ TEST_CASE("team select: team_lowest picks the serial scan's entry at every team 
   const long n = static_cast<long>(cases.size());
   LowestKernel k{Kokkos::View<double**, Kokkos::LayoutRight, mem>("scores", n, width),
                  Kokkos::View<int**, Kokkos::LayoutRight, mem>("skip", n, width),
-                 Kokkos::View<long**, Kokkos::LayoutRight, mem>("range", n, 2), Kokkos::View<long*, mem>("out", n), true};
+                 Kokkos::View<long**, Kokkos::LayoutRight, mem>("range", n, 2), Kokkos::View<long*, mem>("out", n),
+                 Kokkos::View<long*, mem>("fast", n), true};
   auto sh = Kokkos::create_mirror_view(k.scores);
   auto kh = Kokkos::create_mirror_view(k.skip);
   auto rh = Kokkos::create_mirror_view(k.range);
@@ -175,10 +185,14 @@ TEST_CASE("team select: team_lowest picks the serial scan's entry at every team 
       Kokkos::deep_copy(k.out, -1L);
       Kokkos::parallel_for("test_team_lowest", select_policy(n, size, with_scratch), k);
       const auto out = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace{}, k.out);
+      const auto fast = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace{}, k.fast);
+      // CUB's path applies on Cuda to a team of whole warps (vector length 1) given the scratch, nowhere else.
+      const bool cub_applies = kk::team_select_bytes<exec> > 0 && with_scratch && size % 32 == 0;
       for (long x = 0; x < n; ++x) {
         INFO("team size " << size << (with_scratch ? " with" : " without") << " the selection scratch, case " << x
                           << ": [" << cases[x].begin << ", " << cases[x].end << ")");
         REQUIRE(out(x) == expected[x]);
+        REQUIRE(fast(x) == (cub_applies ? expected[x] : -1));
       }
     }
   }
@@ -186,16 +200,29 @@ TEST_CASE("team select: team_lowest picks the serial scan's entry at every team 
 
 // ---- team_rank ----
 
+/// The update kernel's sequence on one team's scratch: rank (select), lowest (row eviction's search), rank
+/// (group) again; the second ranks must equal the first, and the lowest item is the one ranked 0. `fast`:
+/// whether CUB's sort applied, by calling it directly once more.
 struct RankKernel {
   Kokkos::View<std::uint32_t**, Kokkos::LayoutRight, mem> keys;
   Kokkos::View<long*, mem> counts;
-  Kokkos::View<long**, Kokkos::LayoutRight, mem> ranks;
+  Kokkos::View<long**, Kokkos::LayoutRight, mem> ranks, again, cub;
+  Kokkos::View<long*, mem> lowest, fast;
   bool with_scratch;
   KOKKOS_FUNCTION void operator()(const member_t& team) const {
-    const long x = team.league_rank();
+    const long x = team.league_rank(), n = counts(x);
     const kk::TeamSelectScratch select = with_scratch ? kk::team_select_scratch(team) : kk::TeamSelectScratch{};
-    kk::team_rank(
-        team, counts(x), [&](long j) { return keys(x, j); }, [&](long j, long r) { ranks(x, j) = r; }, select);
+    auto key = [&](long j) { return keys(x, j); };
+    kk::team_rank(team, n, key, [&](long j, long r) { ranks(x, j) = r; }, select);
+    if (n > 0) {
+      const long l = kk::team_lowest(
+          team, 0, n, [&](long j) { return static_cast<double>(keys(x, j)); }, [](long) { return false; }, select);
+      Kokkos::single(Kokkos::PerTeam(team), [&] { lowest(x) = l; });
+    }
+    kk::team_rank(team, n, key, [&](long j, long r) { again(x, j) = r; }, select);
+    const bool applies =
+        kvmem::backend::cuda::team_rank(team, n, key, [&](long j, long r) { cub(x, j) = r; }, select.shared);
+    Kokkos::single(Kokkos::PerTeam(team), [&] { fast(x) = applies ? 1 : 0; });
   }
 };
 
@@ -205,8 +232,14 @@ TEST_CASE("team select: team_rank gives std::stable_sort's ranks at every team s
   std::mt19937 rng(5);
   std::vector<long> sizes{0, 1, 2, 31, 128, 256, 257, 1000, 1024, 1025, width};
   const long n = static_cast<long>(sizes.size()) * 2;
+  using ranks_view = Kokkos::View<long**, Kokkos::LayoutRight, mem>;
   RankKernel k{Kokkos::View<std::uint32_t**, Kokkos::LayoutRight, mem>("keys", n, width),
-               Kokkos::View<long*, mem>("counts", n), Kokkos::View<long**, Kokkos::LayoutRight, mem>("ranks", n, width),
+               Kokkos::View<long*, mem>("counts", n),
+               ranks_view("ranks", n, width),
+               ranks_view("again", n, width),
+               ranks_view("cub", n, width),
+               Kokkos::View<long*, mem>("lowest", n),
+               Kokkos::View<long*, mem>("fast", n),
                true};
   auto kh = Kokkos::create_mirror_view(k.keys);
   auto ch = Kokkos::create_mirror_view(k.counts);
@@ -236,18 +269,39 @@ TEST_CASE("team select: team_rank gives std::stable_sort's ranks at every team s
   }
   Kokkos::deep_copy(k.keys, kh);
   Kokkos::deep_copy(k.counts, ch);
+  // Where CUB's sort exists (Cuda), the team sizes include the one it takes.
+  const auto sizes_run = team_sizes(n, k);
+  if (kk::team_select_bytes<exec> > 0)
+    REQUIRE(std::find(sizes_run.begin(), sizes_run.end(), kvmem::backend::cuda::rank_team) != sizes_run.end());
   for (bool with_scratch : {true, false}) {
     k.with_scratch = with_scratch;
-    for (int size : team_sizes(n, k)) {
+    for (int size : sizes_run) {
       Kokkos::deep_copy(k.ranks, -1L);
+      Kokkos::deep_copy(k.again, -1L);
+      Kokkos::deep_copy(k.cub, -1L);
       Kokkos::parallel_for("test_team_rank", select_policy(n, size, with_scratch), k);
       const auto ranks = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace{}, k.ranks);
-      for (long x = 0; x < n; ++x)
+      const auto again = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace{}, k.again);
+      const auto cub = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace{}, k.cub);
+      const auto lowest = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace{}, k.lowest);
+      const auto fast = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace{}, k.fast);
+      for (long x = 0; x < n; ++x) {
+        // CUB's sort applies on Cuda to a team of kvmem::backend::cuda::rank_team threads given the scratch,
+        // for at most rank_team * rank_items items; nowhere else.
+        const bool cub_applies = kk::team_select_bytes<exec> > 0 && with_scratch &&
+                                 size == kvmem::backend::cuda::rank_team &&
+                                 ch(x) <= long(kvmem::backend::cuda::rank_team) * kvmem::backend::cuda::rank_items;
+        INFO("team size " << size << (with_scratch ? " with" : " without") << " the selection scratch, " << ch(x)
+                          << " items");
+        REQUIRE(fast(x) == (cub_applies ? 1 : 0));
         for (long j = 0; j < ch(x); ++j) {
-          INFO("team size " << size << (with_scratch ? " with" : " without") << " the selection scratch, "
-                            << ch(x) << " items, item " << j);
+          INFO("item " << j);
           REQUIRE(ranks(x, j) == expected[x][j]);
+          REQUIRE(again(x, j) == expected[x][j]);
+          if (cub_applies) REQUIRE(cub(x, j) == expected[x][j]);
+          if (expected[x][j] == 0) REQUIRE(lowest(x) == j);
         }
+      }
     }
   }
 }

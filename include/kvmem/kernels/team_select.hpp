@@ -10,6 +10,7 @@
 
 #include <Kokkos_Core.hpp>
 #include <cstdint>
+#include <type_traits>
 
 #include "../backend/cuda/team_select.hpp"
 
@@ -95,6 +96,7 @@ KOKKOS_INLINE_FUNCTION long team_lowest(const Team& team, long begin, long end, 
 template <class Team, class Key, class Store>
 KOKKOS_INLINE_FUNCTION void team_rank(const Team& team, long n, const Key& key, const Store& store,
                                       TeamSelectScratch scratch) {
+  static_assert(std::is_same_v<decltype(key(0L)), std::uint32_t>, "team_rank sorts 32-bit keys (order_key of a float)");
   if constexpr (backend::cuda::select_bytes<typename Team::execution_space> > 0) {
     if (backend::cuda::team_rank(team, n, key, store, scratch.shared)) return;
   }

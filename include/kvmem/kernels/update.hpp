@@ -408,6 +408,7 @@ void update_state(const ExecSpace& exec, const MemoryConfig& cfg, const LayerWei
   auto route_key = [=] KOKKOS_FUNCTION(long b, long h, long j) {
     constexpr long last = static_cast<long>(~std::uint32_t{0});
     const long r = routes(b, h, j);
+    KOKKOS_ASSERT(r >= 0);
     return static_cast<std::uint32_t>(r < last ? r : last);
   };
   // 7. fold each row's run of routed tokens into it in token order, then refresh its read caches: one
