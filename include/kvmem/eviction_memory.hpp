@@ -128,7 +128,7 @@ class EvictionMemory {
   /// is launched, for mismatched shapes or a token count other than 1.
   void decode_async(const tokens_in& q, const tokens_in& k, const tokens_in& v, const tokens_out& y) {
     check_decode(q, k, v, y);
-    if constexpr (state::host_is_device<memory_space>) {
+    if (tokens_.shared()) {  // a host backend: the host advances the counts the kernel reads
       run(q, k, v, y, active_, /*wait=*/false);
     } else {
       kernels::eviction_tokens(exec_, kernels::EvictionParams::of(cfg_), cache_, scorer_, q, k, v, y, tokens_.device(),
@@ -136,6 +136,16 @@ class EvictionMemory {
       kernels::advance_counts(exec_, tokens_.device(), active_.device());
       tokens_.device_advanced();
     }
+  }
+
+  /// Counts decode steps as a GPU does, on any execution space: from now on the device's token counts are
+  /// kept apart from the host's, and decode_async() advances them with a kernel of its own and leaves the
+  /// host's behind until sync(). On a GPU that is how it always runs; on a host backend it costs a copy of
+  /// the counts and one more launch per decode_async(), and exists so that CPU machines run and test the
+  /// GPU's path (tests/unit/test_decode_async.cpp). Keeps every count and the state; idempotent.
+  void plan_on_device() {
+    sync();
+    state::keep_apart(exec_, tokens_, lengths_, active_);
   }
 
   /// Chooses the sequences the next decode steps advance: active[b] != 0 (all when `active` is empty). One
@@ -216,7 +226,7 @@ class EvictionMemory {
            const state::SequenceCounts<long, memory_space>& lengths, bool wait) {
     kernels::eviction_tokens(exec_, kernels::EvictionParams::of(cfg_), cache_, scorer_, q, k, v, y, tokens_.device(),
                              lengths.device());
-    if constexpr (!state::host_is_device<memory_space>) kernels::advance_counts(exec_, tokens_.device(), lengths.device());
+    if (!tokens_.shared()) kernels::advance_counts(exec_, tokens_.device(), lengths.device());
     for (long b = 0; b < batch(); ++b) tokens_.host(b) += lengths.host(b);
     if (wait) {
       static const std::string fence_label = "kvmem::EvictionMemory::step";  // not a heap string per call

@@ -199,7 +199,7 @@ class Memory {
       if (active_.host(b) != 0) cfg_.check_sinks(cursors_.host(b).tokens + 1);
     const Bounds bounds = plan_on_host();
     rows_.grow(bounds.most_rows);
-    if constexpr (!state::host_is_device<memory_space>)
+    if (!cursors_.shared())  // the device plans from its own counts (a GPU, or plan_on_device())
       kernels::plan_decode(exec_, shape(), cursors_.device(), folds_.device, folds_.folds, rows_.capacity(),
                            std::numeric_limits<long>::max(), active_.device(), plan_.device, plan_error_);
     run_step(q, k, v, gate, y, bounds, /*update_first=*/!Merge::commit_eagerly);
@@ -224,7 +224,7 @@ class Memory {
   void decode_async(const tokens_in& q, const tokens_in& k, const tokens_in& v, const gates_in& gate,
                     const tokens_out& y) {
     check_decode(q, k, v, gate, y);
-    if constexpr (state::host_is_device<memory_space>) {
+    if (cursors_.shared()) {  // a host backend: the host plans in place
       for (long b = 0; b < batch(); ++b)
         if (active_.host(b) != 0) cfg_.check_sinks(cursors_.host(b).tokens + 1);
       const Bounds bounds = plan_on_host();
@@ -248,6 +248,17 @@ class Memory {
   /// the device when the set changes, none otherwise. Throws kvmem::invalid_argument for a size other than
   /// the batch.
   void set_active(std::span<const unsigned char> active) { state::set_active(active_, active, exec_); }
+
+  /// Plans and counts decode steps as a GPU does, on any execution space: from now on the device's counts
+  /// are kept apart from the host's, decode_async() launches the device's own planning with fixed launch
+  /// bounds and leaves the host's counts behind until sync(), and a step past reserve()'s horizon is
+  /// refused on the device. On a GPU that is how it always runs; on a host backend it costs a copy of the
+  /// counts and, for decode_async(), launches over fixed bounds, and exists so that CPU machines run and
+  /// test the GPU's path (tests/unit/test_decode_async.cpp). Keeps every count and the state; idempotent.
+  void plan_on_device() {
+    sync();
+    state::keep_apart(exec_, cursors_, active_);
+  }
 
   /// Prepares launch-only decoding (decode_async) of every sequence up to `tokens` tokens: the fold table
   /// and the state capacity those positions need (one allocation and copy each when they grow, and the

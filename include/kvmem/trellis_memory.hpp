@@ -176,12 +176,22 @@ class TrellisMemory {
     require(!cfg_.check_gates, "check_gates", "true",
             "decode_async launches only, and the gate check reads its result from the device: use decode()");
     run_decode({q, k, v, alpha, beta1, gamma1, beta2, gamma2}, y);
-    if constexpr (state::host_is_device<memory_space>)
+    if (tokens_.shared())  // a host backend: the host advances the counts the kernel reads
       advance(active_);
     else {
       kernels::advance_counts(exec_, tokens_.device(), active_.device());
       tokens_.device_advanced();
     }
+  }
+
+  /// Counts decode steps as a GPU does, on any execution space: from now on the device's token counts are
+  /// kept apart from the host's, and decode_async() advances them with a kernel of its own and leaves the
+  /// host's behind until sync(). On a GPU that is how it always runs; on a host backend it costs a copy of
+  /// the counts and one more launch per decode_async(), and exists so that CPU machines run and test the
+  /// GPU's path (tests/unit/test_decode_async.cpp). Keeps every count and the state; idempotent.
+  void plan_on_device() {
+    sync();
+    state::keep_apart(exec_, tokens_, lengths_, active_);
   }
 
   /// Chooses the sequences the next decode steps advance: active[b] != 0 (all when `active` is empty). One
@@ -269,7 +279,7 @@ class TrellisMemory {
   /// Adds a step's token counts to the host's and the device's token counts (on a host memory space one
   /// view; elsewhere a kernel): no copy.
   void advance(const state::SequenceCounts<long, memory_space>& lengths) {
-    if constexpr (!state::host_is_device<memory_space>) kernels::advance_counts(exec_, tokens_.device(), lengths.device());
+    if (!tokens_.shared()) kernels::advance_counts(exec_, tokens_.device(), lengths.device());
     for (long b = 0; b < batch(); ++b) tokens_.host(b) += lengths.host(b);
   }
 

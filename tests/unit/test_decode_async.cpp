@@ -4,7 +4,11 @@
 //  - decode_async against decode() for every memory: the same outputs, bit for bit, and the same counts,
 //    while the active set changes (set_active);
 //  - a step past reserve()'s horizon is refused and reported by sync() (where the device plans: a GPU).
+// Both run twice: as the backend plans, and as a GPU plans (plan_on_device(): the device's own counts, the
+// planning kernel with fixed launch bounds, sync() reading back), so a CPU machine runs the GPU's path of
+// decode_async, everything of it but CUDA itself.
 #include <catch2/catch_test_macros.hpp>
+#include <catch2/generators/catch_generators.hpp>
 
 #include <array>
 #include <limits>
@@ -83,10 +87,13 @@ std::array<unsigned char, kBatch> batch_active_at(long t) { return {1, static_ca
 /// Runs `steps` decode steps of two equal memories, one through decode(active) and one through set_active()
 /// (when the set changes) and decode_async(), and requires the same y and, after sync(), the same
 /// `counts`(memory, b) for every sequence.
+/// With `on_device` the decode_async memory plans and counts as a GPU does (plan_on_device()), on any
+/// backend; the decode() memory plans on the host where the backend does.
 template <class Make, class Step, class Async, class Counts>
 void require_async_matches(const Make& make, long prompt, long last, const view4& y_sync, const view4& y_async,
-                           const Step& step, const Async& async_step, const Counts& counts) {
+                           const Step& step, const Async& async_step, const Counts& counts, bool on_device) {
   auto sync = make(y_sync), async = make(y_async);
+  if (on_device) async.plan_on_device();
   std::array<unsigned char, kBatch> was{1, 1};
   for (long t = prompt; t < last; ++t) {
     const auto on = batch_active_at(t);
@@ -106,7 +113,7 @@ constexpr auto token_count = [](const auto& memory, long b) { return memory.toke
 
 /// `construct`(weights) builds the memory (decode_stream.hpp: kvm_power_law, ovq_plateau, kvm_row_eviction).
 template <class Construct>
-void require_memory_async(const Construct& construct) {
+void require_memory_async(const Construct& construct, bool on_device) {
   using Memory = decltype(construct(unit_weights()));
   const Stream s;
   const auto w = unit_weights();
@@ -131,13 +138,14 @@ void require_memory_async(const Construct& construct) {
       [](const Memory& m, long b) {
         const SequenceCursor& c = m.cursor(b);
         return std::array<long, 4>{c.tokens, c.covered, c.rows, c.granted};
-      });
+      },
+      on_device);
   REQUIRE(want[1].tokens < want[0].tokens);  // the pause happened
   REQUIRE(want[0].covered > kPrompt + 8 * kChunk);
 }
 
 template <class Scorer>
-void require_eviction_async(const Scorer& scorer) {
+void require_eviction_async(const Scorer& scorer, bool on_device) {
   const Stream s;
   const kvmem::EvictionConfig cfg{.head_dim = kHeadDim, .value_dim = kHeadDim, .query_heads = kQueryHeads,
                                   .kv_heads = kKvHeads, .sinks = 2, .window = 16, .top_k = 24};
@@ -154,10 +162,10 @@ void require_eviction_async(const Scorer& scorer) {
         m.decode(tokens(s.q, t, 1), tokens(s.k, t, 1), tokens(s.v, t, 1), tokens(s.y, t, 1), on);
       },
       [&](Memory& m, long t) { m.decode_async(tokens(s.q, t, 1), tokens(s.k, t, 1), tokens(s.v, t, 1), tokens(y2, t, 1)); },
-      token_count);
+      token_count, on_device);
 }
 
-void require_trellis_async() {
+void require_trellis_async(bool on_device) {
   const TrellisStream s;
   kvmem::TrellisConfig cfg{.slots = kSlots, .head_dim = kHeadDim, .value_dim = kHeadDim, .heads = kKvHeads};
   cfg.chunk = kChunk;
@@ -189,7 +197,7 @@ void require_trellis_async() {
         std::apply([&](const auto&... x) { m.decode(x..., tokens(s.y, t, 1), on); }, in(t));
       },
       [&](Memory& m, long t) { std::apply([&](const auto&... x) { m.decode_async(x..., tokens(y2, t, 1)); }, in(t)); },
-      token_count);
+      token_count, on_device);
 }
 
 }  // namespace
@@ -255,28 +263,42 @@ TEST_CASE("decode plan: a step past the horizon, the fold table or the capacity 
 }
 
 TEST_CASE("decode_async gives decode()'s outputs bit for bit while the active set changes", "[decode-async]") {
-  SECTION("KVM, power-law budget") { require_memory_async(kvm_power_law); }
-  SECTION("OVQ, plateau budget") { require_memory_async(ovq_plateau); }
-  SECTION("KVM with H2O row eviction") { require_memory_async(kvm_row_eviction); }
-  SECTION("eviction, TOVA") { require_eviction_async(kvmem::score::LastQueryAttention{}); }
-  SECTION("eviction, KVPOP") { require_eviction_async(kvmem::score::MLstm<mem>(random_mlstm_weights())); }
-  SECTION("Trellis") { require_trellis_async(); }
+  // Each memory twice: as the backend plans (the host, on a CPU), and as a GPU plans (plan_on_device(): the
+  // device's own counts, the planning kernel, fixed launch bounds, counts read back by sync()).
+  const bool on_device = GENERATE(false, true);
+  INFO((on_device ? "planned as on a GPU (plan_on_device)" : "planned as the backend plans"));
+  SECTION("KVM, power-law budget") { require_memory_async(kvm_power_law, on_device); }
+  SECTION("OVQ, plateau budget") { require_memory_async(ovq_plateau, on_device); }
+  SECTION("KVM with H2O row eviction") { require_memory_async(kvm_row_eviction, on_device); }
+  SECTION("eviction, TOVA") { require_eviction_async(kvmem::score::LastQueryAttention{}, on_device); }
+  SECTION("eviction, KVPOP") { require_eviction_async(kvmem::score::MLstm<mem>(random_mlstm_weights()), on_device); }
+  SECTION("Trellis") { require_trellis_async(on_device); }
 }
 
 TEST_CASE("decode_async: a step past reserve() is refused on the device and reported by sync()", "[decode-async]") {
   const Stream s;
   kvmem::KvmMemory<exec, kvmem::budget::Fixed> memory(memory_config(2, 1), {.min_rows = 32}, unit_weights(), kBatch);
+  const bool on_device = GENERATE(false, true);  // plan_on_device(): as a GPU plans, on any backend
+  if (on_device) memory.plan_on_device();
   memory.prefill(tokens(s.q, 0, kPrompt), tokens(s.k, 0, kPrompt), tokens(s.v, 0, kPrompt), gates(s.gate, 0, kPrompt),
                  tokens(s.y, 0, kPrompt));
   REQUIRE_THROWS_AS(memory.reserve(0), kvmem::invalid_argument);
   memory.reserve(kPrompt + 10);
   for (long t = kPrompt; t < kPrompt + 20; ++t)
     memory.decode_async(tokens(s.q, t, 1), tokens(s.k, t, 1), tokens(s.v, t, 1), gates(s.gate, t, 1), tokens(s.y, t, 1));
-  if constexpr (device_plans) {
+  if (device_plans || on_device) {
     // The device refused tokens 10..19 of each sequence: sync() says so, and the counts stop at the horizon.
     REQUIRE_THROWS_AS(memory.cursor(0), kvmem::invalid_argument);
     REQUIRE_THROWS_AS(memory.sync(), kvmem::invalid_argument);
     REQUIRE(memory.cursor(0).tokens == kPrompt + 10);
+    REQUIRE(memory.cursor(1).tokens == kPrompt + 10);
+    // The refusal is reported once; the memory goes on from the horizon after reserving further.
+    memory.sync();
+    memory.reserve(kPrompt + 20);
+    memory.decode_async(tokens(s.q, kPrompt + 10, 1), tokens(s.k, kPrompt + 10, 1), tokens(s.v, kPrompt + 10, 1),
+                        gates(s.gate, kPrompt + 10, 1), tokens(s.y, kPrompt + 10, 1));
+    memory.sync();
+    REQUIRE(memory.cursor(0).tokens == kPrompt + 11);
   } else {
     // On a host backend the host plans each step itself: the horizon only sizes what reserve() allocates.
     memory.sync();

@@ -11,6 +11,7 @@
 // whatever tool was attached and that set is put back when a count ends (Kokkos::Tools is always built in
 // Kokkos >= 4; Kokkos::Tools::Experimental::get_callbacks / set_callbacks exist in 4.7 and 5.x alike).
 #include <catch2/catch_test_macros.hpp>
+#include <catch2/generators/catch_generators.hpp>
 
 #include <Kokkos_Random.hpp>
 #include <cstdint>
@@ -339,24 +340,27 @@ long require_memory_steps(Memory& memory, const Stream& s) {
 /// the same kernels on every step, so that one captured step replays them all: kvmem::plan,
 /// kvmem::window, kvmem::update (its teams return at once where no block folds), kvmem::readout and, with
 /// H2O row eviction, kvmem::row_attn. After the last step sync() brings the cursors back (on a GPU: one
-/// fence and two copies), and every sequence has seen every token.
+/// fence and two copies), and every sequence has seen every token. `on_device`: the memory plans as a GPU
+/// does (plan_on_device()), so a CPU machine counts the GPU's launches.
 template <class Memory>
-void require_memory_async_steps(Memory& memory, const Stream& s) {
+void require_memory_async_steps(Memory& memory, const Stream& s, bool on_device) {
+  const bool device = device_plans || on_device;
   constexpr bool row_eviction = Memory::row_policy_type::evicts;
   memory.prefill(tokens(s.q, 0, kPrompt), tokens(s.k, 0, kPrompt), tokens(s.v, 0, kPrompt), gates(s.gate, 0, kPrompt),
                  tokens(s.y, 0, kPrompt));
   memory.reserve(s.T);
+  if (on_device) memory.plan_on_device();
   exec().fence();
   {
     Recorder recorder;
     require_every_step(kPrompt, s.T, [&](long t) {
-      const long covered = device_plans ? 0 : memory.cursor(0).covered;
+      const long covered = device ? 0 : memory.cursor(0).covered;
       memory.decode_async(tokens(s.q, t, 1), tokens(s.k, t, 1), tokens(s.v, t, 1), gates(s.gate, t, 1),
                           tokens(s.y, t, 1));
-      const bool fold = !device_plans && memory.cursor(0).covered != covered;
+      const bool fold = !device && memory.cursor(0).covered != covered;
       Counts allowed{.kernels = 2};  // kvmem::window, kvmem::readout
-      if (device_plans || fold) allowed.kernels += 1;  // kvmem::update
-      if (device_plans) allowed.kernels += 1;  // kvmem::plan
+      if (device || fold) allowed.kernels += 1;  // kvmem::update
+      if (device) allowed.kernels += 1;  // kvmem::plan
       if (row_eviction) allowed.kernels += 1;  // kvmem::row_attn
       return allowed;
     });
@@ -396,10 +400,12 @@ kvmem::EvictionMemory<exec, Scorer> prefilled_eviction(const Stream& s, const Sc
 ///  - no allocation: the B + 1 rows of every (sequence, kv-head) and the scorer's state are allocated at
 ///    construction.
 /// With `async`, the same steps through decode_async: the same kernels and nothing else (no fence); sync()
-/// then gives the token counts.
+/// then gives the token counts. `on_device`: counted as a GPU counts (plan_on_device()).
 template <class Scorer>
-void require_eviction_steps(const Stream& s, const Scorer& scorer, bool async = false) {
+void require_eviction_steps(const Stream& s, const Scorer& scorer, bool async = false, bool on_device = false) {
+  const bool device = device_plans || on_device;
   auto memory = prefilled_eviction(s, scorer);
+  if (on_device) memory.plan_on_device();
   {
     Recorder recorder;
     require_every_step(kPrompt, s.T, [&](long t) {
@@ -407,14 +413,14 @@ void require_eviction_steps(const Stream& s, const Scorer& scorer, bool async = 
         memory.decode_async(tokens(s.q, t, 1), tokens(s.k, t, 1), tokens(s.v, t, 1), tokens(s.y, t, 1));
       else
         memory.decode(tokens(s.q, t, 1), tokens(s.k, t, 1), tokens(s.v, t, 1), tokens(s.y, t, 1));
-      return Counts{.fences = async ? 0 : 1, .kernels = device_plans ? 2 : 1};
+      return Counts{.fences = async ? 0 : 1, .kernels = device ? 2 : 1};
     });
     const Log e = g_log;
     INFO(Scorer::name << ": " << describe(e));
     REQUIRE(e.copies.empty());
     Labels fences{{"kvmem::EvictionMemory::step", kSteps}}, kernels{{"kvmem::evict", kSteps}};
     if (async) fences.clear();
-    if (device_plans) kernels["kvmem::advance"] = kSteps;
+    if (device) kernels["kvmem::advance"] = kSteps;
     REQUIRE(e.fences == fences);
     REQUIRE(e.kernels == kernels);
   }
@@ -437,8 +443,9 @@ void require_eviction_steps(const Stream& s, const Scorer& scorer, bool async = 
 ///    kvmem::tr_gates read, so that a bad gate throws before the state changes;
 ///  - no allocation: the one-token scratch is allocated at construction (a prefill's chunks may grow it).
 /// With `async` (and no gate check), the same steps through decode_async: no fence; sync() then gives the
-/// token counts.
-void require_trellis_steps(bool check_gates, bool async = false) {
+/// token counts. `on_device`: counted as a GPU counts (plan_on_device()).
+void require_trellis_steps(bool check_gates, bool async = false, bool on_device = false) {
+  const bool device = device_plans || on_device;
   const TrellisStream s;
   kvmem::TrellisConfig cfg{.slots = kSlots, .head_dim = kHeadDim, .value_dim = kHeadDim, .heads = kKvHeads};
   cfg.chunk = kChunk;
@@ -451,6 +458,7 @@ void require_trellis_steps(bool check_gates, bool async = false) {
   memory.prefill(tokens(s.q, 0, kPrompt), tokens(s.k, 0, kPrompt), tokens(s.v, 0, kPrompt), tokens(s.alpha, 0, kPrompt),
                  gates(s.beta1, 0, kPrompt), gates(s.gamma1, 0, kPrompt), gates(s.beta2, 0, kPrompt),
                  gates(s.gamma2, 0, kPrompt), tokens(s.y, 0, kPrompt));
+  if (on_device) memory.plan_on_device();
   exec().fence();
   Recorder recorder;
   require_every_step(kPrompt, s.T, [&](long t) {
@@ -461,7 +469,7 @@ void require_trellis_steps(bool check_gates, bool async = false) {
     else
       memory.decode(tokens(s.q, t, 1), tokens(s.k, t, 1), tokens(s.v, t, 1), tokens(s.alpha, t, 1), gates(s.beta1, t, 1),
                     gates(s.gamma1, t, 1), gates(s.beta2, t, 1), gates(s.gamma2, t, 1), tokens(s.y, t, 1));
-    const long advance = device_plans ? 1 : 0;
+    const long advance = device ? 1 : 0;
     return check_gates ? Counts{.copies = 2, .fences = 2, .kernels = 2 + advance}
                        : Counts{.fences = async ? 0 : 1, .kernels = 1 + advance};
   });
@@ -469,7 +477,7 @@ void require_trellis_steps(bool check_gates, bool async = false) {
   INFO("check_gates = " << check_gates << ": " << describe(e));
   Labels copies, fences{{"kvmem::TrellisMemory::step", kSteps}}, kernels{{"kvmem::trellis", kSteps}};
   if (async) fences.clear();
-  if (device_plans) kernels["kvmem::advance"] = kSteps;
+  if (device) kernels["kvmem::advance"] = kSteps;
   if (check_gates) {
     copies[host_scalar + " -> " + result] = kSteps;
     copies[result + " -> " + host_scalar] = kSteps;
@@ -544,19 +552,26 @@ TEST_CASE("decode-step counts: Trellis, step by step", "[decode-counts]") {
 TEST_CASE("decode-step counts: decode_async launches only, for every memory", "[decode-counts]") {
   const Stream s;
   const auto w = unit_weights();
+  // As the backend plans, and as a GPU plans (plan_on_device(): the same launches every step).
+  const bool on_device = GENERATE(false, true);
+  INFO((on_device ? "planned as on a GPU (plan_on_device)" : "planned as the backend plans"));
   SECTION("KVM, power-law budget") {
     auto memory = kvm_power_law(w);
-    require_memory_async_steps(memory, s);
+    require_memory_async_steps(memory, s, on_device);
   }
   SECTION("OVQ, plateau budget") {
     auto memory = ovq_plateau(w);
-    require_memory_async_steps(memory, s);
+    require_memory_async_steps(memory, s, on_device);
   }
   SECTION("KVM with H2O row eviction") {
     auto memory = kvm_row_eviction(w);
-    require_memory_async_steps(memory, s);
+    require_memory_async_steps(memory, s, on_device);
   }
-  SECTION("eviction, H2O") { require_eviction_steps(s, kvmem::score::AccumulatedAttention{}, true); }
-  SECTION("eviction, KVPOP") { require_eviction_steps(s, kvmem::score::MLstm<mem>(random_mlstm_weights()), true); }
-  SECTION("Trellis (without the gate check: with it decode_async throws)") { require_trellis_steps(false, true); }
+  SECTION("eviction, H2O") { require_eviction_steps(s, kvmem::score::AccumulatedAttention{}, true, on_device); }
+  SECTION("eviction, KVPOP") {
+    require_eviction_steps(s, kvmem::score::MLstm<mem>(random_mlstm_weights()), true, on_device);
+  }
+  SECTION("Trellis (without the gate check: with it decode_async throws)") {
+    require_trellis_steps(false, true, on_device);
+  }
 }

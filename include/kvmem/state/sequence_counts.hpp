@@ -21,7 +21,8 @@ inline constexpr bool host_is_device = std::is_same_v<MemorySpace, Kokkos::HostS
 
 /// B values of type T (a plain struct or an integer), one per sequence, on the device of `MemorySpace`
 /// and on the host.
-/// - On a host memory space both are one view: what the host writes the kernels read.
+/// - On a host memory space both are one view (shared()): what the host writes the kernels read, unless
+///   keep_apart() gave the host a copy of its own (the GPU's arrangement, for testing its path on a CPU).
 /// - Elsewhere the host writes its copy and upload() sends it, only when it changed since the last upload
 ///   (set() or mark_changed() record a change); a kernel that advances the device's values on its own is
 ///   recorded with device_advanced(), and sync() brings them back (one fence and one copy). A captured
@@ -37,14 +38,28 @@ class SequenceCounts {
   /// Allocates B = `batch` values labelled `label`, each `init`, on both sides.
   void allocate(const std::string& label, long batch, const T& init) {
     device_ = device_view(label, batch);
+    shared_ = host_is_device<MemorySpace>;
     if constexpr (host_is_device<MemorySpace>)
       host_ = device_;
     else
       host_ = host_view(label + " (host)", batch);
     for (long b = 0; b < batch; ++b) host_(b) = init;
-    changed_ = !host_is_device<MemorySpace>;
-    ahead_ = false;
+    changed_ = !shared_;
+    ahead_ = replayable_ = false;
   }
+  /// Gives the host a copy of its own on a host memory space, as on a GPU: from then on upload() copies,
+  /// device_advanced() leaves the host behind and sync() reads back. The values stay. Nothing changes where
+  /// the two are already apart. Must not be called while the device is ahead().
+  void keep_apart() {
+    if (!shared_) return;
+    host_view copy(device_.label() + " (host)", size());
+    Kokkos::deep_copy(copy, host_);
+    host_ = copy;
+    shared_ = false;
+    changed_ = true;
+  }
+  /// Whether the host's values and the device's are one view (a host memory space, unless keep_apart()).
+  [[nodiscard]] bool shared() const { return shared_; }
   [[nodiscard]] long size() const { return static_cast<long>(host_.extent(0)); }
   /// The host's value of sequence b (exact unless ahead()).
   [[nodiscard]] const T& host(long b) const { return host_(b); }
@@ -55,10 +70,10 @@ class SequenceCounts {
   void set(long b, const T& value) {
     if (host_(b) == value) return;
     host_(b) = value;
-    changed_ = !host_is_device<MemorySpace>;
+    changed_ = !shared_;
   }
   /// Records that host values were written through host(b) and must be sent.
-  void mark_changed() { changed_ = !host_is_device<MemorySpace>; }
+  void mark_changed() { changed_ = !shared_; }
   /// Sends the host values to the device if they changed since the last upload: one deep copy, none on a
   /// host memory space or when nothing changed.
   template <class ExecSpace>
@@ -69,7 +84,7 @@ class SequenceCounts {
   }
   /// Records that a kernel advanced the device values without the host (decode_async): the host's copy is
   /// behind until sync(). Nothing to record on a host memory space, where both are one view.
-  void device_advanced() { ahead_ = replayable_ = !host_is_device<MemorySpace>; }
+  void device_advanced() { ahead_ = replayable_ = !shared_; }
   [[nodiscard]] bool ahead() const { return ahead_; }
   /// Whether the device's values may have moved without the host (since the first device_advanced()).
   [[nodiscard]] bool replayable() const { return replayable_; }
@@ -87,8 +102,15 @@ class SequenceCounts {
  private:
   device_view device_;
   host_view host_;
-  bool changed_ = false, ahead_ = false, replayable_ = false;
+  bool shared_ = host_is_device<MemorySpace>, changed_ = false, ahead_ = false, replayable_ = false;
 };
+
+/// keep_apart() and upload() of every count given: the memories' plan_on_device(), which makes a host backend
+/// keep its counts as a GPU does.
+template <class ExecSpace, class... Counts>
+void keep_apart(const ExecSpace& exec, Counts&... counts) {
+  ((counts.keep_apart(), counts.upload(exec)), ...);
+}
 
 /// A decode step's active set: flags(b) = 1 for every sequence b with active[b] != 0 (all when `active` is
 /// empty), 0 otherwise, sent to the device with one copy when they changed. Throws kvmem::invalid_argument,
