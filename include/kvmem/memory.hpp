@@ -215,12 +215,14 @@ class Memory {
   /// replays: the batch, the active set, the views' addresses (q, k, v, gate, y and the memory's own, which
   /// reserve() fixes) and the horizon. A step that would reach the horizon is refused on the device (that
   /// sequence keeps its state and its y) and reported by the next sync(). On a host memory space this is
-  /// decode() with the active set of set_active() and without the fence (CUDA graphs do not apply there).
+  /// decode() with the active set of set_active() and without the fence (CUDA graphs do not apply there),
+  /// unless plan_on_device() made it plan as a GPU does.
   /// Once it has run on a GPU, the host cannot know how often a graph replayed it: every later sync() (and
   /// so every decode(), prefill() and reserve()) reads the counts back, one fence and two copies, until
   /// reset(). decode() with an empty `active` makes every sequence active again, which a graph captured for
   /// fewer would then replay. Throws kvmem::invalid_argument, before anything is launched, for mismatched
-  /// shapes, a token count other than 1, or (on a GPU) no reserve() since construction or reset().
+  /// shapes, a token count other than 1, or (on a GPU, or after plan_on_device()) no reserve() since
+  /// construction or reset().
   void decode_async(const tokens_in& q, const tokens_in& k, const tokens_in& v, const gates_in& gate,
                     const tokens_out& y) {
     check_decode(q, k, v, gate, y);
@@ -281,9 +283,9 @@ class Memory {
 
   /// Brings the host's counts (cursor(), window_tokens(), held_bytes()) up to the device's after
   /// decode_async steps on a GPU and their replays: one fence and two copies; nothing on a host memory
-  /// space or before the first decode_async. Throws kvmem::invalid_argument when a step was refused
-  /// (naming the position and whether it passed reserve()'s horizon or needed a fold or state rows that
-  /// reserve() did not prepare), after taking the counts back.
+  /// space (unless plan_on_device()) or before the first decode_async. Throws kvmem::invalid_argument when
+  /// a step was refused (naming the position and whether it passed reserve()'s horizon or needed a fold or
+  /// state rows that reserve() did not prepare), after taking the counts back.
   void sync() {
     if (!cursors_.replayable()) return;
     static const std::string label = "kvmem::Memory::sync";

@@ -200,8 +200,8 @@ class TrellisMemory {
   void set_active(std::span<const unsigned char> active) { state::set_active(active_, active, exec_); }
 
   /// Brings the host's token counts (tokens()) up to the device's after decode_async steps on a GPU and
-  /// their replays: one fence and one copy; nothing on a host memory space or before the first
-  /// decode_async. The host cannot see a graph's replays, so from then until reset() every call reads back
+  /// their replays: one fence and one copy; nothing on a host memory space (unless plan_on_device())
+  /// or before the first decode_async. The host cannot see a graph's replays, so from then until reset() every call reads back
   /// (decode() and prefill() call it).
   void sync() {
     static const std::string label = "kvmem::TrellisMemory::sync";
