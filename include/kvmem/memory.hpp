@@ -290,14 +290,16 @@ class Memory {
     if (!cursors_.replayable()) return;
     static const std::string label = "kvmem::Memory::sync";
     cursors_.sync(exec_, label);
+    // (On a host memory space the mirror is plan_error_ itself: read it before clearing it.)
     const auto error = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace{}, plan_error_);
-    if (error(0) == kernels::decode_ok) return;
+    const long refusal = error(0), position = error(1) - 1;
+    if (refusal == kernels::decode_ok) return;
     Kokkos::deep_copy(plan_error_, 0L);
-    const std::string why = error(0) == kernels::past_horizon
+    const std::string why = refusal == kernels::past_horizon
                                 ? "passed reserve(tokens = " + std::to_string(horizon_) + ")"
                                 : "needed a fold or state rows that reserve(tokens = " + std::to_string(horizon_) +
                                       ") did not prepare";
-    throw invalid_argument(detail::describe("decode_async position", error(1) - 1,
+    throw invalid_argument(detail::describe("decode_async position", position,
                                             "a replayed step " + why +
                                                 " and was refused (that sequence kept its state and y); reserve "
                                                 "further before replaying"));

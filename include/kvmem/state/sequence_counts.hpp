@@ -35,7 +35,8 @@ class SequenceCounts {
   using device_view = Kokkos::View<T*, MemorySpace>;
   using host_view = Kokkos::View<T*, Kokkos::HostSpace>;
 
-  /// Allocates B = `batch` values labelled `label`, each `init`, on both sides.
+  /// Allocates B = `batch` values labelled `label`, each `init`, on both sides (one view on a host memory
+  /// space again: allocate after keep_apart() undoes it).
   void allocate(const std::string& label, long batch, const T& init) {
     device_ = device_view(label, batch);
     shared_ = host_is_device<MemorySpace>;
@@ -51,7 +52,7 @@ class SequenceCounts {
   /// device_advanced() leaves the host behind and sync() reads back. The values stay. Nothing changes where
   /// the two are already apart. Must not be called while the device is ahead().
   void keep_apart() {
-    if (!shared_) return;
+    if (!shared_) return;  // (shared, the device is never ahead: device_advanced() records nothing)
     host_view copy(device_.label() + " (host)", size());
     Kokkos::deep_copy(copy, host_);
     host_ = copy;
