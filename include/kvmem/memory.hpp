@@ -445,16 +445,26 @@ class Memory {
     return host_bounds(queries, block);
   }
   /// Launches a step planned in plan_.device: window write, then (lazy policies) the fold, the readout, row
-  /// statistics, then (eager policies) the fold. No fence, no copy.
+  /// statistics, then (eager policies) the fold. Where the readout has one team per (sequence, kv-head) (a
+  /// decode step), that team writes the window instead (kernels::readout_writes_window), except on a step
+  /// whose lazy fold runs before the readout (the fold may read the new token). No fence, no copy.
   void run_step(const tokens_in& q, const tokens_in& k, const tokens_in& v, const gates_in& gate, const tokens_out& y,
                 const Bounds& bd, bool update_first) {
     const auto w = LayerWeightsRef::of(weights_);
     auto update = [&] {
       kernels::update_state<Merge, Scorer, RowPolicy::evicts>(exec_, cfg_, w, rows_, ring_, scratch_, plan_, bd.block);
     };
-    kernels::write_window<Merge>(exec_, cfg_, ring_, plan_, k, v, gate, bd.tokens);
+    // Where a kv-head's window has one readout team (a decode step), that team writes the token itself,
+    // unless a lazy fold runs before the readout: the fold may read the new token (a sink, a verbatim first
+    // chunk), so the token is written before it.
+    const bool fused = kernels::readout_writes_window<ExecSpace>(cfg_, bd.tokens) && !(update_first && bd.block > 0);
+    if (!fused) kernels::write_window<Merge>(exec_, cfg_, ring_, plan_, k, v, gate, bd.tokens);
     if (update_first) update();
-    kernels::readout<Merge>(exec_, cfg_, w, rows_, ring_, plan_, q, y, bd.tokens, lse_);
+    if (fused)
+      kernels::readout<Merge>(exec_, cfg_, w, rows_, ring_, plan_, q, y, bd.tokens, lse_,
+                              kernels::WindowTokens<tokens_in, gates_in>{k, v, gate});
+    else
+      kernels::readout<Merge>(exec_, cfg_, w, rows_, ring_, plan_, q, y, bd.tokens, lse_);
     if constexpr (RowPolicy::needs_probabilities)
       kernels::accumulate_row_attention<Merge>(exec_, cfg_, w, rows_, plan_, q, lse_, row_policy_, bd.most_read);
     if (!update_first) update();

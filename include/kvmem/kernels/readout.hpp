@@ -3,6 +3,7 @@
 /// Block attention readout: one softmax over [state rows ; block sliding window], online (flash-style).
 
 #include <Kokkos_Core.hpp>
+#include <stdexcept>
 #include <type_traits>
 
 #include "../config.hpp"
@@ -15,6 +16,7 @@
 #include "step_plan.hpp"
 #include "tile_traits.hpp"
 #include "vector_ops.hpp"
+#include "window_write.hpp"
 
 namespace kvmem::kernels {
 
@@ -672,6 +674,16 @@ struct GroupLanes {
   }
 };
 
+/// Whether readout() over at most `max_queries` queries per sequence (tokens) runs one team per (sequence,
+/// kv-head): G <= readout_query_block and the queries fit one team's blocks (a decode step). Only then can
+/// the readout write the step's tokens into the window itself (WindowTokens), as no other team reads that
+/// window.
+template <class ExecSpace, class Traits = TileTraits<ExecSpace>>
+[[nodiscard]] bool readout_writes_window(const MemoryConfig& cfg, long max_queries) {
+  const GroupLanes gl(cfg.group(), max_queries > 0 ? max_queries : 1, Traits::blocks_per_team);
+  return gl.head_groups == 1 && gl.team_blocks == 1;
+}
+
 /// Attention output for the queries of every (sequence b, query head hq) at positions
 /// [query_begin, query_end) of plan row b (spec KVM.md §3, OVQ.md §4):
 ///   logit(u, i) = q_u · read_keys_i * Merge::logit_scale(tau_state[hq], q_u) + Merge::row_bias(row i)
@@ -690,15 +702,22 @@ struct GroupLanes {
 /// When `lse` [B, Hq, >= max_queries] is not empty, lse(b, hq, u - query_begin) also receives each query's
 /// log-sum-exp max + log(normalizer) (for row eviction, score::RowEviction); otherwise nothing is paid.
 /// `Traits` (TileTraits<ExecSpace>) picks how a team covers a key tile; it changes no bit.
+/// With `fresh` a WindowTokens (only where readout_writes_window(cfg, max_queries); std::logic_error
+/// otherwise), each team first writes the tokens [write_begin, write_end) of its (sequence, kv-head) into
+/// the window ring (write_window_token, the bits write_window stores), then reads them: a decode step
+/// without write_window's launch.
 template <class Merge, class ExecSpace, StorageType T, class QueriesIn, class Out,
           class Lse = Kokkos::View<float***, Kokkos::LayoutRight, typename ExecSpace::memory_space>,
-          class Traits = TileTraits<ExecSpace>>
+          class Traits = TileTraits<ExecSpace>, class Fresh = NoWindowTokens>
 void readout(const ExecSpace& exec, const MemoryConfig& cfg, const LayerWeightsRef& w,
              const state::StateRows<typename ExecSpace::memory_space, T>& rows,
              const state::WindowRing<typename ExecSpace::memory_space, T>& ring,
              const StepPlan<typename ExecSpace::memory_space>& plan, const QueriesIn& q, const Out& y,
-             long max_queries, const Lse& lse = Lse{}) {
+             long max_queries, const Lse& lse = Lse{}, const Fresh& fresh = Fresh{}) {
   const long B = static_cast<long>(plan.device.extent(0));
+  if constexpr (Fresh::writes)
+    if (!readout_writes_window<ExecSpace, Traits>(cfg, max_queries))
+      throw std::logic_error("kvmem::kernels::readout: WindowTokens where a kv-head's window has several teams");
   if (max_queries <= 0 || B == 0) return;
   constexpr int QB = readout_query_block, NB = Traits::blocks_per_team;
   const int Hkv = cfg.kv_heads, D = cfg.head_dim, Dv = cfg.value_dim;
@@ -720,6 +739,10 @@ void readout(const ExecSpace& exec, const MemoryConfig& cfg, const LayerWeightsR
         const auto t = gl.team(team.league_rank(), Hkv);
         const long b = t.b, h = t.h, n = t.heads;
         const long begin = p(b, query_begin), end = p(b, query_end);
+        if constexpr (Fresh::writes)  // the only team of (b, h): a barrier below orders it before the reads
+          Kokkos::parallel_for(Kokkos::TeamThreadRange(team, p(b, write_begin), p(b, write_end)), [&](long pos) {
+            write_window_token<Merge>(cfg, ring, p, fresh.k, fresh.v, fresh.gate, b, h, pos);
+          });
         scratch_t scratch(team.team_scratch(level), floats);
         QueryBlock blks[NB];
         long firsts[NB] = {};
