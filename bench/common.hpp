@@ -232,11 +232,11 @@ struct KvCacheOf {
 };
 using KvCache = KvCacheOf<float>;
 
-template <class S, class Q, class KV, class Y>
-void exact_decode_step(const exec_t& exec, const KvCacheOf<S>& cache, const Q& q1, const KV& k1, const KV& v1,
-                       const Y& y1, long pos, const float* tau) {
-  const long B = static_cast<long>(q1.extent(0)), Hkv = static_cast<long>(cache.k.extent(1));
-  const int D = static_cast<int>(q1.extent(3)), Dv = static_cast<int>(cache.v.extent(3));
+/// Writes one token per sequence and kv-head (k1, v1 [B, Hkv, 1, D]) at position `pos` of the cache.
+template <class S, class KV>
+void append_token(const exec_t& exec, const KvCacheOf<S>& cache, const KV& k1, const KV& v1, long pos) {
+  const long B = static_cast<long>(k1.extent(0)), Hkv = static_cast<long>(cache.k.extent(1));
+  const int D = static_cast<int>(cache.k.extent(3)), Dv = static_cast<int>(cache.v.extent(3));
   const auto ck = cache.k, cv = cache.v;
   Kokkos::parallel_for(
       "bench::kv_append", Kokkos::RangePolicy<exec_t>(exec, 0, B * Hkv), KOKKOS_LAMBDA(long i) {
@@ -244,7 +244,22 @@ void exact_decode_step(const exec_t& exec, const KvCacheOf<S>& cache, const Q& q
         for (int c = 0; c < D; ++c) ck(b, h, pos, c) = k1(b, h, 0, c);
         for (int c = 0; c < Dv; ++c) cv(b, h, pos, c) = v1(b, h, 0, c);
       });
-  kvmem::kernels::exact_causal_attention(exec, q1, ck, cv, y1, tau, pos);
+}
+
+/// The query of position `pos` (q1 [B, Hq, 1, D]) against the cache's positions [0, pos], into y1: the
+/// attention call of an exact decode step, what bench/torch_sdpa.py times of PyTorch's.
+template <class S, class Q, class Y>
+void exact_decode_attention(const exec_t& exec, const KvCacheOf<S>& cache, const Q& q1, const Y& y1, long pos,
+                            const float* tau) {
+  kvmem::kernels::exact_causal_attention(exec, q1, cache.k, cache.v, y1, tau, pos);
+}
+
+/// A whole exact decode step: append_token, then exact_decode_attention.
+template <class S, class Q, class KV, class Y>
+void exact_decode_step(const exec_t& exec, const KvCacheOf<S>& cache, const Q& q1, const KV& k1, const KV& v1,
+                       const Y& y1, long pos, const float* tau) {
+  append_token(exec, cache, k1, v1, pos);
+  exact_decode_attention(exec, cache, q1, y1, pos, tau);
 }
 
 // ---------------------------------------------------------------------------------------------------

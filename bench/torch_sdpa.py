@@ -5,7 +5,7 @@ against (scripts/gpu-check on a GPU; bench/run.sh on the CPU with --shapes-from)
 Times, in one process:
   - causal prefill over T tokens: q [B, Hq, T, D], k/v [B, Hkv, T, D] (GQA through enable_gqa);
   - a decode step at position `pos`: one query per sequence against a full KV cache of pos + 1 tokens
-    (the SDPA call alone: appending the token to the cache is not timed, which favours PyTorch slightly);
+    (the SDPA call alone: appending the token to the cache is not timed, nor is it in kvmem_bench_decode's exact step);
   - the device's copy bandwidth (a tensor copy of 1 GiB, bytes read + bytes written), the ceiling of decode.
 Each case runs in float32 (kvmem's dtype today) and, on CUDA, in bfloat16 (the flash kernel, GQA
 native). PyTorch has no float32 kernel on CUDA that takes GQA natively (enable_gqa falls back to the math
