@@ -236,8 +236,10 @@ def targets(pre, dec, all_threads):
     for r in pick(dec, memory="kvm-fixed256", pos=262144):
         if "vs_first_pos" in r:
             v = r["vs_first_pos"]
-            row(f"KVM fixed-256 decode step at 256K within 10% of 4K (D = {r['D']}, B = {r['B']}, Hkv = {r['Hkv']})",
-                f"{100 * (v - 1):+.1f}% ({fmt_time(r['sec'])} vs {fmt_time(r['sec'] / v)})", abs(v - 1) <= 0.10)
+            # Flat in the position: a step at 256K no more than 10 % slower than at 4K (faster is the noise).
+            row(f"KVM fixed-256 decode step at 256K at most 10% slower than at 4K (D = {r['D']}, B = {r['B']}, "
+                f"Hkv = {r['Hkv']})", f"{100 * (v - 1):+.1f}% ({fmt_time(r['sec'])} vs {fmt_time(r['sec'] / v)})",
+                v <= 1.10)
     for r in pick(dec, memory="kvm-fixed256", threads=all_threads):
         if r["pos"] in (4096, 262144) and (r["B"] == 8 or r["pos"] == 262144):
             f = r["frac_copy_bw"]

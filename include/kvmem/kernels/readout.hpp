@@ -739,9 +739,12 @@ void readout(const ExecSpace& exec, const MemoryConfig& cfg, const LayerWeightsR
         const auto t = gl.team(team.league_rank(), Hkv);
         const long b = t.b, h = t.h, n = t.heads;
         const long begin = p(b, query_begin), end = p(b, query_end);
+        // Named outside the if constexpr: nvcc's extended lambdas cannot first-capture inside one.
+        [[maybe_unused]] const Fresh& tokens = fresh;
+        [[maybe_unused]] const MemoryConfig& config = cfg;
         if constexpr (Fresh::writes)  // the only team of (b, h): a barrier below orders it before the reads
           Kokkos::parallel_for(Kokkos::TeamThreadRange(team, p(b, write_begin), p(b, write_end)), [&](long pos) {
-            write_window_token<Merge>(cfg, ring, p, fresh.k, fresh.v, fresh.gate, b, h, pos);
+            write_window_token<Merge>(config, ring, p, tokens.k, tokens.v, tokens.gate, b, h, pos);
           });
         scratch_t scratch(team.team_scratch(level), floats);
         QueryBlock blks[NB];
