@@ -742,9 +742,10 @@ void readout(const ExecSpace& exec, const MemoryConfig& cfg, const LayerWeightsR
         // Named outside the if constexpr: nvcc's extended lambdas cannot first-capture inside one.
         [[maybe_unused]] const Fresh& tokens = fresh;
         [[maybe_unused]] const MemoryConfig& config = cfg;
+        [[maybe_unused]] const auto& window = ring;
         if constexpr (Fresh::writes)  // the only team of (b, h): a barrier below orders it before the reads
           Kokkos::parallel_for(Kokkos::TeamThreadRange(team, p(b, write_begin), p(b, write_end)), [&](long pos) {
-            write_window_token<Merge>(config, ring, p, tokens.k, tokens.v, tokens.gate, b, h, pos);
+            write_window_token<Merge>(config, window, p, tokens.k, tokens.v, tokens.gate, b, h, pos);
           });
         scratch_t scratch(team.team_scratch(level), floats);
         QueryBlock blks[NB];
