@@ -446,17 +446,18 @@ class Memory {
   }
   /// Launches a step planned in plan_.device: window write, then (lazy policies) the fold, the readout, row
   /// statistics, then (eager policies) the fold. Where the readout has one team per (sequence, kv-head) (a
-  /// decode step), that team writes the window instead (kernels::readout_writes_window), except on a step
-  /// whose lazy fold runs before the readout (the fold may read the new token). No fence, no copy.
+  /// decode step, or a prefill step short enough for one team), that team writes the window instead
+  /// (kernels::readout_writes_window), except on a step whose lazy fold runs before the readout (the fold may
+  /// read the new token). No fence, no copy.
   void run_step(const tokens_in& q, const tokens_in& k, const tokens_in& v, const gates_in& gate, const tokens_out& y,
                 const Bounds& bd, bool update_first) {
     const auto w = LayerWeightsRef::of(weights_);
     auto update = [&] {
       kernels::update_state<Merge, Scorer, RowPolicy::evicts>(exec_, cfg_, w, rows_, ring_, scratch_, plan_, bd.block);
     };
-    // Where a kv-head's window has one readout team (a decode step), that team writes the token itself,
-    // unless a lazy fold runs before the readout: the fold may read the new token (a sink, a verbatim first
-    // chunk), so the token is written before it.
+    // Where a kv-head's window has one readout team (a decode step, a short prefill step), that team writes
+    // the token itself, unless a lazy fold runs before the readout: the fold may read the new token (a sink,
+    // a verbatim first chunk), so the token is written before it.
     const bool fused = kernels::readout_writes_window<ExecSpace>(cfg_, bd.tokens) && !(update_first && bd.block > 0);
     if (!fused) kernels::write_window<Merge>(exec_, cfg_, ring_, plan_, k, v, gate, bd.tokens);
     if (update_first) update();

@@ -675,9 +675,9 @@ struct GroupLanes {
 };
 
 /// Whether readout() over at most `max_queries` queries per sequence (tokens) runs one team per (sequence,
-/// kv-head): G <= readout_query_block and the queries fit one team's blocks (a decode step). Only then can
-/// the readout write the step's tokens into the window itself (WindowTokens), as no other team reads that
-/// window.
+/// kv-head): G <= readout_query_block and the queries fit one team's blocks (a decode step, or a prefill
+/// step of at most readout_query_block x Traits::blocks_per_team / G tokens). Only then can the readout
+/// write the step's tokens into the window itself (WindowTokens), as no other team reads that window.
 template <class ExecSpace, class Traits = TileTraits<ExecSpace>>
 [[nodiscard]] bool readout_writes_window(const MemoryConfig& cfg, long max_queries) {
   const GroupLanes gl(cfg.group(), max_queries > 0 ? max_queries : 1, Traits::blocks_per_team);
