@@ -23,6 +23,11 @@ struct EvictionConfig {
   int window = 64;          ///< w >= 1: the protected window of the last w tokens, the current one included.
   int top_k = 448;          ///< k >= 0: retained rows among the tokens that left the window.
   int decay_interval = 1;   ///< n >= 1 of eff_t(q) = score_t + floor((q - t) / n) log gamma (§4); 1 recommended.
+  /// Merge where eviction forgets: an evicted row is folded into the kept row (sinks excepted) whose key is
+  /// most similar to its own by cosine similarity, as count-weighted means of keys and values, and every
+  /// row is read with the logit bias log(count) (kernels::eviction_merge; docs/eviction.md "Merging
+  /// eviction"). The budget in rows is the same; each row also holds a float32 count.
+  bool merge_evicted = false;
 
   /// Budget B = s + w + k: the most rows a (sequence, kv-head) holds after a step.
   [[nodiscard]] long budget() const { return static_cast<long>(sinks) + window + top_k; }

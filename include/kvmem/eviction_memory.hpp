@@ -32,6 +32,9 @@ namespace kvmem {
 /// |R| > k the row with the lowest effective score is evicted (ties: the older token) and its slot freed:
 /// the memory really is bounded, B + 1 rows per (b, h) whatever the sequence length. Then every query
 /// head of the group reads the cached rows with one softmax (q . k / sqrt(D), no temperature).
+/// With EvictionConfig::merge_evicted, eviction merges where it would forget: the evicted row is first
+/// folded into the kept row (sinks excepted) of most similar key (cosine), as count-weighted means, and
+/// rows are read with the logit bias log(count) (kernels::eviction_merge; docs/eviction.md).
 /// Delayed scorers (score::MLstm) score a token when it leaves the window (§2); scorers that need attention
 /// probabilities (score::AccumulatedAttention, score::LastQueryAttention) get them from the readout, the
 /// others pay nothing for them.
@@ -76,7 +79,8 @@ class EvictionMemory {
     tokens_.allocate("kvmem::evict_first", batch, 0L);
     lengths_.allocate("kvmem::evict_lengths", batch, 0L);
     active_.allocate("kvmem::evict_active", batch, 1L);
-    cache_.allocate(batch, cfg_.kv_heads, cfg_.budget() + 1, cfg_.head_dim, cfg_.value_dim, Scorer::needs_probabilities);
+    cache_.allocate(batch, cfg_.kv_heads, cfg_.budget() + 1, cfg_.head_dim, cfg_.value_dim, Scorer::needs_probabilities,
+                    cfg_.merge_evicted);
     tokens_.upload(exec_);
     lengths_.upload(exec_);
     active_.upload(exec_);
@@ -204,16 +208,18 @@ class EvictionMemory {
   /// The device cache (slots, positions, statistics, order), for inspection.
   [[nodiscard]] const state::EvictionCache<memory_space, Storage>& cache() const { return cache_; }
   /// Bytes of keys and values the batch holds at most: B * Hkv * (budget + 1) * (D + Dv) * sizeof(Storage),
-  /// whatever the token count (the + 1 is the row a step holds between its append and its eviction).
+  /// plus B * Hkv * (budget + 1) * 4 for the float32 counts of a merging eviction (merge_evicted), whatever
+  /// the token count (the + 1 is the row a step holds between its append and its eviction).
   [[nodiscard]] long held_bytes() const {
-    return batch() * cfg_.kv_heads * (cfg_.budget() + 1) * (cfg_.head_dim + cfg_.value_dim) *
-           static_cast<long>(sizeof(Storage));
+    const long rows = batch() * cfg_.kv_heads * (cfg_.budget() + 1);
+    return rows * (cfg_.head_dim + cfg_.value_dim) * static_cast<long>(sizeof(Storage)) +
+           (cfg_.merge_evicted ? rows * static_cast<long>(sizeof(float)) : 0L);
   }
   /// Bytes this object has allocated on the device for its cache and scratch (the scorer's own state,
   /// e.g. the mLSTM's, is not counted). Fixed at construction.
   [[nodiscard]] long allocated_bytes() const {
     const auto& c = cache_;
-    return static_cast<long>((c.keys.span() + c.values.span()) * sizeof(Storage) + (c.logits.span() + c.probabilities.span()) * sizeof(float) +
+    return static_cast<long>((c.keys.span() + c.values.span()) * sizeof(Storage) + (c.logits.span() + c.probabilities.span() + c.counts.span()) * sizeof(float) +
                              c.stats.span() * sizeof(double) +
                              (c.positions.span() + c.live.span() + 3 * tokens_.device().span()) * sizeof(long) +
                              (c.order.span() + c.shift.span()) * sizeof(int));

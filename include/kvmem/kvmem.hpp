@@ -15,6 +15,7 @@
 #include "policy/budget/saturating.hpp"
 #include "policy/layer_weights.hpp"
 #include "policy/merge/k_means_count.hpp"
+#include "policy/merge/proportional.hpp"
 #include "policy/merge/winner_take_all.hpp"
 #include "policy/score/novelty.hpp"
 #include "policy/score/row_eviction.hpp"
@@ -34,4 +35,10 @@ using KvmMemoryWithRowEviction = Memory<ExecSpace, merge::WinnerTakeAll, Budget,
 /// storage type T (see Memory).
 template <class ExecSpace, budget::BudgetSchedule Budget = budget::Plateau, StorageType T = float>
 using OvqMemory = Memory<ExecSpace, merge::KMeansCount, Budget, score::Novelty, score::KeepRows, T>;
+/// Proportional merging (merge::Proportional): rows read as the mean key and value of their tokens with the
+/// logit bias log(count), for a pretrained model without training. Configure sinks >= 1 (the attention
+/// sink stays its own row) and pass tau_state = tau_window = 1 (the model's own scale 1 / sqrt(D)); ln
+/// weights are not read (they may be empty). Tokens in the storage type T (see Memory).
+template <class ExecSpace, budget::BudgetSchedule Budget, StorageType T = float>
+using ProportionalMemory = Memory<ExecSpace, merge::Proportional, Budget, score::Novelty, score::KeepRows, T>;
 }  // namespace kvmem

@@ -25,7 +25,7 @@ atexit.register(_kvmem.finalize)
 
 from . import budget, ops  # noqa: E402  (the ops need Kokkos running only when called)
 from ._device import device  # noqa: E402
-from .memories import EvictionMemory, KvmMemory, Memory, OvqMemory, TrellisMemory  # noqa: E402
+from .memories import EvictionMemory, KvmMemory, Memory, OvqMemory, ProportionalMemory, TrellisMemory  # noqa: E402
 
 
 def backend() -> str:
@@ -33,5 +33,6 @@ def backend() -> str:
     return _kvmem.backend()
 
 
-__all__ = ["EvictionMemory", "KvmMemory", "Memory", "OvqMemory", "TrellisMemory", "backend", "budget", "device", "ops"]
+__all__ = ["EvictionMemory", "KvmMemory", "Memory", "OvqMemory", "ProportionalMemory", "TrellisMemory", "backend", "budget",
+           "device", "ops"]
 __version__ = "0.1.0"

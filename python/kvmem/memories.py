@@ -304,6 +304,11 @@ class EvictionMemory(Memory):
     ``tova_layer_mean``), "kvpop" (learned mLSTM: ``weights`` maps w_q, w_k, w_v, w_i, b_i, w_f, b_f, w_s, b_s,
     theta to tensors, copied at construction; ``normalizer`` "xlstm" or "plain"). No extra tensors.
 
+    ``merge_evicted``: merge where eviction forgets. An evicted row is folded into the kept row (sinks
+    excepted) whose key is most similar (cosine), as count-weighted means of keys and values, and every row
+    is read with the logit bias log(count) (docs/eviction.md "Merging eviction"). Same budget in rows, plus a
+    float32 count per row.
+
     ``dtype`` (torch.float32, torch.bfloat16 or torch.float16; default float32): the dtype of every token
     tensor it takes and writes and of the keys and values it stores; raises TypeError for another."""
 
@@ -311,17 +316,49 @@ class EvictionMemory(Memory):
                  scorer: str = "h2o", sinks: int = 4, window: int = 64, top_k: int = 448, decay_interval: int = 1,
                  h2o_normalize: bool = False, tova_layer_mean: bool = False,
                  weights: Mapping[str, torch.Tensor] | None = None, normalizer: str = "xlstm",
-                 dtype: torch.dtype = torch.float32):
+                 merge_evicted: bool = False, dtype: torch.dtype = torch.float32):
         value_dim = head_dim if value_dim is None else value_dim
         super().__init__(batch=batch, query_heads=query_heads, kv_heads=kv_heads, head_dim=head_dim, value_dim=value_dim,
                          dtype=dtype)
         cfg = _config(_kvmem.EvictionConfig, head_dim=head_dim, value_dim=value_dim, query_heads=query_heads,
-                      kv_heads=kv_heads, sinks=sinks, window=window, top_k=top_k, decay_interval=decay_interval)
+                      kv_heads=kv_heads, sinks=sinks, window=window, top_k=top_k, decay_interval=decay_interval,
+                      merge_evicted=bool(merge_evicted))
         w = {}
         for name, t in (weights or {}).items():
             w[name] = _tensor(f"weights['{name}']", t, (1, 2, 3))
         self.scorer = scorer
         self._adopt(_kvmem.make_eviction(cfg, batch, scorer, h2o_normalize, tova_layer_mean, w, normalizer, self._dtype_name))
+
+
+class ProportionalMemory(Memory):
+    """Proportional merging (kvmem::merge::Proportional), a merge memory for a pretrained model without
+    training: state rows hold the sums of their tokens' keys and values (as given, RoPE'd) and a count, and
+    are read as the mean key and mean value with the logit bias log(count) at the model's scale 1 / sqrt(D).
+    A block sliding window of ``window_chunks * chunk`` tokens; when a chunk leaves it, the budget schedule
+    says how many of its tokens found rows (the least similar first) and the others join the row whose mean
+    key has the largest dot product with theirs. The first ``sinks`` tokens stay rows of their own. Holding
+    every token as its own row, it is exact attention.
+
+    Shapes: q [B, Hq, T, D], k [B, Hkv, T, D], v [B, Hkv, T, Dv]; no extra tensor (a gate is accepted and
+    ignored). Units: chunk in tokens; sinks, max_rows in rows.
+
+    ``dtype`` (torch.float32, torch.bfloat16 or torch.float16; default float32): the dtype of every token
+    tensor it takes and writes and of its window and the read copies of its rows (the sums and counts stay
+    float32); raises TypeError for another."""
+
+    extras = ("gate",)
+    optional_extras = 1
+
+    def __init__(self, head_dim: int, query_heads: int, kv_heads: int, *, value_dim: int | None = None, batch: int = 1,
+                 chunk: int = 256, window_chunks: int = 2, sinks: int = 1, max_rows: int = 256,
+                 budget: budgets.Schedule = budgets.Fixed(256), dtype: torch.dtype = torch.float32):
+        value_dim = head_dim if value_dim is None else value_dim
+        super().__init__(batch=batch, query_heads=query_heads, kv_heads=kv_heads, head_dim=head_dim, value_dim=value_dim,
+                         dtype=dtype)
+        cfg = _config(_kvmem.MemoryConfig, head_dim=head_dim, value_dim=value_dim, query_heads=query_heads,
+                      kv_heads=kv_heads, chunk=chunk, window_chunks=window_chunks, rope_dims=0, sinks=sinks,
+                      max_rows=max_rows)
+        self._adopt(_kvmem.make_proportional(cfg, budgets.to_args(budget, _kvmem), batch, self._dtype_name))
 
 
 class TrellisMemory(Memory):

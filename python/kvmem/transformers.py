@@ -20,7 +20,8 @@ model's dtype and computes logits, softmax and merges in float32; float64 is ref
 builds no mask, since every memory is causal by construction, and refuses a padding mask with a
 ValueError: kvmem's ragged prefill takes right-ragged lengths, transformers pads on the left); greedy or sampling decoding, no
 beam search (``reorder_cache``) or cache cropping. Trellis needs learned per-token gates and targets that
-a pretrained transformer does not have, so the factories here are KVM, OVQ and the eviction memories.
+a pretrained transformer does not have, so the factories here are KVM, OVQ, proportional merging and the eviction
+memories (with or without merging).
 """
 
 from __future__ import annotations
@@ -55,9 +56,16 @@ def ovq(**kwargs) -> MemoryFactory:
     return lambda layer_idx, **shape: memories.OvqMemory(**shape, **kwargs)
 
 
+def proportional(**kwargs) -> MemoryFactory:
+    """A factory of ProportionalMemory (chunk, window_chunks, sinks, max_rows, budget, ...): rows read as the
+    mean key and value of their tokens with the logit bias log(count), made for a model not trained with a
+    memory (its attention is unchanged where every token has its own row)."""
+    return lambda layer_idx, **shape: memories.ProportionalMemory(**shape, **kwargs)
+
+
 def eviction(scorer: str = "h2o", **kwargs) -> MemoryFactory:
     """A factory of EvictionMemory (scorer "streaming", "knorm", "h2o", "tova" or "kvpop"; sinks, window,
-    top_k in tokens, ...)."""
+    top_k in tokens, merge_evicted to fold evicted rows into their nearest kept row, ...)."""
     return lambda layer_idx, **shape: memories.EvictionMemory(**shape, scorer=scorer, **kwargs)
 
 

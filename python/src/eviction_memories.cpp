@@ -49,6 +49,7 @@ class Eviction final : public TypedMemory<S> {
     d["slot_positions"] = to_numpy(cache.positions);
     d["kept_positions"] = to_numpy(positions);
     d["kept_rows"] = to_numpy(rows);
+    if (mem_.config().merge_evicted) d["counts"] = to_numpy(cache.counts);  // tokens per slot's row
     return d;
   }
 
@@ -129,7 +130,8 @@ void bind_eviction_memories(nb::module_& m) {
       .def_rw("sinks", &EvictionConfig::sinks)
       .def_rw("window", &EvictionConfig::window)
       .def_rw("top_k", &EvictionConfig::top_k)
-      .def_rw("decay_interval", &EvictionConfig::decay_interval);
+      .def_rw("decay_interval", &EvictionConfig::decay_interval)
+      .def_rw("merge_evicted", &EvictionConfig::merge_evicted);
   m.def("make_eviction", &make_eviction, nb::arg("config"), nb::arg("batch"), nb::arg("scorer"), nb::arg("h2o_normalize"),
         nb::arg("tova_layer_mean"), nb::arg("weights"), nb::arg("normalizer"), nb::arg("dtype"),
         "An eviction memory (EvictionMemory<exec, Scorer, Storage>; spec EVICTION.md) of storage type `dtype`; returns "

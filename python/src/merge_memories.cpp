@@ -1,7 +1,8 @@
 /// \file merge_memories.cpp
-/// Python bindings of the merging memories: KVM (kvm-paper; merge::WinnerTakeAll) and OVQ (ovq-paper;
-/// merge::KMeansCount), each with the budget schedules fixed, power-law, saturating and plateau, and KVM
-/// with H2O eviction of its state rows (fixed and power-law budgets).
+/// Python bindings of the merging memories: KVM (kvm-paper; merge::WinnerTakeAll), OVQ (ovq-paper;
+/// merge::KMeansCount) and proportional merging (merge::Proportional), each with the budget schedules fixed,
+/// power-law, saturating and plateau, and KVM with H2O eviction of its state rows (fixed and power-law
+/// budgets).
 
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/string.h>
@@ -113,6 +114,20 @@ long make_ovq(const MemoryConfig& cfg, const BudgetArgs& b, const nb::ndarray<>&
   });
 }
 
+/// A proportional-merge memory (merge::Proportional; tau_state = tau_window = 1, the model's own scale);
+/// returns its handle.
+long make_proportional(const MemoryConfig& cfg, const BudgetArgs& b, int batch, const std::string& dtype) {
+  Kokkos::View<float*, mem_space> ones("kvmem::python::unit_temperatures", cfg.query_heads);
+  Kokkos::deep_copy(ones, 1.0f);
+  const LayerWeights<mem_space> w{{}, {}, ones, ones};
+  return with_budget(b, [&](const auto& budget) -> long {
+    return with_storage(dtype, [&](auto storage) -> long {
+      using mem_t = ProportionalMemory<exec, std::remove_cvref_t<decltype(budget)>, typename decltype(storage)::type>;
+      return handles().add(std::make_unique<MergeMemory<mem_t>>(cfg, budget, w, batch, true));
+    });
+  });
+}
+
 }  // namespace
 
 void bind_merge_memories(nb::module_& m) {
@@ -130,6 +145,9 @@ void bind_merge_memories(nb::module_& m) {
         "A KVM memory (kvm-paper Sec. 4; KvmMemory<exec, Budget, Storage>) of storage type `dtype`; returns its handle.");
   m.def("make_ovq", &make_ovq, nb::arg("config"), nb::arg("budget"), nb::arg("beta"), nb::arg("batch"), nb::arg("dtype"),
         "An OVQ memory (ovq-paper Sec. 3.2; OvqMemory<exec, Budget, Storage>) of storage type `dtype`; returns its handle.");
+  m.def("make_proportional", &make_proportional, nb::arg("config"), nb::arg("budget"), nb::arg("batch"), nb::arg("dtype"),
+        "A proportional-merge memory (merge::Proportional; ProportionalMemory<exec, Budget, Storage>) of storage type "
+        "`dtype`; returns its handle.");
 }
 
 }  // namespace kvmem::python

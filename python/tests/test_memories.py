@@ -26,7 +26,20 @@ def tova():
     return kvmem.EvictionMemory(D, HQ, HKV, batch=B, scorer="tova", sinks=1, window=4, top_k=6)
 
 
-MAKERS = [kvm, ovq, h2o, tova]
+def proportional():
+    return kvmem.ProportionalMemory(D, HQ, HKV, batch=B, chunk=8, window_chunks=2, sinks=1, max_rows=16,
+                                    budget=kvmem.budget.Fixed(12))
+
+
+def h2o_merge():
+    return kvmem.EvictionMemory(D, HQ, HKV, batch=B, scorer="h2o", sinks=2, window=6, top_k=8, merge_evicted=True)
+
+
+def streaming_merge():
+    return kvmem.EvictionMemory(D, HQ, HKV, batch=B, scorer="streaming", sinks=1, window=4, top_k=6, merge_evicted=True)
+
+
+MAKERS = [kvm, ovq, h2o, tova, proportional, h2o_merge, streaming_merge]
 
 
 def inputs(rand, batch=B, tokens=T):
@@ -141,3 +154,35 @@ def test_trellis_decode_is_the_recurrence(rand):
                      for s in range(T)], dim=2)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     assert m.state()["m1"].shape == (B, H, m_slots, D)
+
+
+def test_proportional_holding_every_token_is_attention(rand):
+    """A proportional memory with room for every token (each its own row, count 1) is exact attention."""
+    q, k, v = inputs(rand)
+    mem = kvmem.ProportionalMemory(D, HQ, HKV, batch=B, chunk=8, window_chunks=1, sinks=1, max_rows=T + 8,
+                                   budget=kvmem.budget.Fixed(T + 8))
+    y = mem.prefill(q, k, v)
+    g = HQ // HKV
+    want = torch.nn.functional.scaled_dot_product_attention(q, k.repeat_interleave(g, 1), v.repeat_interleave(g, 1),
+                                                             is_causal=True)
+    torch.testing.assert_close(y, want, rtol=1e-5, atol=1e-5)
+    st = mem.state()
+    for b in range(B):
+        rows = st["rows"][b]
+        assert rows >= T - 8  # every token but the window's is a row of its own
+        assert torch.equal(torch.as_tensor(st["counts"])[b, :, :rows], torch.ones(HKV, rows))
+
+
+def test_merging_eviction_counts_and_output(rand):
+    """merge_evicted keeps the budget, counts every token once across its rows, and changes the output."""
+    q, k, v = inputs(rand)
+    plain = kvmem.EvictionMemory(D, HQ, HKV, batch=B, scorer="streaming", sinks=1, window=4, top_k=6)
+    merged = streaming_merge()
+    y_plain, y_merged = plain.prefill(q, k, v), merged.prefill(q, k, v)
+    assert not torch.equal(y_plain, y_merged)
+    torch.testing.assert_close(y_plain[:, :, :11], y_merged[:, :, :11])  # nothing evicted before 11 tokens
+    st = merged.state()
+    counts = torch.as_tensor(st["counts"])
+    live = torch.as_tensor(st["slot_positions"]) >= 0
+    assert torch.equal(counts[live].reshape(B, HKV, -1).sum(-1), torch.full((B, HKV), float(T)))
+    assert merged.held_bytes() == plain.held_bytes() + B * HKV * 12 * 4

@@ -13,6 +13,11 @@
 //                    every state materialised from scratch (not the recurrence kvmem runs);
 //   topk_row():      one row of the §5 mask straight from its definition with static keys kappa (no Fenwick);
 //   snapkv_keep():   SnapKV's selection (§6) from its definition.
+//   EvictPolicy::merge: kvmem's merging eviction (EvictionConfig::merge_evicted, not in the spec): before an
+//                    evicted token's row is dropped, it is folded into the cached row (sinks excepted) of
+//                    highest cosine similarity of keys (0 for a zero norm; ties: the older row), as the
+//                    count-weighted means of keys and values; rows are read with the logit bias log(count),
+//                    and KVPOP's delayed score of token u reads u's row as it stands at step u + w - 1.
 // Header-only, standard library only. Clarity over speed.
 
 #include <algorithm>
@@ -53,6 +58,7 @@ struct EvictPolicy {
   double log_gamma = 0.0;                                     ///< every kind but kvpop (kvpop: from theta)
   std::vector<double> given;                                  ///< EvictKind::given: static score per token [T]
   MLstmHead mlstm;                                            ///< EvictKind::kvpop
+  bool merge = false;                                         ///< fold evicted rows into their nearest kept row
 };
 
 /// One (sequence, kv-head): G query heads, T tokens.
@@ -98,10 +104,46 @@ inline Vec hedgehog(const Vec& y) {
   return out;
 }
 
+/// The rows of one kv-head as a merging eviction holds them: key [D], value [Dv] and count of the row of each
+/// position (a position's own token until rows merge into it).
+struct MergedRows {
+  std::vector<Vec> K, V;
+  Vec n;
+  MergedRows(const EvictHead& x) : n(x.T, 1.0) {
+    for (long t = 0; t < x.T; ++t) {
+      K.emplace_back(x.k.begin() + t * x.D, x.k.begin() + (t + 1) * x.D);
+      V.emplace_back(x.v.begin() + t * x.Dv, x.v.begin() + (t + 1) * x.Dv);
+    }
+  }
+  /// Folds the row of `from` into the cached row t >= s (t != from) of highest cosine similarity of keys
+  /// (0 when a norm is 0), the older on a tie.
+  void merge(long from, const std::vector<long>& cache, long s) {
+    auto dot = [](const Vec& a, const Vec& b) {
+      double d = 0;
+      for (std::size_t i = 0; i < a.size(); ++i) d += a[i] * b[i];
+      return d;
+    };
+    auto norm = [&](const Vec& a) { return std::sqrt(dot(a, a)); };
+    const double nf = norm(K[from]);
+    long into = -1;
+    double best = 0;
+    for (long t : cache) {
+      if (t < s || t == from) continue;
+      const double d = nf * norm(K[t]);
+      const double c = d == 0 ? 0.0 : dot(K[from], K[t]) / d;
+      if (into < 0 || c > best) into = t, best = c;
+    }
+    const double a = n[into], b = n[from];
+    for (std::size_t i = 0; i < K[into].size(); ++i) K[into][i] = (a * K[into][i] + b * K[from][i]) / (a + b);
+    for (std::size_t i = 0; i < V[into].size(); ++i) V[into][i] = (a * V[into][i] + b * V[from][i]) / (a + b);
+    n[into] = a + b;
+  }
+};
+
 /// Steps 2-3 of step q (§1): while more than k cached tokens lie in R = [s, q - w], evict the one with the
 /// lowest (eff(t, q), t).
-template <class Eff>
-void evict_down(std::vector<long>& cache, long s, long w, long k, long q, const Eff& eff) {
+template <class Eff, class OnEvict>
+void evict_down(std::vector<long>& cache, long s, long w, long k, long q, const Eff& eff, const OnEvict& on_evict) {
   while (true) {
     std::vector<long> R;
     for (long t : cache)
@@ -112,6 +154,7 @@ void evict_down(std::vector<long>& cache, long s, long w, long k, long q, const 
       const double e = eff(t, q), ew = eff(worst, q);
       if (e < ew || (e == ew && t < worst)) worst = t;
     }
+    on_evict(worst);
     cache.erase(std::find(cache.begin(), cache.end(), worst));
   }
 }
@@ -120,7 +163,10 @@ void evict_down(std::vector<long>& cache, long s, long w, long k, long q, const 
 
 /// KVPOP's static score of every token u with u + w - 1 < T, read from the state after token u + w - 1 (§2),
 /// with C_t and n_t from the closed parallel form of §3 (each state summed from scratch); NaN elsewhere.
-inline std::vector<double> mlstm_scores(const EvictHead& x, const MLstmHead& m, long window) {
+/// `only` >= 0: the score of token `only` alone, its query features from `key` [D] and `value` [Dv] instead
+/// of its own (a merging eviction scores the row as it stands).
+inline std::vector<double> mlstm_scores(const EvictHead& x, const MLstmHead& m, long window, long only = -1,
+                                        const double* key = nullptr, const double* value = nullptr) {
   using namespace evict_detail;
   const long T = x.T, D = x.D, Dv = x.Dv, h = D / 2;
   if (D % 2 != 0) throw std::invalid_argument("mlstm_scores: D must be even");
@@ -141,7 +187,7 @@ inline std::vector<double> mlstm_scores(const EvictHead& x, const MLstmHead& m, 
     F[t] = (t > 0 ? F[t - 1] : 0.0) + lf[t];  // F_t = sum_{l <= t} log f_l
   }
   Vec score(T, nan);
-  for (long u = 0; u + window - 1 < T; ++u) {
+  for (long u = only < 0 ? 0 : only; u + window - 1 < T && (only < 0 || u == only); ++u) {
     const long t = u + window - 1;
     double mt = F[t];  // the m_{-1} = 0 term
     for (long j = 0; j <= t; ++j) mt = std::max(mt, ig[j] + F[t] - F[j]);
@@ -154,6 +200,11 @@ inline std::vector<double> mlstm_scores(const EvictHead& x, const MLstmHead& m, 
       }
     }
     Vec q = qf[u];
+    if (only >= 0) {
+      Vec xu(key, key + D);
+      xu.insert(xu.end(), value, value + Dv);
+      q = hedgehog(project(xu, m.w_q, h));
+    }
     if (m.norm == MLstmNorm::xlstm)
       for (auto& e : q) e /= std::sqrt(static_cast<double>(D));
     double qn = 0;
@@ -218,6 +269,7 @@ inline EvictResult evict_decode(const EvictHead& x, const EvictPolicy& p) {
   const double lg = policy_log_gamma(p);
   Vec acc(T, 0.0), last(T, 0.0);  // H2O accumulated attention; TOVA attention of the previous query
   std::vector<long> cache;        // cached positions, ascending
+  MergedRows rows(x);             // the rows as they stand (the tokens themselves unless p.merge)
   auto base = [&](long t, long q) -> double {
     switch (p.kind) {
       case EvictKind::h2o: return p.normalize ? acc[t] / (static_cast<double>(G) * static_cast<double>(q - t)) : acc[t];
@@ -229,10 +281,16 @@ inline EvictResult evict_decode(const EvictHead& x, const EvictPolicy& p) {
   };
   auto eff = [&](long t, long q) { return base(t, q) + static_cast<double>((q - t) / n) * lg; };
   for (long q = 0; q < T; ++q) {
-    // 1. append (scores of static scorers are precomputed: a static score never changes).
+    // 1. append (scores of static scorers are precomputed: a static score never changes; a merging
+    // eviction's KVPOP scores token u = q - w + 1 now, from its row as it stands).
     cache.push_back(q);
+    const long u = q - w + 1;
+    if (p.merge && p.kind == EvictKind::kvpop && u >= s && u >= 0)
+      r.score[u] = mlstm_scores(x, p.mlstm, w, u, rows.K[u].data(), rows.V[u].data())[u];
     // 2.-3. R = cached tokens in [s, q - w]; token q - w has joined it. Evict the min of (eff, t).
-    evict_down(cache, s, w, k, q, eff);
+    evict_down(cache, s, w, k, q, eff, [&](long t) {
+      if (p.merge) rows.merge(t, cache, s);
+    });
     r.attended[q] = cache;
     // 4. one softmax per query head over the attended set.
     Vec psum(cache.size(), 0.0);
@@ -240,13 +298,13 @@ inline EvictResult evict_decode(const EvictHead& x, const EvictPolicy& p) {
       Vec logits(cache.size());
       for (std::size_t i = 0; i < cache.size(); ++i) {
         double d = 0;
-        for (long c = 0; c < D; ++c) d += x.q[(g * T + q) * D + c] * x.k[cache[i] * D + c];
-        logits[i] = d / std::sqrt(static_cast<double>(D));
+        for (long c = 0; c < D; ++c) d += x.q[(g * T + q) * D + c] * rows.K[cache[i]][c];
+        logits[i] = d / std::sqrt(static_cast<double>(D)) + std::log(rows.n[cache[i]]);
       }
       const Vec pr = softmax(logits);
       for (std::size_t i = 0; i < cache.size(); ++i) {
         psum[i] += pr[i];
-        for (long c = 0; c < Dv; ++c) r.y[(g * T + q) * Dv + c] += pr[i] * x.v[cache[i] * Dv + c];
+        for (long c = 0; c < Dv; ++c) r.y[(g * T + q) * Dv + c] += pr[i] * rows.V[cache[i]][c];
       }
     }
     // 5. dynamic statistics.
@@ -276,10 +334,14 @@ inline std::vector<EvictResult> evict_decode_layer(const std::vector<EvictHead>&
   }
   Vec last(T, 0.0);
   std::vector<long> cache;
+  std::vector<MergedRows> rows(heads.begin(), heads.end());  // each kv-head merges into its own nearest row
   auto eff = [&](long t, long q) { return last[t] + static_cast<double>((q - t) / n) * p.log_gamma; };
   for (long q = 0; q < T; ++q) {
     cache.push_back(q);
-    evict_down(cache, s, w, k, q, eff);
+    evict_down(cache, s, w, k, q, eff, [&](long t) {
+      if (p.merge)
+        for (auto& hr : rows) hr.merge(t, cache, s);
+    });
     Vec psum(cache.size(), 0.0);
     long heads_of_layer = 0;
     for (long h = 0; h < H; ++h) {
@@ -289,13 +351,13 @@ inline std::vector<EvictResult> evict_decode_layer(const std::vector<EvictHead>&
         Vec logits(cache.size());
         for (std::size_t i = 0; i < cache.size(); ++i) {
           double d = 0;
-          for (long c = 0; c < x.D; ++c) d += x.q[(g * T + q) * x.D + c] * x.k[cache[i] * x.D + c];
-          logits[i] = d / std::sqrt(static_cast<double>(x.D));
+          for (long c = 0; c < x.D; ++c) d += x.q[(g * T + q) * x.D + c] * rows[h].K[cache[i]][c];
+          logits[i] = d / std::sqrt(static_cast<double>(x.D)) + std::log(rows[h].n[cache[i]]);
         }
         const Vec pr = softmax(logits);
         for (std::size_t i = 0; i < cache.size(); ++i) {
           psum[i] += pr[i];
-          for (long c = 0; c < x.Dv; ++c) r[h].y[(g * T + q) * x.Dv + c] += pr[i] * x.v[cache[i] * x.Dv + c];
+          for (long c = 0; c < x.Dv; ++c) r[h].y[(g * T + q) * x.Dv + c] += pr[i] * rows[h].V[cache[i]][c];
         }
       }
     }

@@ -8,6 +8,9 @@
 //    tokens, appended and initial rows are ungated [5.4].
 //  * novelty ties: (score asc, token index asc) [9.1]; merge argmax ties: lowest row index >= P [9.2];
 //    merge routing is batched against one snapshot taken after the append [9.3].
+//  * MergeRule::proportional (kvmem's merge::Proportional, not in the spec): the same chunk schedule, budget,
+//    novelty ranking and winner-take-all routing, with memory key = the raw key (no LN_s, no channel
+//    zeroed), ungated folds, a count per row, and rows read as K_i / n_i, V_i / n_i with logit bias log(n_i).
 #pragma once
 
 #include <algorithm>
@@ -19,6 +22,7 @@
 namespace kvmem_ref {
 
 enum class Schedule { fixed, power_law, saturation };
+enum class MergeRule { kvm, proportional };
 
 struct KvmParams {
   long chunk = 256, window_chunks = 2, rope_dims = 64, sinks = 1;
@@ -26,6 +30,7 @@ struct KvmParams {
   long min_len = -1; double growth_factor = 1.0, growth_exponent = 0.5; long round_down = 1;
   double saturation_n = 1024; long max_chunks = 1;
   double ln_eps = 1e-5, norm_eps = 1e-12;
+  MergeRule rule = MergeRule::kvm;
 };
 
 struct KvmSequence {          // one sequence of a batch
@@ -44,6 +49,7 @@ struct KvmResult {
   std::vector<double> state_keys;    // [Hkv, rows, D]  running sums K (not LN_s(K)), creation order
   std::vector<double> state_values;  // [Hkv, rows, Dv] running sums V
   std::vector<double> state_radius;  // [Hkv, rows]
+  std::vector<double> state_counts;  // [Hkv, rows] tokens per row (MergeRule::proportional)
 };
 
 // B(ctx) of spec section 5.2.
@@ -106,10 +112,11 @@ struct Head {
   long j;
   const double* k(long t) const { return &s.k[(j * s.T + t) * s.D]; }
   const double* v(long t) const { return &s.v[(j * s.T + t) * s.Dv]; }
-  double g(long t) const { return merge_gate(s.gate[j * s.T + t]); }
-  // Memory key kbar_t = LN_s(k_t with channels [0, r) set to 0).
+  double g(long t) const { return p.rule == MergeRule::proportional ? 1.0 : merge_gate(s.gate[j * s.T + t]); }
+  // Memory key kbar_t = LN_s(k_t with channels [0, r) set to 0); the raw key for proportional merging.
   Vec kbar(long t) const {
     Vec x(k(t), k(t) + s.D);
+    if (p.rule == MergeRule::proportional) return x;
     for (long i = 0; i < p.rope_dims; ++i) x[i] = 0.0;
     return ln_s(x.data(), s, p);
   }
@@ -118,22 +125,35 @@ struct Head {
 struct State {
   std::vector<Vec> K, V;   // running sums
   Vec rho;                 // value radius, fixed per row
+  Vec n;                   // tokens per row
   long rows() const { return static_cast<long>(K.size()); }
   void append(const Vec& key, const double* val, long Dv) {
     K.push_back(key);
     V.emplace_back(val, val + Dv);
     rho.push_back(l2norm(val, Dv));
+    n.push_back(1.0);
   }
 };
 
 // Readout view of a state: Khat_i = LN_s(K_i), Vhat_i = rho_i * V_i / max(||V_i||, eps_norm).
 struct StateHat {
   std::vector<Vec> Khat, Vhat;
+  Vec bias;  // logit bias of each row: 0 (KVM), log(n_i) (proportional)
 };
 
 inline StateHat read_state(const State& st, const KvmSequence& s, const KvmParams& p) {
   StateHat h;
   for (long i = 0; i < st.rows(); ++i) {
+    if (p.rule == MergeRule::proportional) {
+      Vec kh(st.K[i]), vh(st.V[i]);
+      for (double& x : kh) x /= st.n[i];
+      for (double& x : vh) x /= st.n[i];
+      h.Khat.push_back(kh);
+      h.Vhat.push_back(vh);
+      h.bias.push_back(std::log(st.n[i]));
+      continue;
+    }
+    h.bias.push_back(0.0);
     h.Khat.push_back(ln_s(st.K[i].data(), s, p));
     const double nv = std::max(l2norm(st.V[i].data(), s.Dv), p.norm_eps);
     Vec vh(s.Dv);
@@ -152,7 +172,7 @@ inline void readout(const Head& hd, long h, long u, const StateHat* sh, long b, 
   std::vector<const double*> vals;
   if (sh != nullptr) {
     for (std::size_t i = 0; i < sh->Khat.size(); ++i) {
-      logits.push_back(s.tau_state[h] * dot(q, sh->Khat[i].data(), s.D) * scale);
+      logits.push_back(s.tau_state[h] * dot(q, sh->Khat[i].data(), s.D) * scale + sh->bias[i]);
       vals.push_back(sh->Vhat[i].data());
     }
   }
@@ -244,6 +264,7 @@ inline void update(State& st, const Head& hd, long b, long ctx, long avail, Upda
       const double g = hd.g(b + t);
       for (long c = 0; c < s.D; ++c) st.K[dest[idx]][c] += kg[idx][c];
       for (long c = 0; c < s.Dv; ++c) st.V[dest[idx]][c] += g * hd.v(b + t)[c];
+      st.n[dest[idx]] += 1.0;
     }
   }
 
@@ -275,6 +296,7 @@ inline void store_state(KvmResult& r, const KvmSequence& s, long j, const State&
     r.state_keys.insert(r.state_keys.end(), st.K[i].begin(), st.K[i].end());
     r.state_values.insert(r.state_values.end(), st.V[i].begin(), st.V[i].end());
     r.state_radius.push_back(st.rho[i]);
+    r.state_counts.push_back(st.n[i]);
   }
   (void)s;
 }

@@ -106,7 +106,7 @@ struct KvmCase {
 struct KvmOutput {
   std::vector<float> y;
   std::vector<long> rows;                                   // [B]
-  std::vector<std::vector<float>> keys, values, radius;     // per b: [Hkv, rows, D|Dv|1]
+  std::vector<std::vector<float>> keys, values, radius, counts;  // per b: [Hkv, rows, D|Dv|1|1]
 };
 
 template <class MemorySpace>
@@ -123,10 +123,12 @@ void read_state(const Memory& mem, const KvmCase& c, KvmOutput& out) {
   auto keys = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), st.keys);
   auto values = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), st.values);
   auto radius = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), st.radius);
+  auto counts = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), st.counts);
   out.rows.assign(c.B, 0);
   out.keys.assign(c.B, {});
   out.values.assign(c.B, {});
   out.radius.assign(c.B, {});
+  out.counts.assign(c.B, {});
   for (long b = 0; b < c.B; ++b) {
     const long m = mem.cursor(b).rows;
     out.rows[b] = m;
@@ -135,6 +137,7 @@ void read_state(const Memory& mem, const KvmCase& c, KvmOutput& out) {
         for (long d = 0; d < c.D; ++d) out.keys[b].push_back(keys(b, h, i, d));
         for (long d = 0; d < c.Dv; ++d) out.values[b].push_back(values(b, h, i, d));
         out.radius[b].push_back(radius(b, h, i));
+        out.counts[b].push_back(counts(b, h, i));
       }
   }
 }
@@ -163,9 +166,11 @@ std::vector<S> stored_as(const std::vector<float>& x) {
 
 /// Runs the kvmem KVM memory on ExecSpace over case `c` with tokens in the storage type S (inputs rounded
 /// to S; outputs widened back to float) and row eviction `row_policy` (score::RowEviction; the default
-/// evicts none). prefill_then_decode prefills the first `split` tokens of every sequence and decodes the
+/// evicts none), merging by `Merge` (KVM's merge::WinnerTakeAll by default; merge::Proportional is checked
+/// the same way). prefill_then_decode prefills the first `split` tokens of every sequence and decodes the
 /// rest.
-template <class ExecSpace, kvmem::StorageType S = float, class RowPolicy = kvmem::score::KeepRows>
+template <class ExecSpace, kvmem::StorageType S = float, class RowPolicy = kvmem::score::KeepRows,
+          class Merge = kvmem::merge::WinnerTakeAll>
 KvmOutput run_kvm(const KvmCase& c, Mode mode, long split = 0, const ExecSpace& exec = ExecSpace(),
                   const RowPolicy& row_policy = {}) {
   using space = typename ExecSpace::memory_space;
@@ -191,8 +196,8 @@ KvmOutput run_kvm(const KvmCase& c, Mode mode, long split = 0, const ExecSpace& 
   KvmOutput out;
   with_budget(c.params, [&](const auto& budget) {
     using budget_t = std::remove_cvref_t<decltype(budget)>;
-    kvmem::KvmMemoryWithRowEviction<ExecSpace, budget_t, RowPolicy, S> mem(c.config(), budget, w, static_cast<int>(c.B),
-                                                                        row_policy, exec);
+    kvmem::Memory<ExecSpace, Merge, budget_t, kvmem::score::Novelty, RowPolicy, S> mem(c.config(), budget, w,
+                                                                                       static_cast<int>(c.B), row_policy, exec);
     long first_decoded = 0;
     if (mode != Mode::decode) {
       std::vector<long> pre(c.B);

@@ -9,7 +9,11 @@ one sink) so the per-layer and end-to-end tables read the same memories:
   kvm-sqrt    KVM, window C, budget.PowerLaw(a * sqrt(ctx)) with a = R / sqrt(T) (R rows at token T)
   kvm-h2o     KVM, window C, budget.PowerLaw(16 * sqrt(ctx)) and H2O row eviction down to R rows
   ovq         OVQ, open chunk C, at most R centroids (plateau)
+  proportional  proportional merging (mean keys and values, log-count bias), window C, budget.Fixed(R),
+              row cap R + C, 4 sinks (as the eviction memories)
   streaming, knorm, h2o, tova   eviction: window w = min(M, max(1, round(s * M))), 4 sinks, top-k the rest
+  streaming-merge, knorm-merge, h2o-merge, tova-merge   the same evictions, each evicted row merged into its
+              most similar kept row (merge_evicted)
 
 KVM and OVQ take a layer's calibrated scalars (tools/fidelity/calibrate.py) when `calibration` is given
 ({layer: {"ln_weight", "ln_bias", "tau_state", "beta"}}), the neutral stand-ins otherwise. KVPOP is not
@@ -31,7 +35,11 @@ EVICTION_SINKS = 4
 
 #: memory ids in table order, with their labels
 LABELS = {"kvm-fixed": "KVM fixed", "kvm-sqrt": "KVM a*sqrt(N)", "kvm-h2o": "KVM + H2O rows", "ovq": "OVQ plateau",
-          "streaming": "StreamingLLM", "knorm": "KNorm", "h2o": "H2O", "tova": "TOVA"}
+          "proportional": "Proportional merge",
+          "streaming": "StreamingLLM", "knorm": "KNorm", "h2o": "H2O", "tova": "TOVA",
+          "streaming-merge": "StreamingLLM + merge", "knorm-merge": "KNorm + merge", "h2o-merge": "H2O + merge",
+          "tova-merge": "TOVA + merge"}
+EVICTIONS = ("streaming", "knorm", "h2o", "tova")  # scorers of the eviction memories (and of their "-merge" forms)
 CALIBRATED = ("kvm-fixed", "kvm-sqrt", "kvm-h2o", "ovq")  # the memories with learned scalars
 
 
@@ -64,11 +72,16 @@ def factory(memory: str, T: int, fraction: float, calibration=None):
     if memory not in LABELS:
         raise ValueError(f"memory = {memory!r}: unknown (known: {', '.join(LABELS)})")
     C, R = budget_split(T, fraction)
-    if memory in ("streaming", "knorm", "h2o", "tova"):
+    scorer = memory.removesuffix("-merge")
+    if scorer in EVICTIONS:
         M = round(fraction * T)
         w = min(M, max(1, round(WINDOW_SHARE * fraction * T)))
         sinks = max(0, min(EVICTION_SINKS, M - w))
-        return kt.eviction(memory, sinks=sinks, window=w, top_k=max(0, M - w - sinks))
+        return kt.eviction(scorer, sinks=sinks, window=w, top_k=max(0, M - w - sinks),
+                           merge_evicted=memory.endswith("-merge"))
+    if memory == "proportional":
+        return kt.proportional(chunk=C, window_chunks=1, sinks=min(EVICTION_SINKS, C - 1), max_rows=R + C,
+                               budget=kvmem.budget.Fixed(R))
     if memory == "ovq":
         return lambda layer_idx, **shape: kvmem.OvqMemory(**shape, chunk=C, max_centroids=R,
                                                           **_layer_weights(calibration, layer_idx, "ovq"))
@@ -86,6 +99,6 @@ def factory(memory: str, T: int, fraction: float, calibration=None):
 def held_tokens(memory: str, T: int, fraction: float) -> int:
     """Tokens' worth of keys and values the memory holds per kv-head at the end of T tokens (its budget)."""
     C, R = budget_split(T, fraction)
-    if memory in ("streaming", "knorm", "h2o", "tova"):
+    if memory.removesuffix("-merge") in EVICTIONS:
         return round(fraction * T)
     return R + C

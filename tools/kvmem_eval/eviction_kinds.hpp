@@ -101,19 +101,24 @@ RunStats run_eviction(const EvictionConfig& cfg, const Scorer& scorer, const Sto
 template <StorageType T, class Scorer>
 Plan eviction_plan(const EvictionConfig& cfg, const Scorer& scorer, const std::string& name) {
   return {{{"scorer", name}, {"sinks", cfg.sinks}, {"window", cfg.window}, {"top_k", cfg.top_k},
-           {"budget", cfg.budget()}, {"queries", "tau_bswa * q"}},
+           {"budget", cfg.budget()}, {"merge_evicted", cfg.merge_evicted}, {"queries", "tau_bswa * q"}},
           fmt("s=%d w=%d k=%d", cfg.sinks, cfg.window, cfg.top_k),
           [cfg, scorer](const StoredInputs& i, const OutView& y) { return run_eviction<T>(cfg, scorer, i, y); }};
 }
 
-/// A MemoryKind for the eviction scorer `Scorer` sized by eviction_sizing.
+/// A MemoryKind for the eviction scorer `Scorer` sized by eviction_sizing; `merge`: the merging eviction
+/// (EvictionConfig::merge_evicted), whose id and label get "-merge" and " + merge".
 template <StorageType T, class Scorer>
-MemoryKind eviction_kind(std::string id, std::string label, std::string what) {
+MemoryKind eviction_kind(std::string id, std::string label, std::string what, bool merge = false) {
+  const std::string scorer = id;
+  if (merge) id += "-merge", label += " + merge", what += ", each evicted row merged into its most similar kept row";
   return {id, std::move(label),
           "EvictionMemory, " + what + "; window w = max(1, round(s*f*T)), sinks min(4, f*T - w), top_k = f*T - w - "
           "sinks: the budget s + w + k is f*T rows",
-          false, [id](const Inputs& in, const SizingOptions& o, double f, const std::string& label) {
-            return eviction_plan<T>(eviction_sizing(in, o, f, label, id), Scorer{}, id);
+          false, [id, scorer, merge](const Inputs& in, const SizingOptions& o, double f, const std::string& label) {
+            auto cfg = eviction_sizing(in, o, f, label, id);
+            cfg.merge_evicted = merge;
+            return eviction_plan<T>(cfg, Scorer{}, scorer);
           }};
 }
 
@@ -165,17 +170,20 @@ Plan kvm_h2o_plan(const Inputs& in, const SizingOptions& o, double f, const std:
           }};
 }
 
-/// streaming, knorm, h2o, tova and kvm-h2o of storage type T, in table order.
+/// streaming, knorm, h2o, tova, their merging forms (-merge) and kvm-h2o of storage type T, in table order.
 template <StorageType T>
 std::vector<MemoryKind> eviction_kinds() {
   std::vector<MemoryKind> kinds;
-  kinds.push_back(eviction_kind<T, score::None>("streaming", "StreamingLLM",
-                                             "score::None (sinks + the last w + k tokens)"));
-  kinds.push_back(eviction_kind<T, score::KeyNorm>("knorm", "KNorm", "score::KeyNorm (keeps the smallest key norms)"));
-  kinds.push_back(eviction_kind<T, score::AccumulatedAttention>(
-      "h2o", "H2O", "score::AccumulatedAttention (attention summed since insertion, H2O's raw sum)"));
-  kinds.push_back(eviction_kind<T, score::LastQueryAttention>(
-      "tova", "TOVA", "score::LastQueryAttention (the last query's attention, mean over the kv-head's group)"));
+  for (bool merge : {false, true}) {
+    kinds.push_back(eviction_kind<T, score::None>("streaming", "StreamingLLM",
+                                               "score::None (sinks + the last w + k tokens)", merge));
+    kinds.push_back(
+        eviction_kind<T, score::KeyNorm>("knorm", "KNorm", "score::KeyNorm (keeps the smallest key norms)", merge));
+    kinds.push_back(eviction_kind<T, score::AccumulatedAttention>(
+        "h2o", "H2O", "score::AccumulatedAttention (attention summed since insertion, H2O's raw sum)", merge));
+    kinds.push_back(eviction_kind<T, score::LastQueryAttention>(
+        "tova", "TOVA", "score::LastQueryAttention (the last query's attention, mean over the kv-head's group)", merge));
+  }
   kinds.push_back(
       {"kvm-h2o", "KVM + H2O rows",
        "C, window and R as kvm-fixed; budget::PowerLaw 16*sqrt(ctx) (rows grow from C; its growth sets the fresh "

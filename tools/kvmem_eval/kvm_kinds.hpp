@@ -1,7 +1,8 @@
 #pragma once
 /// \file kvm_kinds.hpp
 /// The KVM rows of kvmem-eval (kvm-paper; spec KVM.md): `kvm-fixed` and `kvm-sqrt` sized for each memory
-/// fraction, and `kvm-16sqrt`, the paper's setting at its own size.
+/// fraction, and `kvm-16sqrt`, the paper's setting at its own size; and `proportional`, the training-free
+/// merge::Proportional sized as kvm-fixed.
 
 #include <cmath>
 #include <string>
@@ -16,22 +17,23 @@
 
 namespace kvmem::tools::eval {
 
-/// Builds a KVM memory of storage type T with `budget` for the inputs (their ln_weight, ln_bias, tau_state,
-/// tau_bswa) and runs it.
-template <StorageType T, class Budget>
+/// Builds a memory of storage type T merging by `Merge` (KVM's merge::WinnerTakeAll by default) with
+/// `budget` for the inputs (their ln_weight, ln_bias, tau_state, tau_bswa) and runs it.
+template <StorageType T, class Budget, class Merge = merge::WinnerTakeAll>
 RunStats run_kvm(const MemoryConfig& cfg, const Budget& budget, const StoredInputs& in, const OutView& y) {
   return run_stored<T>(in, y, [&](const InputsOf<T>& i, const auto& yt) {
-    KvmMemory<exec, Budget, T> mem(cfg, budget, i.weights, static_cast<int>(i.B));
+    Memory<exec, Merge, Budget, score::Novelty, score::KeepRows, T> mem(cfg, budget, i.weights, static_cast<int>(i.B));
     return run_composed(mem, i, yt);
   });
 }
 
-/// A plan that runs KVM of storage type T with `cfg` and `budget`; `budget_json` describes the schedule in
-/// the report.
-template <StorageType T, class Budget>
+/// A plan that runs a memory of storage type T merging by `Merge` with `cfg` and `budget`; `budget_json`
+/// describes the schedule in the report.
+template <StorageType T, class Budget, class Merge = merge::WinnerTakeAll>
 Plan kvm_plan(const MemoryConfig& cfg, const Budget& budget, nlohmann::json budget_json, std::string summary) {
-  return {{{"config", config_json(cfg)}, {"budget", std::move(budget_json)}}, std::move(summary),
-          [cfg, budget](const StoredInputs& i, const OutView& y) { return run_kvm<T>(cfg, budget, i, y); }};
+  return {{{"config", config_json(cfg)}, {"budget", std::move(budget_json)}, {"merge", std::string(Merge::name)}},
+          std::move(summary),
+          [cfg, budget](const StoredInputs& i, const OutView& y) { return run_kvm<T, Budget, Merge>(cfg, budget, i, y); }};
 }
 
 /// KVM sizing for a fraction f: split_budget with n_b = --window-chunks and the first chunk as rows
@@ -83,6 +85,16 @@ std::vector<MemoryKind> kvm_kinds() {
          const auto s = kvm_sizing(in, o, f, label, "kvm-fixed");
          return kvm_plan<T>(s.cfg, budget::Fixed{s.rows}, {{"kind", "fixed"}, {"min_rows", s.rows}},
                          fmt("C=%d L=%dx%d R=%ld", s.cfg.chunk, s.cfg.window_chunks, s.cfg.chunk, s.rows));
+       }});
+  kinds.push_back(
+      {"proportional", "Proportional merge",
+       "merge::Proportional (rows read as their tokens' mean key and value with the bias log(count); no learned "
+       "parameter) sized as kvm-fixed: budget::Fixed rows R, window n_b*C",
+       false, [](const Inputs& in, const SizingOptions& o, double f, const std::string& label) {
+         const auto s = kvm_sizing(in, o, f, label, "proportional");
+         return kvm_plan<T, budget::Fixed, merge::Proportional>(
+             s.cfg, budget::Fixed{s.rows}, {{"kind", "fixed"}, {"min_rows", s.rows}},
+             fmt("C=%d L=%dx%d R=%ld", s.cfg.chunk, s.cfg.window_chunks, s.cfg.chunk, s.rows));
        }});
   kinds.push_back(
       {"kvm-sqrt", "KVM a*sqrt(N)",

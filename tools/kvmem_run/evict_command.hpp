@@ -26,7 +26,7 @@ namespace kvmem::tools {
 struct EvictOptions {
   std::string input, output, mode = "prefill", scorer = "h2o", weights, normalizer = "xlstm", dtype;
   int sinks = 4, window = 64, top_k = 448, decay_interval = 1;
-  bool h2o_normalize = false, tova_layer_mean = false, mask = false;
+  bool h2o_normalize = false, tova_layer_mean = false, mask = false, merge_evicted = false;
 };
 
 /// Registers the `evict` subcommand and its flags on `app`.
@@ -52,6 +52,8 @@ inline CLI::App* add_evict_command(CLI::App& app, EvictOptions& o) {
   cmd->add_flag("--h2o-normalize", o.h2o_normalize, "h2o: divide by the queries that saw the token and the group (kvpress)");
   cmd->add_flag("--tova-layer-mean", o.tova_layer_mean,
                 "tova: every kv-head evicts the same token, by the mean over all query heads (original TOVA)");
+  cmd->add_flag("--merge-evicted", o.merge_evicted,
+                "fold each evicted row into its most similar kept row (count-weighted means, log-count bias)");
   cmd->add_flag("--mask", o.mask, "also write mask [B,Hkv,T,T] (U8): the keys each query attends (static scorers, n = 1)");
   return cmd;
 }
@@ -219,6 +221,10 @@ void run_evict(const EvictOptions& o, const io::SafetensorsFile& file, const Tok
           "masks need --decay-interval 1 (spec EVICTION.md §4)");
   require(o.scorer != "snapkv" || o.sinks == 0, "--sinks", o.sinks, "must be 0 for snapkv (SnapKV keeps no sinks)");
   require(o.scorer != "kvpop" || !o.weights.empty(), "--weights", "(none)", "the kvpop scorer needs its learned weights");
+  require(!o.merge_evicted || o.scorer != "snapkv", "--merge-evicted", o.scorer,
+          "snapkv selects once after the prompt and never evicts during decode; there is nothing to merge");
+  require(!o.merge_evicted || !o.mask, "--mask", "--merge-evicted",
+          "a mask says which tokens a query attends, which merged rows no longer are");
   const auto in = Batch<mem_space, Storage>::load_qkv(file, dtype);
   if (o.scorer == "snapkv") return detail::run_snapkv(o, in);
   EvictionConfig cfg;
@@ -230,6 +236,7 @@ void run_evict(const EvictOptions& o, const io::SafetensorsFile& file, const Tok
   cfg.window = o.window;
   cfg.top_k = o.top_k;
   cfg.decay_interval = o.decay_interval;
+  cfg.merge_evicted = o.merge_evicted;
   if (o.scorer == "streaming") return detail::run_eviction(o, cfg, score::None{}, in);
   if (o.scorer == "knorm") return detail::run_eviction(o, cfg, score::KeyNorm{}, in);
   require(o.scorer == "tova" || !o.tova_layer_mean, "--tova-layer-mean", o.scorer, "applies to the tova scorer only");

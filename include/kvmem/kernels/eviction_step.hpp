@@ -12,6 +12,8 @@
 #include "../eviction_config.hpp"
 #include "../policy/score/eviction_scorer.hpp"
 #include "../state/eviction_cache.hpp"
+#include "eviction_merge.hpp"
+#include "eviction_params.hpp"
 #include "readout.hpp"
 #include "simd.hpp"
 #include "step_launch.hpp"
@@ -19,17 +21,6 @@
 #include "vector_ops.hpp"
 
 namespace kvmem::kernels {
-
-/// The scalars a step needs, copied into the kernel.
-struct EvictionParams {
-  int head_dim, value_dim, group, sinks, window, top_k, decay_interval;
-  float scale;  ///< 1 / sqrt(D), the softmax scale of q . k (one softmax, no temperature; spec §1 step 4)
-
-  static EvictionParams of(const EvictionConfig& cfg) {
-    return {cfg.head_dim, cfg.value_dim, cfg.group(),      cfg.sinks,
-            cfg.window,   cfg.top_k,     cfg.decay_interval, 1.0f / Kokkos::sqrt(static_cast<float>(cfg.head_dim))};
-  }
-};
 
 /// Effective score of token t at step q on kv-head h (spec EVICTION.md §4), float64: with n = 1 the static
 /// key base - t log gamma (the q log gamma shared by all tokens dropped), else base + floor((q - t) / n) log gamma.
@@ -87,6 +78,7 @@ KOKKOS_INLINE_FUNCTION void eviction_append(const Team& team, const EvictionPara
       c.order(b, h, live) = static_cast<int>(slot);
       c.live(b, h) = live + 1;
       c.stats(b, h, slot) = stat;
+      if (p.merge) c.counts(b, h, slot) = 1.0f;
     });
     team.team_barrier();
     if (scores) {
@@ -100,6 +92,7 @@ KOKKOS_INLINE_FUNCTION void eviction_append(const Team& team, const EvictionPara
       c.positions(b, h, slot) = q;
       c.order(b, h, live) = static_cast<int>(slot);
       c.live(b, h) = live + 1;
+      if (p.merge) c.counts(b, h, slot) = 1.0f;
       c.stats(b, h, slot) = scorer.absorb(b, h, q, &c.keys(b, h, slot, 0), &c.values(b, h, slot, 0));
       if (scores) {
         const int su = c.order(b, h, live + 1 - p.window);
@@ -201,7 +194,7 @@ KOKKOS_INLINE_FUNCTION void row_group_dots(const Q* q, int dim, const Row* const
 }
 
 /// Steps 4-5 on (b, h): out(g) [Dv] = softmax over the cached rows, in position order, of query(g) [D] .
-/// k / sqrt(D), times the values, for the group's query heads g < G (one softmax; float32, mul_add and
+/// k / sqrt(D) (+ log(count) of the row for a merging eviction, p.merge), times the values, for the group's query heads g < G (one softmax; float32, mul_add and
 /// softmax_exp as the other readouts); then, for scorers that need them, each row's probability summed over
 /// the group goes to Scorer::attended. Logits and exponentials are computed per row across the team, the
 /// normalizer by one thread in row order, each output channel by one thread in row order (a thread owns a
@@ -236,7 +229,9 @@ KOKKOS_INLINE_FUNCTION void eviction_attend(const Team& team, const EvictionPara
           float l[RW];
           row_group_dots<RW>(qv, D, rows, n, l);
           for (int k = 0; k < n; ++k) {
-            const float lk = l[k] * p.scale;
+            // A merging eviction's row weighs as many tokens as it holds: + log(count), 0 for one token.
+            const float lk = p.merge ? mul_add(l[k], p.scale, Kokkos::log(c.counts(b, h, c.order(b, h, i0 + k))))
+                                     : l[k] * p.scale;
             c.logits(b, h, i0 + k) = lk;
             m = lk > m ? lk : m;
           }
@@ -301,8 +296,9 @@ KOKKOS_INLINE_FUNCTION void eviction_attend(const Team& team, const EvictionPara
   }
 }
 
-/// Step q of (b, h) (spec EVICTION.md §1 steps 1-5): append, evict the worst retained rows while |R| > k,
-/// attend, update attention statistics. One team; every sum in a fixed order.
+/// Step q of (b, h) (spec EVICTION.md §1 steps 1-5): append, evict the worst retained rows while |R| > k
+/// (a merging eviction, p.merge, first folds each into its most similar kept row: eviction_merge), attend,
+/// update attention statistics. One team; every sum in a fixed order.
 template <class Team, class Scorer, class Cache, class T, class QueryOf, class OutOf>
 KOKKOS_INLINE_FUNCTION void eviction_step(const Team& team, const EvictionParams& p, const Cache& c,
                                           const Scorer& scorer, long b, int h, long q, const T* key,
@@ -310,7 +306,9 @@ KOKKOS_INLINE_FUNCTION void eviction_step(const Team& team, const EvictionParams
                                           TeamSelectScratch select = {}) {
   eviction_append(team, p, c, scorer, b, h, q, key, value);
   for (RetainedRange r(p, c.live(b, h), q); r.end - r.begin > p.top_k; r = RetainedRange(p, c.live(b, h), q)) {
-    eviction_remove(team, c, b, h, eviction_worst(team, p, c, scorer, b, h, h + 1, q, r, select));
+    const long worst = eviction_worst(team, p, c, scorer, b, h, h + 1, q, r, select);
+    if (p.merge) eviction_merge(team, p, c, b, h, worst, r.begin, select);
+    eviction_remove(team, c, b, h, worst);
   }
   eviction_attend(team, p, c, scorer, b, h, query_of, out_of);
 }
@@ -326,7 +324,10 @@ KOKKOS_INLINE_FUNCTION void eviction_step_layer(const Team& team, const Eviction
   for (int h = 0; h < heads; ++h) eviction_append(team, p, c, scorer, b, h, q, key_of(h), value_of(h));
   for (RetainedRange r(p, c.live(b, 0), q); r.end - r.begin > p.top_k; r = RetainedRange(p, c.live(b, 0), q)) {
     const long worst = eviction_worst(team, p, c, scorer, b, 0, heads, q, r, select);
-    for (int h = 0; h < heads; ++h) eviction_remove(team, c, b, h, worst);
+    for (int h = 0; h < heads; ++h) {
+      if (p.merge) eviction_merge(team, p, c, b, h, worst, r.begin, select);  // each kv-head into its own nearest row
+      eviction_remove(team, c, b, h, worst);
+    }
   }
   for (int h = 0; h < heads; ++h)
     eviction_attend(team, p, c, scorer, b, h, [&](int g) { return query_of(h, g); }, [&](int g) { return out_of(h, g); });

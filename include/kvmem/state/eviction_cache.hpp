@@ -17,6 +17,9 @@ namespace kvmem::state {
 /// - `stats` [B, Hkv, slots]: the scorer's float64 statistic of the token (score, accumulated attention);
 /// - `order` [B, Hkv, slots]: slots of the cached tokens in increasing position, entries [0, live);
 /// - `shift` [B, Hkv, slots]: scratch of a team that closes the gap an eviction leaves in `order`;
+/// - `counts` [B, Hkv, slots] float32: tokens a row holds (1 when its token enters, more once evicted rows
+///   merge into it), only for a merging eviction (EvictionConfig::merge_evicted), else empty; a merged row's
+///   `keys` and `values` are the count-weighted means of its tokens', rounded to T;
 /// - `live` [B, Hkv]: cached tokens (rows), at most the budget after every step;
 /// - `logits` [B, Hkv, slots] and `probabilities` [B, Hkv, slots] float32: per-step scratch of the readout
 ///   (a row's weights, then the probabilities summed over the group's query heads, only for scorers that
@@ -30,10 +33,12 @@ struct EvictionCache {
   Kokkos::View<double***, Kokkos::LayoutRight, MemorySpace> stats;
   Kokkos::View<int***, Kokkos::LayoutRight, MemorySpace> order, shift;
   Kokkos::View<long**, Kokkos::LayoutRight, MemorySpace> live;
-  Kokkos::View<float***, Kokkos::LayoutRight, MemorySpace> logits, probabilities;
+  Kokkos::View<float***, Kokkos::LayoutRight, MemorySpace> logits, probabilities, counts;
 
-  /// Allocates an empty cache (every slot free) of `slots` rows per (sequence, kv-head).
-  void allocate(long batch, int kv_heads, long slots, int head_dim, int value_dim, bool with_probabilities) {
+  /// Allocates an empty cache (every slot free) of `slots` rows per (sequence, kv-head); `with_counts`
+  /// allocates the merge counts.
+  void allocate(long batch, int kv_heads, long slots, int head_dim, int value_dim, bool with_probabilities,
+                bool with_counts = false) {
     keys = decltype(keys)("kvmem::evict_keys", batch, kv_heads, slots, head_dim);
     values = decltype(values)("kvmem::evict_values", batch, kv_heads, slots, value_dim);
     positions = decltype(positions)("kvmem::evict_positions", batch, kv_heads, slots);
@@ -43,6 +48,7 @@ struct EvictionCache {
     live = decltype(live)("kvmem::evict_live", batch, kv_heads);
     logits = decltype(logits)("kvmem::evict_logits", batch, kv_heads, slots);
     if (with_probabilities) probabilities = decltype(probabilities)("kvmem::evict_probs", batch, kv_heads, slots);
+    if (with_counts) counts = decltype(counts)("kvmem::evict_counts", batch, kv_heads, slots);
     Kokkos::deep_copy(positions, -1L);
   }
   /// Row slots per (sequence, kv-head).

@@ -1,0 +1,193 @@
+// merge::Proportional (ProportionalMemory) against the float64 reference (tests/reference/kvm_reference.hpp,
+// MergeRule::proportional) on random inputs over the chunk schedule's edge cases and every budget schedule,
+// in prefill and in decode; prefill == decode bit for bit; a memory that holds every token as its own row is
+// exact causal attention; the fold's count saturation.
+#include <catch2/catch_test_macros.hpp>
+
+#include <cstring>
+#include <string>
+
+#include <kvmem/kernels/exact_attention.hpp>
+
+#include "kvm_harness.hpp"
+
+using kvmem_ref::MergeRule;
+using kvmem_ref::Schedule;
+using kvmem_test::KvmCase;
+using kvmem_test::Mode;
+
+namespace {
+
+using host = Kokkos::DefaultHostExecutionSpace;
+
+/// Tolerance of float32 kernels against the float64 reference (as KVM's).
+constexpr double tolerance = 1e-4;
+
+template <class ExecSpace = host>
+kvmem_test::KvmOutput run(const KvmCase& c, Mode mode, long split = 0, const ExecSpace& exec = ExecSpace()) {
+  return kvmem_test::run_kvm<ExecSpace, float, kvmem::score::KeepRows, kvmem::merge::Proportional>(c, mode, split, exec);
+}
+
+std::string describe(const KvmCase& c) {
+  const auto& p = c.params;
+  return "B=" + std::to_string(c.B) + " Hq=" + std::to_string(c.Hq) + " Hkv=" + std::to_string(c.Hkv) + " T=" +
+         std::to_string(c.T) + " D=" + std::to_string(c.D) + " C=" + std::to_string(p.chunk) + " nb=" +
+         std::to_string(p.window_chunks) + " S=" + std::to_string(p.sinks) + " schedule=" +
+         std::to_string(static_cast<int>(p.schedule)) + " min_len=" + std::to_string(p.min_len) +
+         " max_chunks=" + std::to_string(p.max_chunks) + " seed=" + std::to_string(c.seed);
+}
+
+/// y, the rows' sums and counts of the memory against the reference, per sequence.
+void check_reference(const KvmCase& c, const kvmem_test::KvmOutput& got) {
+  for (long b = 0; b < c.B; ++b) {
+    INFO("sequence " << b << " length " << c.length(b));
+    const auto ref = kvmem_ref::kvm_prefill(c.sequence(b), c.params);
+    REQUIRE(got.rows[b] == ref.rows);
+    std::vector<float> y;
+    for (long h = 0; h < c.Hq; ++h)
+      for (long t = 0; t < c.length(b); ++t)
+        for (long d = 0; d < c.Dv; ++d) y.push_back(got.y[((b * c.Hq + h) * c.T + t) * c.Dv + d]);
+    CHECK(kvmem_test::relative_error(y, ref.y) <= tolerance);
+    CHECK(kvmem_test::relative_error(got.keys[b], ref.state_keys) <= tolerance);
+    CHECK(kvmem_test::relative_error(got.values[b], ref.state_values) <= tolerance);
+    std::vector<double> counts(ref.state_counts.begin(), ref.state_counts.end());
+    std::vector<float> got_counts(got.counts[b].begin(), got.counts[b].end());
+    CHECK(kvmem_test::relative_error(got_counts, counts) == 0.0);  // counts are exact integers
+  }
+}
+
+bool same_bits(const kvmem_test::KvmOutput& a, const kvmem_test::KvmOutput& b) {
+  return a.y.size() == b.y.size() && std::memcmp(a.y.data(), b.y.data(), a.y.size() * sizeof(float)) == 0 &&
+         a.rows == b.rows && a.keys == b.keys && a.values == b.values && a.counts == b.counts;
+}
+
+std::vector<KvmCase> edge_cases() {
+  std::vector<KvmCase> cases;
+  auto add = [&](auto edit) {
+    KvmCase c;
+    c.params.rule = MergeRule::proportional;
+    c.params.chunk = 4;
+    c.params.window_chunks = 2;
+    c.params.rope_dims = 0;
+    c.params.sinks = 1;
+    c.seed = static_cast<unsigned>(cases.size() + 71);
+    edit(c);
+    cases.push_back(c);
+  };
+  add([](KvmCase& c) { c.T = 3; });   // T < chunk
+  add([](KvmCase& c) { c.T = 1; });   // a single token
+  add([](KvmCase& c) { c.T = 12; });  // T == L + C: no fold yet
+  add([](KvmCase& c) { c.T = 13; });  // the first fold
+  add([](KvmCase& c) { c.T = 37; });  // T not a multiple of the chunk
+  add([](KvmCase& c) { c.T = 50; c.params.min_len = 2; });  // budget < chunk: most tokens merge
+  add([](KvmCase& c) { c.T = 50; c.params.min_len = 9; c.params.max_chunks = 3; });
+  add([](KvmCase& c) { c.T = 60; c.params.schedule = Schedule::power_law; c.params.growth_factor = 2.0;
+                       c.params.min_len = 2; c.params.max_chunks = 100; });
+  add([](KvmCase& c) { c.T = 60; c.params.schedule = Schedule::saturation; c.params.saturation_n = 24;
+                       c.params.min_len = 1; c.params.max_chunks = 100; });
+  add([](KvmCase& c) { c.T = 40; c.duplicate_tokens = true; c.params.min_len = 5; });  // routing ties
+  add([](KvmCase& c) { c.T = 41; c.Hq = 4; c.Hkv = 2; c.params.min_len = 6; });         // GQA
+  add([](KvmCase& c) { c.T = 41; c.params.sinks = 0; c.params.min_len = 6; });
+  add([](KvmCase& c) { c.T = 41; c.params.sinks = 3; c.params.min_len = 6; });
+  add([](KvmCase& c) { c.T = 35; c.params.chunk = 3; c.params.window_chunks = 3; c.params.min_len = 5; });
+  add([](KvmCase& c) { c.T = 33; c.B = 4; c.lengths = {33, 0, 14, 27}; c.params.schedule = Schedule::power_law;
+                       c.params.growth_factor = 2.0; c.params.max_chunks = 100; });  // ragged batch
+  add([](KvmCase& c) { c.T = 70; c.D = 16; c.Dv = 12; c.params.chunk = 8; c.params.min_len = 12;
+                       c.params.max_chunks = 4; });
+  return cases;
+}
+
+}  // namespace
+
+TEST_CASE("proportional merge matches the float64 reference on the edge cases", "[proportional][reference]") {
+  for (auto c : edge_cases()) {
+    c.generate();
+    INFO(describe(c));
+    for (Mode mode : {Mode::prefill, Mode::decode, Mode::prefill_then_decode}) {
+      INFO("mode " << static_cast<int>(mode));
+      check_reference(c, run(c, mode, c.T / 2));
+    }
+  }
+}
+
+TEST_CASE("proportional merge: prefill, decode and a prefill continued in decode give the same bits",
+          "[proportional][modes]") {
+  for (auto c : edge_cases()) {
+    c.generate();
+    INFO(describe(c));
+    const auto whole = run(c, Mode::prefill);
+    REQUIRE(same_bits(whole, run(c, Mode::decode)));
+    for (long split : {1L, 5L, c.T / 2, c.T - 1})
+      if (split > 0 && split < c.T) {
+        INFO("split " << split);
+        REQUIRE(same_bits(whole, run(c, Mode::prefill_then_decode, split)));
+      }
+  }
+}
+
+#if defined(KOKKOS_ENABLE_SERIAL) && defined(KOKKOS_ENABLE_OPENMP)
+TEST_CASE("proportional merge: Serial, OpenMP on one thread and on every thread give the same bits",
+          "[proportional][backends][determinism]") {
+  auto c = edge_cases().back();
+  c.B = 3, c.lengths = {70, 23, 51};
+  c.generate();
+  for (Mode mode : {Mode::prefill, Mode::decode}) {
+    const auto serial = run<Kokkos::Serial>(c, mode);
+    REQUIRE(same_bits(serial, run<Kokkos::OpenMP>(c, mode, 0, Kokkos::OpenMP(1))));
+    REQUIRE(same_bits(serial, run<Kokkos::OpenMP>(c, mode)));
+  }
+}
+#endif
+
+TEST_CASE("proportional merge that holds every token as its own row is exact causal attention",
+          "[proportional][exact]") {
+  KvmCase c;
+  c.params.rule = MergeRule::proportional;
+  c.params.chunk = 4, c.params.window_chunks = 2, c.params.sinks = 1, c.params.rope_dims = 0;
+  c.params.min_len = 1000, c.params.max_chunks = 1000;  // room for every token
+  c.B = 2, c.Hq = 4, c.Hkv = 2, c.T = 57, c.D = 16, c.Dv = 8;
+  c.generate();
+  std::fill(c.tau_state.begin(), c.tau_state.end(), 1.0f);  // the model's own scale 1 / sqrt(D)
+  std::fill(c.tau_bswa.begin(), c.tau_bswa.end(), 1.0f);
+  using view4 = Kokkos::View<float****, Kokkos::LayoutRight, Kokkos::HostSpace>;
+  auto to4 = [&](std::vector<float>& x, long h, long d) { return view4(x.data(), c.B, h, c.T, d); };
+  view4 y("y", c.B, c.Hq, c.T, c.Dv);
+  kvmem::kernels::exact_causal_attention(Kokkos::DefaultHostExecutionSpace(), to4(c.q, c.Hq, c.D), to4(c.k, c.Hkv, c.D),
+                                         to4(c.v, c.Hkv, c.Dv), y);
+  Kokkos::fence();
+  for (Mode mode : {Mode::prefill, Mode::decode}) {
+    const auto got = run(c, mode);
+    REQUIRE(got.rows[0] == c.T);  // every token founded a row
+    for (float n : got.counts[0]) REQUIRE(n == 1.0f);
+    double worst = 0, scale = 1;
+    for (std::size_t i = 0; i < got.y.size(); ++i) {
+      worst = std::max(worst, static_cast<double>(std::abs(got.y[i] - y.data()[i])));
+      scale = std::max(scale, static_cast<double>(std::abs(y.data()[i])));
+    }
+    CHECK(worst / scale <= 1e-6);  // float32 rounding: the same logits, summed in another order
+  }
+}
+
+TEST_CASE("proportional merge: a row's count saturates at 2^24 and the row stays a mean", "[proportional][numerics]") {
+  using P = kvmem::merge::Proportional;
+  kvmem::MemoryConfig cfg;
+  cfg.head_dim = 2, cfg.value_dim = 1;
+  float key[2] = {4.0f, -2.0f}, value[1] = {8.0f}, count = P::max_count - 1.0f, radius = 0;
+  const float x[2] = {1.0f, 3.0f}, xv[1] = {-1.0f};
+  const kvmem::merge::Row row{key, value, &radius, &count};
+  P::fold(cfg, row, x, xv, 0.5f);  // the gate is ignored: 2^24 - 1 + 1 is exact
+  REQUIRE(count == P::max_count);
+  REQUIRE(key[0] == 5.0f);
+  REQUIRE(key[1] == 1.0f);
+  REQUIRE(value[0] == 7.0f);
+  P::fold(cfg, row, x, xv, 1.0f);  // saturated: sums scaled by 1 - 2^-24, then the token added
+  REQUIRE(count == P::max_count);
+  const float keep = 1.0f - 1.0f / P::max_count;
+  REQUIRE(key[0] == kvmem::kernels::mul_add(5.0f, keep, 1.0f));
+  REQUIRE(key[1] == kvmem::kernels::mul_add(1.0f, keep, 3.0f));
+  REQUIRE(value[0] == kvmem::kernels::mul_add(7.0f, keep, -1.0f));
+  float read[2];
+  P::read_key(cfg, {}, row, read);  // still read as sum / count
+  REQUIRE(read[0] == key[0] * (1.0f / P::max_count));
+  REQUIRE(P::row_bias(row) == Kokkos::log(P::max_count));
+}
