@@ -40,7 +40,9 @@ def generate(model, prompt, cache=None):
 @pytest.mark.parametrize("factory", [
     kt.eviction("h2o", sinks=4, window=32, top_k=64),
     kt.eviction("tova", sinks=1, window=8, top_k=80),
-], ids=["h2o", "tova"])
+    kt.eviction("streaming", sinks=4, window=32, top_k=64, merge_evicted=True),
+    kt.proportional(chunk=8, window_chunks=2, sinks=1, max_rows=128, budget=kvmem.budget.Fixed(128)),
+], ids=["h2o", "tova", "streaming-merge", "proportional"])
 def test_memory_holding_every_token_is_the_full_cache(model, prompt, factory):
     """Prefill then decode token by token through the kvmem backend gives the logits of one full forward
     pass with transformers' own attention, when the memory's budget holds every token."""
@@ -68,7 +70,9 @@ def test_generate_runs_every_layer_through_kvmem(model, prompt):
     kt.kvm(chunk=8, window_chunks=1, max_rows=8, budget=kvmem.budget.Fixed(8)),
     kt.ovq(chunk=8, max_centroids=8),
     kt.eviction("tova", sinks=2, window=8, top_k=8),
-], ids=["kvm", "ovq", "tova"])
+    kt.eviction("h2o", sinks=2, window=8, top_k=8, merge_evicted=True),
+    kt.proportional(chunk=8, window_chunks=1, sinks=1, max_rows=8, budget=kvmem.budget.Fixed(8)),
+], ids=["kvm", "ovq", "tova", "h2o-merge", "proportional"])
 def test_small_memories_generate(model, prompt, factory):
     dynamic = transformers.DynamicCache(config=model.config)
     full = None
