@@ -197,8 +197,135 @@ def test_scores():
     s = end_to_end.score_text(logits, ids, logits[:-1].argmax(-1))
     ref = -logits[:-1].double().log_softmax(-1)[torch.arange(5), ids[0, 1:]].mean().item()
     assert s["perplexity"] == pytest.approx(math.exp(ref)) and s["agreement"] == 1.0
-    trial = {"depth": 0.5, "positions": [3, 4], "answer": [int(logits[3].argmax()), 0 if logits[4].argmax() else 1]}
-    n = end_to_end.score_needle(logits, trial)
-    assert n["retrieved"] is False and n["logprob"] < 0
-    trial["answer"][1] = int(logits[4].argmax())
-    assert end_to_end.score_needle(logits, trial)["retrieved"] is True
+    case = {"haystack": 1, "fact": "car", "depth": 0.5, "answer": "maroon", "positions": [3, 4],
+            "answer_ids": [int(logits[3].argmax()), 0 if logits[4].argmax() else 1]}
+    n = end_to_end.score_needle(logits, case)
+    ref = logits.double().log_softmax(-1)[[3, 4], case["answer_ids"]].sum().item()
+    assert n["retrieved"] is False and n["logprob"] == pytest.approx(ref)
+    assert (n["haystack"], n["fact"], n["depth"], n["answer"]) == (1, "car", 0.5, "maroon")
+    case["answer_ids"][1] = int(logits[4].argmax())
+    assert end_to_end.score_needle(logits, case)["retrieved"] is True
+
+
+class CharTokenizer:
+    """An invertible tokenizer for the needle cases: one id per printable ASCII character or newline (97
+    ids, the tiny model's vocabulary), a chat template of plain markers."""
+
+    def __call__(self, text, add_special_tokens=False):
+        return {"input_ids": [95 if c == "\n" else ord(c) - 32 if " " <= c <= "~" else 96 for c in text]}
+
+    def decode(self, ids):
+        return "".join("\n" if i == 95 else chr(i + 32) if i < 95 else "?" for i in ids)
+
+    def apply_chat_template(self, messages, add_generation_prompt=True, tokenize=False):
+        return "".join(f"<{m['role']}>\n{m['content']}\n" for m in messages) + "<assistant>\n"
+
+
+HAYSTACK = ("Everyone may copy and distribute verbatim copies of this licence document, but changing it is not "
+            "allowed.\nThe licences for most software are designed to take away your freedom to share it. ")
+
+
+def test_needle_cases():
+    tok = CharTokenizer()
+    hay = [tok(HAYSTACK[:120])["input_ids"], tok(HAYSTACK[60:180])["input_ids"]]
+    facts = end_to_end.pick_facts(2)
+    cases = end_to_end.needle_cases(tok, hay, facts, [0.0, 0.5, 1.0])
+    assert len(cases) == 2 * 2 * 3
+    assert [(c["haystack"], c["fact"], c["depth"]) for c in cases[:4]] == [
+        (0, "vault", 0.0), (0, "vault", 0.5), (0, "vault", 1.0), (0, "city", 0.0)]
+    for fact in facts:  # every case of a fact has its own answer
+        assert len({c["answer"] for c in cases if c["fact"] == fact.id}) == 6
+    for c in cases:
+        fact = next(f for f in facts if f.id == c["fact"])
+        ids = c["ids"][0].tolist()
+        assert tok.decode(ids[p + 1] for p in c["positions"]) == " " + c["answer"]
+        assert [ids[p + 1] for p in c["positions"]] == c["answer_ids"]
+        text = tok.decode(ids)
+        assert text.endswith(fact.question + "\n<assistant>\n" + fact.prefix + " " + c["answer"])
+        sentence = fact.sentence.format(c["answer"])
+        at = text.index(sentence)  # inserted whole, at a word boundary
+        assert text[at - 1] in " \n" and text[at + len(sentence)] in " \n"
+        context = text[len("<user>\n"):text.index("\n\n" + fact.question)]
+        assert context.replace(sentence, "").split() == tok.decode(hay[c["haystack"]]).split()  # no word cut
+    assert tok.decode(cases[0]["ids"][0].tolist()).startswith("<user>\n" + facts[0].sentence.format(cases[0]["answer"]))
+    assert facts[0].sentence.format(cases[2]["answer"]) + "\n\n" in tok.decode(cases[2]["ids"][0].tolist())  # depth 1
+
+
+def test_needle_errors():
+    with pytest.raises(ValueError, match=r"--facts 0: must be in \[1, 6\]"):
+        end_to_end.pick_facts(0)
+    with pytest.raises(ValueError, match="--depths '0.5,x'"):
+        end_to_end.parse_depths("0.5,x")
+    with pytest.raises(ValueError, match=r"--depths '1.5': each depth must be in \[0, 1\]"):
+        end_to_end.parse_depths("1.5")
+
+    class Merging(CharTokenizer):
+        """Merges "s " into one token, as a BPE tokenizer could merge a prefix's end with the answer."""
+
+        def __call__(self, text, add_special_tokens=False):
+            return super().__call__(text.replace("s ", "\x01"))  # "\x01": id 96
+
+    with pytest.raises(ValueError, match="fact 'vault': the tokenizer merges the answer"):
+        end_to_end.needle_cases(Merging(), [CharTokenizer()(HAYSTACK[:80])["input_ids"]], end_to_end.FACTS[:1], [0.5])
+
+
+@pytest.fixture
+def e2e_cli(tiny, tmp_path, monkeypatch):
+    """end_to_end.main on the tiny Llama and CharTokenizer, with short texts; returns (run, calls): run(*args)
+    runs main with the texts' flags, calls lists the (memory, tokens) of every kvmem_run."""
+    import types
+
+    monkeypatch.setitem(sys.modules, "smollm2", types.SimpleNamespace(load=lambda: (tiny, CharTokenizer())))
+    calls = []
+    real = end_to_end.kvmem_run
+    monkeypatch.setattr(end_to_end, "kvmem_run", lambda model, ids, memory, f, cal:
+                        calls.append((memory, ids.shape[1])) or real(model, ids, memory, f, cal))
+    (tmp_path / "ppl.txt").write_text(HAYSTACK)
+    (tmp_path / "h1.txt").write_text(HAYSTACK)
+    (tmp_path / "h2.txt").write_text(HAYSTACK[::-1])
+
+    def run(*args):
+        return end_to_end.main(["--ppl-text", str(tmp_path / "ppl.txt"), "--haystack", str(tmp_path / "h1.txt"),
+                                "--haystack2", str(tmp_path / "h2.txt"), "--ppl-tokens", "64", "--needle-tokens", "100",
+                                "--fractions", "1/2", "--facts", "2", "--depths", "0.5", *args])
+    return run, calls
+
+
+def test_end_to_end_cli_and_reuse(e2e_cli, tmp_path, capsys):
+    import json
+
+    run, calls = e2e_cli
+    first, second = tmp_path / "first.json", tmp_path / "second.json"
+    assert run("--output", str(first), "--memories", "h2o") == 0
+    old = json.loads(first.read_text())
+    assert len(calls) == 1 + 4 and old["needle_cases"] == 4 and len(old["full"]["needle"]) == 4
+    assert {(n["haystack"], n["fact"]) for n in old["results"][0]["needle"]} == {(0, "vault"), (0, "city"),
+                                                                                 (1, "vault"), (1, "city")}
+    assert "needle found in" in capsys.readouterr().out
+    calls.clear()
+    assert run("--output", str(second), "--memories", "streaming,h2o", "--reuse", str(first)) == 0
+    new = json.loads(second.read_text())
+    assert [m for m, _ in calls] == ["streaming"] * 5  # h2o is kept, not recomputed
+    assert [r["memory"] for r in new["results"]] == ["streaming", "h2o"] and new["results"][1] == old["results"][0]
+    assert new["reused_rows"] == 1 and "(1 reused)" in capsys.readouterr().out
+    cases = [(["--depths", "0.3"], "different --depths"), (["--needle-tokens", "90"], "different --needle-tokens"),
+             (["--facts", "1"], "different --facts"), (["--ppl-tokens", "60"], "different --ppl-tokens")]
+    for args, message in cases:
+        assert run("--output", str(second), "--memories", "h2o", "--reuse", str(first), *args) == 2
+        assert message in capsys.readouterr().err
+    del old["settings"]
+    first.write_text(json.dumps(old))
+    assert run("--output", str(second), "--reuse", str(first)) == 2
+    assert "has no settings" in capsys.readouterr().err
+    assert run("--output", str(second), "--reuse", str(tmp_path / "none.json")) == 2
+    assert "--reuse" in capsys.readouterr().err
+
+
+def test_end_to_end_cli_errors(e2e_cli, tmp_path, capsys):
+    run, calls = e2e_cli
+    out = str(tmp_path / "x.json")
+    for args, message in [(["--facts", "9"], "--facts 9"), (["--depths", "2"], "--depths '2'"),
+                          (["--needle-tokens", "1000"], "--haystack "), (["--memories", "snapkv"], "'snapkv' unknown")]:
+        assert run("--output", out, *args) == 2
+        assert message in capsys.readouterr().err
+    assert calls == [] and not os.path.exists(out)

@@ -4,8 +4,9 @@ one line per memory (dashed: KVM and OVQ with calibrated scalars):
 
 1. relative L2 error of the attention output, averaged over the captured layers (kvmem-eval reports);
 2. perplexity end to end (tools/fidelity/end_to_end.py), the full cache as a horizontal line;
-3. the needle's log-probability (mean over the depths; a continuous view of retrieval, which is
-   all-or-nothing per depth), the full cache as a horizontal line.
+3. the needle's log-probability (the answer's, mean over the needle cases: a continuous view of
+   retrieval, which is all-or-nothing per case), the full cache as a horizontal line; the legend gives
+   each memory's needle cases found at its largest fraction.
 
   plot_lm.py --e2e e2e.json --layers l0.json ... --calibrated l0-kvm-calibrated.json ... --output fig.png
 
@@ -37,8 +38,13 @@ def load(path: str) -> dict:
 
 
 def needle_logprob(run: dict) -> float:
-    """Mean over the depths of the log-probability of the password's tokens."""
+    """Mean over the needle cases of the log-probability of the answer's tokens."""
     return sum(n["logprob"] for n in run["needle"]) / len(run["needle"])
+
+
+def needle_found(run: dict) -> int:
+    """Needle cases whose answer greedy decoding writes."""
+    return sum(n["retrieved"] for n in run["needle"])
 
 
 def layer_means(reports: list[dict]) -> dict[tuple[str, str], tuple[float, float]]:
@@ -69,17 +75,23 @@ def main() -> None:
                              marker="o", color=COLORS[mid], label=f"{mid}{' calibrated' if dashed else ''}")
     axes[0].set_ylabel("relative L2 error of attention output (mean over layers; clipped at 2)")
     axes[0].set_title(f"per layer ({len(a.layers)} layers)")
+    n = len(e2e["full"]["needle"])
     for key, ax, full, title in (("perplexity", axes[1], e2e["full"]["perplexity"], "perplexity (log scale)"),
                                  ("needle_logprob", axes[2], needle_logprob(e2e["full"]),
-                                  "needle: log-probability of the password")):
+                                  f"needle: mean log-probability of the answer ({n} cases)")):
         for mid in SHOWN:
             for cal in (False, True):
-                pts = sorted((r["fraction"], needle_logprob(r) if key == "needle_logprob" else r[key])
-                             for r in e2e["results"] if r["memory"] == mid and r["calibrated"] == cal)
-                if pts:
-                    ax.plot([p[0] for p in pts], [p[1] for p in pts], "--" if cal else "-", marker="o",
-                            color=COLORS[mid], label=f"{mid}{' calibrated' if cal else ''}")
-        ax.axhline(full, color="black", lw=1, ls=":", label="full KV cache")
+                runs = sorted((r for r in e2e["results"] if r["memory"] == mid and r["calibrated"] == cal),
+                              key=lambda r: r["fraction"])
+                if runs:
+                    label = f"{mid}{' calibrated' if cal else ''}"
+                    if key == "needle_logprob":
+                        label += f" (found {needle_found(runs[-1])}/{n} at {runs[-1]['fraction_label']})"
+                    ax.plot([r["fraction"] for r in runs],
+                            [needle_logprob(r) if key == "needle_logprob" else r[key] for r in runs],
+                            "--" if cal else "-", marker="o", color=COLORS[mid], label=label)
+        found = f" (found {needle_found(e2e['full'])}/{n})" if key == "needle_logprob" else ""
+        ax.axhline(full, color="black", lw=1, ls=":", label=f"full KV cache{found}")
         ax.set_title(f"end to end: {title}")
     axes[1].set_yscale("log")
     for ax in axes:
@@ -88,7 +100,7 @@ def main() -> None:
         ax.grid(alpha=0.3)
     axes[2].legend(fontsize=7, loc="center left", bbox_to_anchor=(1.0, 0.5))
     fig.suptitle(f"SmolLM2-135M-Instruct: kvmem memories in every layer ({e2e['ppl_tokens']} tokens of perplexity text, "
-                 f"needle in {e2e['needle_tokens']} tokens)")
+                 f"needles in {e2e['needle_tokens']} tokens of each haystack)")
     fig.tight_layout()
     fig.savefig(a.output, dpi=110)
     print(f"plot_lm.py: {a.output}")

@@ -33,22 +33,27 @@ def e2e_row(e2e: dict, memory: str, label: str, calibrated: bool) -> dict | None
 
 
 def needle_logprob(run: dict) -> float:
-    """Mean over the depths of the log-probability of the password's tokens (natural log)."""
+    """Mean over the needle cases of the log-probability of the answer's tokens (natural log)."""
     return mean(x["logprob"] for x in run["needle"])
+
+
+def needle_found(run: dict) -> int:
+    """Needle cases whose answer greedy decoding writes."""
+    return sum(x["retrieved"] for x in run["needle"])
 
 
 def e2e_table(e2e: dict) -> str:
     full = e2e["full"]
     n = len(full["needle"])
     lines = ["| memory | budget | scalars | held per kv-head and layer (tokens) | held MiB (all layers) | perplexity "
-             "| next-token agreement | needle retrieved | needle log-prob |", "|---|---|---|---:|---:|---:|---:|---:|---:|",
+             f"| next-token agreement | needle found (of {n}) | needle mean log-prob |",
+             "|---|---|---|---:|---:|---:|---:|---:|---:|",
              f"| full KV cache | 1 | | {e2e['ppl_tokens']} | {full['kv_bytes'] / 1048576:.1f} | "
-             f"{full['perplexity']:.2f} | 1.000 | {sum(x['retrieved'] for x in full['needle'])}/{n} | "
-             f"{needle_logprob(full):.1f} |"]
+             f"{full['perplexity']:.2f} | 1.000 | {needle_found(full)} | {needle_logprob(full):.1f} |"]
     for r in e2e["results"]:
         lines.append(f"| {r['label']} | {r['fraction_label']} | {'calibrated' if r['calibrated'] else 'neutral'} | "
                      f"{r['held_tokens']} | {r['held_bytes'] / 1048576:.1f} | {r['perplexity']:.2f} | "
-                     f"{r['agreement']:.3f} | {sum(x['retrieved'] for x in r['needle'])}/{n} | {needle_logprob(r):.1f} |")
+                     f"{r['agreement']:.3f} | {needle_found(r)} | {needle_logprob(r):.1f} |")
     return "\n".join(lines)
 
 
@@ -112,14 +117,14 @@ def headline(e2e: dict, layers: list[dict], calibrated: list[dict]) -> str:
     labels = [r["fraction_label"] for r in e2e["results"]]
     out, f = [], "1/8" if "1/8" in labels else (labels[0] if labels else "1/8")
     full = e2e["full"]
-    out.append(f"- Full KV cache: perplexity {full['perplexity']:.2f} on {e2e['ppl_tokens']} tokens, needle retrieved "
-               f"at {sum(x['retrieved'] for x in full['needle'])} of {len(full['needle'])} depths (log-probability of the "
-               f"password {needle_logprob(full):.1f}).")
+    out.append(f"- Full KV cache: perplexity {full['perplexity']:.2f} on {e2e['ppl_tokens']} tokens, needle found "
+               f"in {needle_found(full)} of {len(full['needle'])} cases (mean log-probability of the answer "
+               f"{needle_logprob(full):.1f}).")
     best = sorted((r for r in e2e["results"] if r["fraction_label"] == f), key=lambda r: r["perplexity"])
     if best:
         out.append(f"- At {f} of the cache, end to end, by perplexity: " + "; ".join(
             f"{r['label']}{' (calibrated)' if r['calibrated'] else ''} {r['perplexity']:.2f} "
-            f"(agreement {r['agreement']:.2f}, needle {sum(x['retrieved'] for x in r['needle'])}/{len(r['needle'])}, "
+            f"(agreement {r['agreement']:.2f}, needle {needle_found(r)} of {len(r['needle'])}, "
             f"log-prob {needle_logprob(r):.1f})"
             for r in best) + ".")
     kvm_cal, h2o = e2e_row(e2e, "kvm-fixed", f, True), e2e_row(e2e, "h2o", f, False)
