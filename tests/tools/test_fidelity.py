@@ -232,7 +232,7 @@ def test_needle_cases():
     cases = end_to_end.needle_cases(tok, hay, facts, [0.0, 0.5, 1.0])
     assert len(cases) == 2 * 2 * 3
     assert [(c["haystack"], c["fact"], c["depth"]) for c in cases[:4]] == [
-        (0, "vault", 0.0), (0, "vault", 0.5), (0, "vault", 1.0), (0, "city", 0.0)]
+        (0, "city", 0.0), (0, "city", 0.5), (0, "city", 1.0), (0, "locker", 0.0)]
     for fact in facts:  # every case of a fact has its own answer
         assert len({c["answer"] for c in cases if c["fact"] == fact.id}) == 6
     for c in cases:
@@ -260,13 +260,15 @@ def test_needle_errors():
         end_to_end.parse_depths("1.5")
 
     class Merging(CharTokenizer):
-        """Merges "s " into one token, as a BPE tokenizer could merge a prefix's end with the answer."""
+        """Merges "f " into one token, as a BPE tokenizer could merge a prefix's end with the answer."""
 
         def __call__(self, text, add_special_tokens=False):
-            return super().__call__(text.replace("s ", "\x01"))  # "\x01": id 96
+            return super().__call__(text.replace("f ", "\x01"))  # "\x01": id 96
 
-    with pytest.raises(ValueError, match="fact 'vault': the tokenizer merges the answer"):
-        end_to_end.needle_cases(Merging(), [CharTokenizer()(HAYSTACK[:80])["input_ids"]], end_to_end.FACTS[:1], [0.5])
+    city = end_to_end.FACTS[0]
+    assert city.prefix == "Maria Keller lives in the city of"
+    with pytest.raises(ValueError, match="fact 'city': the tokenizer merges the answer 'Lisbon' into its prefix"):
+        end_to_end.needle_cases(Merging(), [CharTokenizer()(HAYSTACK[:80])["input_ids"]], [city], [0.5])
 
 
 @pytest.fixture
@@ -299,8 +301,8 @@ def test_end_to_end_cli_and_reuse(e2e_cli, tmp_path, capsys):
     assert run("--output", str(first), "--memories", "h2o") == 0
     old = json.loads(first.read_text())
     assert len(calls) == 1 + 4 and old["needle_cases"] == 4 and len(old["full"]["needle"]) == 4
-    assert {(n["haystack"], n["fact"]) for n in old["results"][0]["needle"]} == {(0, "vault"), (0, "city"),
-                                                                                 (1, "vault"), (1, "city")}
+    assert {(n["haystack"], n["fact"]) for n in old["results"][0]["needle"]} == {(0, "city"), (0, "locker"),
+                                                                                 (1, "city"), (1, "locker")}
     assert "needle found in" in capsys.readouterr().out
     calls.clear()
     assert run("--output", str(second), "--memories", "streaming,h2o", "--reuse", str(first)) == 0
@@ -325,7 +327,30 @@ def test_end_to_end_cli_errors(e2e_cli, tmp_path, capsys):
     run, calls = e2e_cli
     out = str(tmp_path / "x.json")
     for args, message in [(["--facts", "9"], "--facts 9"), (["--depths", "2"], "--depths '2'"),
-                          (["--needle-tokens", "1000"], "--haystack "), (["--memories", "snapkv"], "'snapkv' unknown")]:
+                          (["--needle-tokens", "1000"], "--haystack "), (["--needle-tokens", "0"], "--needle-tokens 0"),
+                          (["--memories", "snapkv"], "'snapkv' unknown")]:
         assert run("--output", out, *args) == 2
         assert message in capsys.readouterr().err
     assert calls == [] and not os.path.exists(out)
+
+
+def test_report_counts_needle_cases():
+    """report_lm.py's table and headline give the cases found of all and the mean log-probability; a report
+    whose needle entries have only depth, retrieved and logprob (before facts and haystacks) still reads."""
+    import report_lm
+
+    def needles(found, logprobs):
+        return [{"depth": 0.5, "retrieved": f, "logprob": lp} for f, lp in zip(found, logprobs)]
+
+    e2e = {"ppl_tokens": 64,
+           "full": {"needle": needles([True, True, False], [-1.0, -2.0, -6.0]), "kv_bytes": 1048576,
+                    "perplexity": 10.0},
+           "results": [{"needle": needles([False, True, False], [-4.0, -1.0, -7.0]), "memory": "h2o", "label": "H2O",
+                        "fraction_label": "1/4", "fraction": 0.25, "calibrated": False, "held_tokens": 16,
+                        "held_bytes": 524288, "perplexity": 12.0, "agreement": 0.9}]}
+    table = report_lm.e2e_table(e2e)
+    assert "| needle found (of 3) | needle mean log-prob |" in table
+    assert table.endswith("| 0.900 | 1 | -4.0 |") and "| 1.000 | 2 | -3.0 |" in table
+    head = report_lm.headline(e2e, [], [])
+    assert "needle found in 2 of 3 cases (mean log-probability of the answer -3.0)" in head
+    assert "needle 1 of 3, log-prob -4.0" in head

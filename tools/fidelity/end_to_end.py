@@ -73,9 +73,11 @@ class Fact:
         return self.sentence.split("{}")[0].rstrip()
 
 
+#: The facts in --facts order. None is guessed without its sentence (SmolLM2-135M-Instruct over 512 tokens of
+#: the MPL 2.0 gives each answer a log-probability of -3 to -33), and with it the full cache finds the first
+#: five in 26 of 30 cases (512 tokens of the MPL 2.0 and of the Artistic License, depths 0.1, 0.5, 0.9); the
+#: vault's passwords (several tokens each) are beyond that model (0 of 6), so the vault comes last.
 FACTS = (
-    Fact("vault", "The secret password of the vault is {}.", "What is the secret password of the vault?",
-         ("PELICAN-42", "FALCON-17", "OTTER-85", "BADGER-63", "HERON-29", "MARLIN-54")),
     Fact("city", "Maria Keller lives in the city of {}.", "In which city does Maria Keller live?",
          ("Lisbon", "Nairobi", "Oslo", "Montreal", "Kyoto", "Santiago")),
     Fact("locker", "The number of Tom's locker is {}.", "What is the number of Tom's locker?",
@@ -86,6 +88,8 @@ FACTS = (
          ("Biscuit", "Pepper", "Waffles", "Rocket", "Noodle", "Muffin")),
     Fact("day", "The meeting with the auditors is on {}.", "On which day is the meeting with the auditors?",
          ("Thursday", "Tuesday", "Saturday", "Monday", "Wednesday", "Friday")),
+    Fact("vault", "The secret password of the vault is {}.", "What is the secret password of the vault?",
+         ("PELICAN-42", "FALCON-17", "OTTER-85", "BADGER-63", "HERON-29", "MARLIN-54")),
 )
 
 
@@ -271,6 +275,8 @@ def main(argv=None) -> int:
             if m not in lm_memories.LABELS:
                 raise ValueError(f"--memories: {m!r} unknown (known: {', '.join(lm_memories.LABELS)})")
         depths, facts = parse_depths(args.depths), pick_facts(args.facts)
+        if args.needle_tokens < 1:
+            raise ValueError(f"--needle-tokens {args.needle_tokens}: must be at least 1")
         calibration = load_calibration(args.calibration) if args.calibration else None
         model, tok = smollm2.load()
         model = model.to(dtype)
