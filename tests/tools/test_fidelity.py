@@ -180,6 +180,18 @@ def test_sizing():
         lm_memories.factory("kvm-fixed", 1000, 0.25, {0: {}})(1, head_dim=16, query_heads=4, kv_heads=2, value_dim=16, batch=1)
 
 
+def test_every_memory_of_the_study_is_built():
+    """Each id of LABELS builds its memory; the merging evictions and proportional merge are what they say."""
+    shape = dict(head_dim=16, query_heads=4, kv_heads=2, value_dim=16, batch=1)
+    for m in lm_memories.LABELS:
+        mem = lm_memories.factory(m, 1000, 0.25)(0, **shape)
+        assert mem.allocated_bytes() > 0, m
+    plain = lm_memories.factory("h2o", 1000, 0.25)(0, **shape)
+    merged = lm_memories.factory("h2o-merge", 1000, 0.25)(0, **shape)
+    assert merged.held_bytes() == plain.held_bytes() + 2 * (250 + 1) * 4  # one float32 count per row
+    assert type(lm_memories.factory("proportional", 1000, 0.25)(0, **shape)).__name__ == "ProportionalMemory"
+
+
 @pytest.mark.parametrize("memory", ["h2o", "tova"])
 def test_end_to_end_with_every_token_held_is_the_full_model(tiny, memory):
     """An eviction memory whose budget is the whole sequence holds every token: the logits through

@@ -25,7 +25,16 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 COLORS = {"kvm-fixed": "#1f77b4", "kvm-sqrt": "#9467bd", "kvm-h2o": "#17becf", "ovq": "#ff7f0e",
+          "proportional": "#bcbd22",
           "streaming": "#2ca02c", "knorm": "#8c564b", "h2o": "#d62728", "tova": "#e377c2", "trellis": "#7f7f7f"}
+# a merging eviction in its scorer's colour, square markers
+COLORS.update({f"{m}-merge": COLORS[m] for m in ("streaming", "knorm", "h2o", "tova")})
+
+
+def marker(mid: str) -> str:
+    """Square markers for the merging evictions, round for the others."""
+    return "s" if mid.endswith("-merge") else "o"
+
 SHOWN = tuple(COLORS)
 
 
@@ -72,7 +81,7 @@ def main() -> None:
             pts = sorted((f, v) for (m, _, f), v in means.items() if m == mid)
             if pts:
                 axes[0].plot([p[0] for p in pts], [min(p[1], 2.0) for p in pts], ("--" if dashed else "-"),
-                             marker="o", color=COLORS[mid], label=f"{mid}{' calibrated' if dashed else ''}")
+                             marker=marker(mid), color=COLORS[mid], label=f"{mid}{' calibrated' if dashed else ''}")
     axes[0].set_ylabel("relative L2 error of attention output (mean over layers; clipped at 2)")
     axes[0].set_title(f"per layer ({len(a.layers)} layers)")
     n = len(e2e["full"]["needle"])
@@ -89,7 +98,7 @@ def main() -> None:
                         label += f" (found {needle_found(runs[-1])}/{n} at {runs[-1]['fraction_label']})"
                     ax.plot([r["fraction"] for r in runs],
                             [needle_logprob(r) if key == "needle_logprob" else r[key] for r in runs],
-                            "--" if cal else "-", marker="o", color=COLORS[mid], label=label)
+                            "--" if cal else "-", marker=marker(mid), color=COLORS[mid], label=label)
         found = f" (found {needle_found(e2e['full'])}/{n})" if key == "needle_logprob" else ""
         ax.axhline(full, color="black", lw=1, ls=":", label=f"full KV cache{found}")
         ax.set_title(f"end to end: {title}")
