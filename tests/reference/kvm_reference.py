@@ -28,6 +28,8 @@ class KVMParams:
     max_chunks: int = 1         # budget cap = C * max_chunks
     ln_eps: float = 1e-5
     norm_eps: float = 1e-12
+    rule: str = "kvm"           # kvm | proportional (kvmem's merge::Proportional: raw keys, ungated folds,
+                                # rows read as K / n, V / n with logit bias log n)
 
 
 _ALIASES = {"n_bswa_chunks": "window_chunks", "sink_len": "sinks"}
@@ -44,6 +46,8 @@ def make_params(p=None, **kw):
     d = {_ALIASES.get(k, k): v for k, v in d.items()}
     p = KVMParams(**d)
     p.schedule = _SCHEDULES[p.schedule]
+    if p.rule not in ("kvm", "proportional"):
+        raise ValueError(f"rule {p.rule!r}: kvm or proportional")
     if p.chunk < 1 or p.window_chunks < 1:
         raise ValueError("chunk and window_chunks must be >= 1")
     return p
@@ -90,12 +94,21 @@ class _HeadState:
     """State of one KV head: running sums K [m,D], V [m,Dv], radii rho [m]."""
 
     def __init__(self, D, Dv):
-        self.K, self.V, self.rho = np.zeros((0, D)), np.zeros((0, Dv)), np.zeros(0)
+        self.K, self.V, self.rho, self.n = np.zeros((0, D)), np.zeros((0, Dv)), np.zeros(0), np.zeros(0)
 
     def append(self, kbar, v):  # ungated rows (§4 initial chunk, §5.4, §6 direct append)
         self.K = np.concatenate([self.K, kbar])
         self.V = np.concatenate([self.V, v])
         self.rho = np.concatenate([self.rho, np.linalg.norm(v, axis=-1)])
+        self.n = np.concatenate([self.n, np.ones(len(kbar))])
+
+
+def _read(st, p, w, b):
+    """What the readout reads of the rows: keys [m,D], values [m,Dv] and logit biases [m]."""
+    if p.rule == "proportional":
+        return st.K / st.n[:, None], st.V / st.n[:, None], np.log(st.n)
+    vh = st.rho[:, None] * st.V / np.maximum(np.linalg.norm(st.V, axis=-1), p.norm_eps)[:, None]
+    return _ln(st.K, p, w, b), vh, np.zeros(len(st.K))
 
 
 def _update(st, p, w, b, kbar, v, g, ctx, avail, trace=None):
@@ -106,7 +119,7 @@ def _update(st, p, w, b, kbar, v, g, ctx, avail, trace=None):
     n_app = min(Mstar - m, nO)
     if 0 < n_app < nO:
         assert m > 0
-        score = _dots(kbar, _ln(st.K, p, w, b)).max(axis=1)          # ungated, all rows
+        score = _dots(kbar, _read(st, p, w, b)[0]).max(axis=1)       # ungated, all rows
         order = np.lexsort((np.arange(nO), score))                   # score asc, index asc
         app = np.sort(order[:n_app])
     else:
@@ -119,10 +132,11 @@ def _update(st, p, w, b, kbar, v, g, ctx, avail, trace=None):
             raise ValueError(f"merge needs more than {P} rows (sinks={p.sinks} >= chunk?)")
         kg = g[rest, None] * kbar[rest]
         vg = g[rest, None] * v[rest]
-        kh = _ln(st.K, p, w, b)                                      # one snapshot, post-append
+        kh = _read(st, p, w, b)[0]                                   # one snapshot, post-append
         pi = P + np.argmax(_dots(kg, kh[P:]), axis=1)                    # first max = lowest row
         np.add.at(st.K, pi, kg)
         np.add.at(st.V, pi, vg)
+        np.add.at(st.n, pi, 1.0)
     if trace is not None:
         trace.append(dict(ctx=ctx, avail=avail, B=B, Mstar=Mstar, n_app=len(app),
                           merged=len(rest), rows=len(st.K)))
@@ -136,9 +150,8 @@ def _readout(qg, qpos, st, p, w, b, wk, wv, wpos, tau_s, tau_b):
     lw = np.where(wpos[None, None, :] <= qpos[None, :, None], lw, -np.inf)
     vals = wv[None]
     if st is not None and len(st.K):
-        kh = _ln(st.K, p, w, b)
-        vh = st.rho[:, None] * st.V / np.maximum(np.linalg.norm(st.V, axis=-1), p.norm_eps)[:, None]
-        ls = np.einsum("gnd,gjd->gnj", qg, tau_s[:, None, None] * kh[None]) * scale
+        kh, vh, bias = _read(st, p, w, b)
+        ls = np.einsum("gnd,gjd->gnj", qg, tau_s[:, None, None] * kh[None]) * scale + bias
         lw = np.concatenate([ls, lw], axis=-1)
         vals = np.concatenate([vh, wv])[None]
     lw = lw - lw.max(axis=-1, keepdims=True)
@@ -161,6 +174,8 @@ def _prep(q, k, v, z, ln_w, ln_b, tau_s, tau_b, p):
     kz = k.copy()
     kz[..., :p.rope_dims] = 0.0
     kbar = _ln(kz, p, ln_w, ln_b)                  # memory keys, [Hkv,T,D]
+    if p.rule == "proportional":                   # the raw keys, ungated
+        return p, q, k, v, np.ones_like(z), ln_w, ln_b, tau_s, tau_b, k.copy(), Hq // Hkv
     return p, q, k, v, _gate(z), ln_w, ln_b, tau_s, tau_b, kbar, Hq // Hkv
 
 

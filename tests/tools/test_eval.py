@@ -138,6 +138,8 @@ def reference_y(t, r):
         return ovq_reference_y(t, r)
     if r["memory"] == "trellis":
         return trellis_reference_y(t, r)
+    if r["memory"] == "proportional":
+        return kvm_reference_y(t, r, rule="proportional")
     if r["memory"] in EVICTION:
         return eviction_reference_y(t, r)[:3]
     return kvm_reference_y(t, r)
@@ -185,14 +187,15 @@ def trellis_reference_y(t, r):
     return out["y"], [pr["slots"]] * B, lengths
 
 
-def kvm_reference_y(t, r):
-    """The float64 KVM reference run with the parameters kvmem-eval reports for result r."""
+def kvm_reference_y(t, r, rule="kvm"):
+    """The float64 KVM reference run with the parameters kvmem-eval reports for result r (rule "proportional":
+    merge::Proportional's rows, the reference's MergeRule)."""
     cfg, bud = r["params"]["config"], r["params"]["budget"]
     kind = {"fixed": "fixed", "power-law": "power_law"}[bud["kind"]]
     p = make_params(chunk=cfg["chunk"], window_chunks=cfg["window_chunks"], rope_dims=cfg["rope_dims"],
                     sinks=cfg["sinks"], schedule=kind, min_len=bud["min_rows"],
                     growth_factor=bud.get("growth_factor", 1.0), growth_exponent=bud.get("growth_exponent", 0.5),
-                    round_down=bud.get("round_down", 1), max_chunks=-(-cfg["max_rows"] // cfg["chunk"]))
+                    round_down=bud.get("round_down", 1), max_chunks=-(-cfg["max_rows"] // cfg["chunk"]), rule=rule)
     f = {n: a.astype(np.float64) for n, a in t.items() if n != "lengths"}
     B, Hq, T = f["q"].shape[:3]
     lengths = list(t["lengths"]) if "lengths" in t else [T] * B
@@ -280,7 +283,7 @@ def main():
             cos_ref = metrics(cosine_attention(t), exact(t), [64, 37], rep["buckets"])
             for x in rep["results"]:
                 name = f'known answer: {x["memory"]} at {x["fraction_label"]}'
-                if x["memory"].startswith("kvm"):
+                if x["memory"].startswith("kvm") or x["memory"] == "proportional":
                     # Zero up to float32 rounding: the memory's readout and exact attention compute the same
                     # softmax over the same keys (same tiles; bit for bit where their arithmetic agrees).
                     zero = (x["rel_l2"] <= 1e-6 and x["cosine_min"] >= 1 - 1e-9
@@ -289,7 +292,7 @@ def main():
                     check(f'{name}: window holds every token -> zero error, cosine 1{bits}',
                           zero and x["window_tokens"] == [64, 37],
                           json.dumps({k: x[k] for k in ("rel_l2", "cosine_mean", "bucket_rel_l2", "window_tokens")}))
-                elif x["memory"] in EVICTION:
+                elif x["memory"].removesuffix("-merge") in EVICTION:
                     # Budget M = T = window: nothing is ever evicted, every query reads every token (float32,
                     # q scaled by tau_bswa, so not the tiles of exact attention: rounding only).
                     p = x["params"]
@@ -327,6 +330,20 @@ def main():
                 name = f'reference: {x["memory"]} at {x["fraction_label"]}'
                 if x["memory"] == "kvm-h2o":
                     kvm_h2o_checks(check, name, x)
+                    continue
+                if x["memory"].endswith("-merge"):
+                    # The merging eviction's float64 reference is the C++ one (tests/reference/
+                    # eviction_reference.hpp, EvictPolicy::merge; tests/unit/test_eviction.cpp): here, that it
+                    # merged and what it holds (one float32 count per row besides the keys and values).
+                    budget = x["params"]["budget"]
+                    peak = sum(min(n, budget + 1) for n in [64, 45]) * 2 * (8 + 6 + 1) * 4
+                    plain = next(p for p in rep["results"] if p["memory"] == x["memory"].removesuffix("-merge")
+                                 and p["fraction_label"] == x["fraction_label"])
+                    check(name + ": merged rows change the output (rel L2 differs from the plain eviction's)",
+                          x["rel_l2"] > 0 and x["rel_l2"] != plain["rel_l2"] and x["params"]["merge_evicted"],
+                          json.dumps({k: x[k] for k in ("rel_l2", "params")}))
+                    check(name + ": held bytes = min(n, s + w + k + 1) x Hkv x (D + Dv + 1) x 4",
+                          x["peak_bytes"] == peak, f'{x["peak_bytes"]} vs {peak}')
                     continue
                 if x["memory"] in EVICTION:
                     gap = eviction_reference_y(t, x)[3]

@@ -60,9 +60,9 @@ inline EvictionConfig eviction_sizing(const Inputs& in, const SizingOptions& o, 
 /// Prefills an EvictionMemory<exec, Scorer, T> with tau-scaled queries (not timed) and writes yt [B, Hq, T, Dv]
 /// of storage type T, as the tokens `in`.
 /// rows: cached rows outside the window (sinks + retained) of the fullest kv-head, window: min(n, w).
-/// Held memory: the memory's held_bytes() (budget + 1 rows of D + Dv elements of T per kv-head); peak: what it
-/// holds at its fullest step, min(n, budget + 1) rows per kv-head (the + 1: the row a step holds between
-/// its append and its eviction).
+/// Held memory: the memory's held_bytes() (budget + 1 rows of D + Dv elements of T per kv-head, and a float32
+/// count per row for a merging eviction); peak: what it holds at its fullest step, min(n, budget + 1) rows
+/// per kv-head (the + 1: the row a step holds between its append and its eviction).
 template <StorageType T, class Scorer, class Y>
 RunStats prefill_eviction(const EvictionConfig& cfg, const Scorer& scorer, const InputsOf<T>& in, const Y& yt) {
   const auto q = tau_scaled_queries(in);
@@ -87,7 +87,8 @@ RunStats prefill_eviction(const EvictionConfig& cfg, const Scorer& scorer, const
     units += std::min(in.lengths[b], cfg.budget() + 1);
   }
   s.held_bytes = mem.held_bytes();
-  s.peak_bytes = units * in.Hkv * (in.D + in.Dv) * static_cast<long>(sizeof(T));
+  s.peak_bytes = units * in.Hkv * ((in.D + in.Dv) * static_cast<long>(sizeof(T)) +
+                                    (cfg.merge_evicted ? static_cast<long>(sizeof(float)) : 0L));
   return s;
 }
 
