@@ -144,6 +144,10 @@ def evict_cases():
     yield "--mask with kvpop --decay-interval 3", t, ["--mask", "--decay-interval", "3"], \
         ["--mask", "--decay-interval"], wts
     yield "--tova-layer-mean with h2o", t, ["--scorer", "h2o", "--tova-layer-mean"], ["--tova-layer-mean"], None
+    yield "--merge-evicted with snapkv", t, ["--scorer", "snapkv", "--sinks", "0", "--merge-evicted"], \
+        ["--merge-evicted", "snapkv"], None
+    yield "--merge-evicted with --mask", t, ["--scorer", "knorm", "--mask", "--merge-evicted"], \
+        ["--mask", "--merge-evicted"], None
     yield "unknown scorer", t, ["--scorer", "oracle"], ["--scorer", "oracle"], None
     yield "unknown normalizer", t, ["--normalizer", "l2"], ["--normalizer", "l2"], wts
     yield "Hq not a multiple of Hkv", lambda: dict(evict_tensors(), q=evict_tensors()["q"][:, :3]), \
