@@ -220,6 +220,15 @@ KvmOutput run_kvm(const KvmCase& c, Mode mode, long split = 0, const ExecSpace& 
   return out;
 }
 
+/// y of sequence b's own tokens out of a batch run: [Hq, length(b), Dv], as the reference writes it.
+inline std::vector<float> sequence_y(const KvmOutput& got, const KvmCase& c, long b) {
+  std::vector<float> y;
+  for (long h = 0; h < c.Hq; ++h)
+    for (long t = 0; t < c.length(b); ++t)
+      for (long d = 0; d < c.Dv; ++d) y.push_back(got.y[((b * c.Hq + h) * c.T + t) * c.Dv + d]);
+  return y;
+}
+
 /// Largest |a - b| / max(1, max |b|) over a tensor: the relative error measure of the acceptance checks.
 inline double relative_error(const std::vector<float>& got, const std::vector<double>& want) {
   double worst = 0.0, scale = 1.0;

@@ -43,11 +43,7 @@ void check_reference(const KvmCase& c, const kvmem_test::KvmOutput& got) {
     INFO("sequence " << b << " length " << c.length(b));
     const auto ref = kvmem_ref::kvm_prefill(c.sequence(b), c.params);
     REQUIRE(got.rows[b] == ref.rows);
-    std::vector<float> y;
-    for (long h = 0; h < c.Hq; ++h)
-      for (long t = 0; t < c.length(b); ++t)
-        for (long d = 0; d < c.Dv; ++d) y.push_back(got.y[((b * c.Hq + h) * c.T + t) * c.Dv + d]);
-    CHECK(kvmem_test::relative_error(y, ref.y) <= tolerance);
+    CHECK(kvmem_test::relative_error(kvmem_test::sequence_y(got, c, b), ref.y) <= tolerance);
     CHECK(kvmem_test::relative_error(got.keys[b], ref.state_keys) <= tolerance);
     CHECK(kvmem_test::relative_error(got.values[b], ref.state_values) <= tolerance);
     std::vector<double> counts(ref.state_counts.begin(), ref.state_counts.end());
