@@ -74,6 +74,9 @@ def cases():
     yield "saturation-n 0", t, ["--budget", "saturating", "--saturation-n", "0"], ["--saturation-n = 0"]
     yield "unknown budget", t, ["--budget", "cubic"], ["--budget", "cubic"]
     yield "unknown mode", t, ["--mode", "stream"], ["--mode", "stream"]
+    yield "unknown merge", t, ["--merge", "average"], ["--merge", "average"]
+    yield "proportional merge with row eviction", t, ["--merge", "proportional", "--evict-rows-above", "6"], \
+        ["--evict-rows-above = 6", "--merge kvm only"]
     yield "truncated file", lambda: ("truncate", t()), [], ["header length", "truncated or corrupt"]
     yield "header not JSON", lambda: ("bytes", b"\x10\x00\x00\x00\x00\x00\x00\x00{not json at all"), [], ["not valid JSON"]
     yield "data cut short", lambda: ("cut", t()), [], ["data_offsets"]

@@ -21,7 +21,7 @@ namespace kvmem::tools {
 
 /// Command-line options of `kvmem-run kvm`; defaults are the KVM code defaults (spec KVM.md §1).
 struct KvmOptions {
-  std::string input, output, mode = "prefill", dtype;
+  std::string input, output, mode = "prefill", dtype, merge = "kvm";
   int chunk = 256, window_chunks = 2, rope_dims = 64, sinks = 1;
   long max_chunks = 1, evict_rows_above = 0;
   BudgetOptions budget{.kind = "fixed"};
@@ -42,6 +42,12 @@ inline CLI::App* add_kvm_command(CLI::App& app, KvmOptions& o) {
   cmd->add_option("--sinks", o.sinks, "S: protected sink rows")->capture_default_str();
   add_budget_options(cmd, o.budget, {"fixed", "power-law", "saturating", "plateau", "linear"});
   cmd->add_option("--max-chunks", o.max_chunks, "rows are capped at chunk * max-chunks")->capture_default_str();
+  cmd->add_option("--merge", o.merge,
+                  "kvm: KVM's gated winner-take-all (merge::WinnerTakeAll); proportional: rows read as their tokens' "
+                  "mean key and value with the bias log(count) (merge::Proportional; reads tau_state and tau_bswa, "
+                  "ignores gate and the LayerNorm; writes state_counts instead of state_radius)")
+      ->check(CLI::IsMember({"kvm", "proportional"}))
+      ->capture_default_str();
   cmd->add_option("--evict-rows-above", o.evict_rows_above,
                   "also evict state rows by H2O (accumulated attention) down to this many after every fold (0 = off)")
       ->capture_default_str();
@@ -102,6 +108,8 @@ void run_kvm(const KvmOptions& o, const io::SafetensorsFile& file, const TokenDt
   cfg.max_rows = static_cast<long>(o.chunk) * o.max_chunks;
   require(o.evict_rows_above == 0 || o.evict_rows_above > o.sinks, "--evict-rows-above", o.evict_rows_above,
           "must be 0 (off) or exceed --sinks = " + std::to_string(o.sinks) + " (sink rows are never evicted)");
+  require(o.merge == "kvm" || o.evict_rows_above == 0, "--evict-rows-above", o.evict_rows_above,
+          "row eviction is compiled for --merge kvm only (use 0 with --merge " + o.merge + ")");
   const std::string details = "chunk=" + std::to_string(o.chunk) + "  window=" + std::to_string(o.window_chunks) +
                               " x " + std::to_string(o.chunk) + " tokens  sinks=" + std::to_string(o.sinks) +
                               "  rope_dims=" + std::to_string(o.rope_dims);
@@ -110,7 +118,12 @@ void run_kvm(const KvmOptions& o, const io::SafetensorsFile& file, const TokenDt
   with_budget(budget, cfg, *std::max_element(in.lengths.begin(), in.lengths.end()), [&](const auto& b) {
     const StateNames names{"kvm", "state_keys", "state_values", "state_radius", "state_rows", false};
     using budget_t = std::remove_cvref_t<decltype(b)>;
-    if (o.evict_rows_above == 0) {
+    if (o.merge == "proportional") {
+      Memory<exec, merge::Proportional, budget_t, score::Novelty, score::KeepRows, Storage> mem(cfg, b, in.weights,
+                                                                                            static_cast<int>(in.B));
+      run_memory(mem, in, o.mode, {"proportional", "state_keys", "state_values", "state_counts", "state_rows", true},
+                 o.input, o.output, details + "  merge=proportional");
+    } else if (o.evict_rows_above == 0) {
       KvmMemory<exec, budget_t, Storage> mem(cfg, b, in.weights, static_cast<int>(in.B));
       run_memory(mem, in, o.mode, names, o.input, o.output, details);
     } else {
