@@ -22,6 +22,9 @@ template class Memory<exec, merge::KMeansCount, budget::PowerLaw, score::Novelty
 template class Memory<exec, merge::KMeansCount, budget::Saturating, score::Novelty>;
 template class Memory<exec, merge::KMeansCount, budget::Plateau, score::Novelty>;
 template class Memory<exec, merge::KMeansCount, budget::Linear, score::Novelty>;
+template class Memory<exec, merge::Proportional, budget::Fixed, score::Novelty>;
+template class Memory<exec, merge::Proportional, budget::PowerLaw, score::Novelty>;
+template class Memory<exec, merge::Proportional, budget::Fixed, score::Novelty, score::KeepRows, bfloat16>;
 // Merging memories whose state rows are also evicted (H2O over rows).
 template class Memory<exec, merge::WinnerTakeAll, budget::PowerLaw, score::Novelty, score::RowAccumulatedAttention>;
 template class Memory<exec, merge::KMeansCount, budget::Plateau, score::Novelty, score::RowAccumulatedAttention>;

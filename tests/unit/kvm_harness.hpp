@@ -220,6 +220,16 @@ KvmOutput run_kvm(const KvmCase& c, Mode mode, long split = 0, const ExecSpace& 
   return out;
 }
 
+/// Appends `base` edited by `edit` (a callable on KvmCase&) to `cases`, seeded first_seed + its index: the
+/// edge-case lists of the reference tests.
+template <class Edit>
+void add_case(std::vector<KvmCase>& cases, const KvmCase& base, unsigned first_seed, Edit edit) {
+  KvmCase c = base;
+  c.seed = first_seed + static_cast<unsigned>(cases.size());
+  edit(c);
+  cases.push_back(c);
+}
+
 /// y of sequence b's own tokens out of a batch run: [Hq, length(b), Dv], as the reference writes it.
 inline std::vector<float> sequence_y(const KvmOutput& got, const KvmCase& c, long b) {
   std::vector<float> y;

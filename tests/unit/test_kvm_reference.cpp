@@ -51,16 +51,9 @@ void check_against_reference(KvmCase c, Mode mode) {
 /// The edge cases of the issue and spec KVM.md §4 and §9.
 std::vector<KvmCase> edge_cases() {
   std::vector<KvmCase> cases;
-  auto add = [&](auto edit) {
-    KvmCase c;
-    c.params.chunk = 4;
-    c.params.window_chunks = 2;
-    c.params.rope_dims = 3;
-    c.params.sinks = 1;
-    c.seed = static_cast<unsigned>(cases.size() + 11);
-    edit(c);
-    cases.push_back(c);
-  };
+  KvmCase base;
+  base.params.chunk = 4, base.params.window_chunks = 2, base.params.rope_dims = 3, base.params.sinks = 1;
+  auto add = [&](auto edit) { kvmem_test::add_case(cases, base, 11, edit); };
   add([](KvmCase& c) { c.T = 3; });                                         // T < chunk
   add([](KvmCase& c) { c.T = 1; });                                         // a single token
   add([](KvmCase& c) { c.T = 8; });                                         // T == window

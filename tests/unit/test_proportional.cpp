@@ -59,17 +59,10 @@ bool same_bits(const kvmem_test::KvmOutput& a, const kvmem_test::KvmOutput& b) {
 
 std::vector<KvmCase> edge_cases() {
   std::vector<KvmCase> cases;
-  auto add = [&](auto edit) {
-    KvmCase c;
-    c.params.rule = MergeRule::proportional;
-    c.params.chunk = 4;
-    c.params.window_chunks = 2;
-    c.params.rope_dims = 0;
-    c.params.sinks = 1;
-    c.seed = static_cast<unsigned>(cases.size() + 71);
-    edit(c);
-    cases.push_back(c);
-  };
+  KvmCase base;
+  base.params.rule = MergeRule::proportional;
+  base.params.chunk = 4, base.params.window_chunks = 2, base.params.rope_dims = 0, base.params.sinks = 1;
+  auto add = [&](auto edit) { kvmem_test::add_case(cases, base, 71, edit); };
   add([](KvmCase& c) { c.T = 3; });   // T < chunk
   add([](KvmCase& c) { c.T = 1; });   // a single token
   add([](KvmCase& c) { c.T = 12; });  // T == L + C: no fold yet
