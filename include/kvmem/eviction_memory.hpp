@@ -19,6 +19,7 @@
 #include "policy/score/eviction_scorer.hpp"
 #include "state/eviction_cache.hpp"
 #include "state/sequence_counts.hpp"
+#include "state/sequence_reset.hpp"
 #include "token_checks.hpp"
 
 namespace kvmem {
@@ -176,6 +177,25 @@ class EvictionMemory {
     tokens_.forget_replays();
     for (long b = 0; b < batch(); ++b) tokens_.host(b) = 0;
     tokens_.mark_changed();  // the device's counts may have moved without the host
+    tokens_.upload(exec_);
+  }
+
+  /// Empties the cache of sequence b and resets its scorer state (a finished request frees its slot), so
+  /// that its next tokens run as in a new memory, bit for bit; every other sequence keeps its cache and
+  /// scorer state bit for bit. The active set stays. Throws kvmem::invalid_argument, before anything
+  /// changes, for b outside [0, B), or for a sequence in decode_async's active set once the device counts
+  /// steps on its own (a GPU after decode_async, or plan_on_device()): a captured graph would go on
+  /// advancing it.
+  void reset_sequence(long b) {
+    state::check_reset_sequence(b, tokens_, active_);
+    sync();
+    state::fill_sequence(exec_, cache_.positions, b, -1L);
+    state::fill_sequence(exec_, cache_.live, b, 0L);
+    exec_.fence();
+    scorer_.reset_sequence(b);
+    Kokkos::fence();
+    tokens_.host(b) = 0;
+    tokens_.mark_changed();
     tokens_.upload(exec_);
   }
 

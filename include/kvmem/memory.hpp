@@ -26,6 +26,7 @@
 #include "policy/score/row_eviction.hpp"
 #include "state/schedule.hpp"
 #include "state/sequence_counts.hpp"
+#include "state/sequence_reset.hpp"
 #include "state/state_rows.hpp"
 #include "token_checks.hpp"
 
@@ -113,10 +114,14 @@ class Memory {
     row_policy_ = row_policy;
   }
 
-  /// Runs whole prompts through an empty memory, chunk-parallel (spec KVM.md §4). Sequence b uses tokens
-  /// [0, lengths[b]) (all T when `lengths` is empty); y[b, :, t] for t >= lengths[b] is written as zeros.
-  /// Throws kvmem::invalid_argument for mismatched shapes, a length outside [0, T], sinks >= chunk when
-  /// merges happen, or a memory that already holds tokens (call reset()).
+  /// Runs lengths[b] tokens of each sequence b (all T when `lengths` is empty) after those it holds: y[b, :,
+  /// t] for t < lengths[b] is the attention output of its t-th new token, y[b, :, t] for t >= lengths[b] is
+  /// written as zeros, and a sequence with lengths[b] = 0 keeps its state bit for bit (another request's
+  /// slot). A sequence that holds no tokens takes its prompt chunk-parallel (spec KVM.md §4); one that
+  /// holds tokens continues it (chunked prefill: a prompt in pieces, interleaved with other sequences'
+  /// decode steps) through the decode step, token by token: both give the bits of one prefill of the whole
+  /// prompt (docs/design.md, "Requests that come and go"). Throws kvmem::invalid_argument, before anything
+  /// changes, for mismatched shapes, a length outside [0, T], or sinks >= chunk when merges happen.
   void prefill(const tokens_in& q, const tokens_in& k, const tokens_in& v, const gates_in& gate, const tokens_out& y,
                std::span<const long> lengths = {}) {
     const long T = static_cast<long>(q.extent(2));
@@ -132,54 +137,16 @@ class Memory {
       }
     }
     sync();
-    for (long b = 0; b < batch(); ++b)
-      require(cursors_.host(b).tokens == 0, "prefill: sequence " + std::to_string(b) + " tokens", cursors_.host(b).tokens,
-              "prefill needs an empty memory; call reset() first");
-    const long longest = *std::max_element(len.begin(), len.end());
-    cfg_.check_sinks(longest);
-    Kokkos::deep_copy(exec_, y, Storage{});
-
-    const long C = cfg_.chunk, L = cfg_.window();
-    // Front block: exact causal attention over the first min(T, L) tokens, no state. Then the first chunk
-    // becomes rows verbatim (KVM), or is committed like any later block when it is due (OVQ).
-    plan_.clear();
-    long front_block = 0;
+    // Sequences that hold tokens continue through the decode step; the others start chunk-parallel.
+    std::vector<long> fresh(batch(), 0), continued(batch(), 0);
     for (long b = 0; b < batch(); ++b) {
-      auto& cur = cursors_.host(b);
-      const long front = std::min(len[b], L);
-      set_io(b, 0, 0, front, 0, 0);
-      cur.tokens = front;
-      if constexpr (Merge::first_chunk_verbatim) {
-        const long first = std::min(len[b], C);
-        set_block(b, 0, first, 0, first);
-        cur.covered = cur.rows = cur.granted = first;
-        front_block = std::max(front_block, first);
-      } else if (fold_due(cur, len[b], front)) {
-        plan_block(b, cur);
-        front_block = C;
-      }
+      const long held = cursors_.host(b).tokens;
+      cfg_.check_sinks(held + len[b]);
+      (held == 0 ? fresh : continued)[b] = len[b];
     }
-    run_step(q, k, v, gate, y, std::min(longest, L), front_block, /*update_first=*/false);
-    // Chunks [s, s + C) for s = L, L + C, ...: attend to [state ; window], then fold the block that is due.
-    for (long s = L; s < longest; s += C) {
-      plan_.clear();
-      long block = 0;
-      for (long b = 0; b < batch(); ++b) {
-        if (s >= len[b]) continue;
-        auto& cur = cursors_.host(b);
-        const long e = std::min(len[b], s + C);
-        set_io(b, 0, s, e, state::window_begin(e, C, L), cur.rows);
-        cur.tokens = e;
-        if (fold_due(cur, len[b], e)) {
-          plan_block(b, cur);
-          block = C;
-        }
-      }
-      run_step(q, k, v, gate, y, C, block, /*update_first=*/false);
-    }
-    cursors_.mark_changed();
-    cursors_.upload(exec_);  // the device plans decode steps from these
-    fence_step();
+    Kokkos::deep_copy(exec_, y, Storage{});
+    prefill_fresh(q, k, v, gate, y, fresh);
+    prefill_continued(q, k, v, gate, y, continued);
   }
 
   /// Appends one token to every sequence b with active[b] != 0 (all when `active` is empty) and writes
@@ -324,6 +291,29 @@ class Memory {
     exec_.fence();
   }
 
+  /// Forgets sequence b (a finished request frees its slot): its state rows, counts and window, so that its
+  /// next tokens run as in a new memory, bit for bit; every other sequence keeps its state bit for bit.
+  /// reserve()'s horizon and the active set stay. Throws kvmem::invalid_argument, before anything changes,
+  /// for b outside [0, B), or for a sequence in decode_async's active set once the device counts steps on
+  /// its own (a GPU after decode_async, or plan_on_device()): a captured graph would go on advancing it.
+  void reset_sequence(long b) {
+    state::check_reset_sequence(b, cursors_, active_);
+    sync();
+    exec_.fence();
+    cursors_.host(b) = state::SequenceCursor{};
+    cursors_.mark_changed();
+    cursors_.upload(exec_);
+    state::fill_sequence(exec_, rows_.keys, b, 0.0f);
+    state::fill_sequence(exec_, rows_.values, b, 0.0f);
+    state::fill_sequence(exec_, rows_.read_keys, b, Storage{});
+    state::fill_sequence(exec_, rows_.read_values, b, Storage{});
+    state::fill_sequence(exec_, rows_.decision_keys, b, 0.0f);
+    state::fill_sequence(exec_, rows_.radius, b, 0.0f);
+    state::fill_sequence(exec_, rows_.counts, b, 0.0f);
+    state::fill_sequence(exec_, rows_.stats, b, 0.0);
+    exec_.fence();
+  }
+
   [[nodiscard]] const MemoryConfig& config() const { return cfg_; }
   [[nodiscard]] const Budget& budget() const { return budget_; }
   [[nodiscard]] long batch() const { return cursors_.size(); }
@@ -364,6 +354,72 @@ class Memory {
   }
 
  private:
+  /// The chunk-parallel prefill of the empty sequences b with len[b] > 0 (spec KVM.md §4); sequences with
+  /// len[b] = 0 are not planned (their state and y stay).
+  void prefill_fresh(const tokens_in& q, const tokens_in& k, const tokens_in& v, const gates_in& gate,
+                     const tokens_out& y, const std::vector<long>& len) {
+    const long longest = *std::max_element(len.begin(), len.end());
+    if (longest == 0) return;
+    const long C = cfg_.chunk, L = cfg_.window();
+    // Front block: exact causal attention over the first min(T, L) tokens, no state. Then the first chunk
+    // becomes rows verbatim (KVM), or is committed like any later block when it is due (OVQ).
+    plan_.clear();
+    long front_block = 0;
+    for (long b = 0; b < batch(); ++b) {
+      if (len[b] == 0) continue;
+      auto& cur = cursors_.host(b);
+      const long front = std::min(len[b], L);
+      set_io(b, 0, 0, front, 0, 0);
+      cur.tokens = front;
+      if constexpr (Merge::first_chunk_verbatim) {
+        const long first = std::min(len[b], C);
+        set_block(b, 0, first, 0, first);
+        cur.covered = cur.rows = cur.granted = first;
+        front_block = std::max(front_block, first);
+      } else if (fold_due(cur, len[b], front)) {
+        plan_block(b, cur);
+        front_block = C;
+      }
+    }
+    run_step(q, k, v, gate, y, std::min(longest, L), front_block, /*update_first=*/false);
+    // Chunks [s, s + C) for s = L, L + C, ...: attend to [state ; window], then fold the block that is due.
+    for (long s = L; s < longest; s += C) {
+      plan_.clear();
+      long block = 0;
+      for (long b = 0; b < batch(); ++b) {
+        if (s >= len[b]) continue;
+        auto& cur = cursors_.host(b);
+        const long e = std::min(len[b], s + C);
+        set_io(b, 0, s, e, state::window_begin(e, C, L), cur.rows);
+        cur.tokens = e;
+        if (fold_due(cur, len[b], e)) {
+          plan_block(b, cur);
+          block = C;
+        }
+      }
+      run_step(q, k, v, gate, y, C, block, /*update_first=*/false);
+    }
+    cursors_.mark_changed();
+    cursors_.upload(exec_);  // the device plans decode steps from these
+    fence_step();
+  }
+
+  /// Continues each sequence b by len[b] tokens (0: not at all), one decode step per position t of the views
+  /// (spec KVM.md §6; a decode step gives a prefill's bits), the other sequences inactive; y[b, :, t] is
+  /// written where sequence b takes token t. The active set of set_active() is restored after.
+  void prefill_continued(const tokens_in& q, const tokens_in& k, const tokens_in& v, const gates_in& gate,
+                         const tokens_out& y, const std::vector<long>& len) {
+    const long longest = *std::max_element(len.begin(), len.end());
+    if (longest == 0) return;
+    std::vector<unsigned char> saved(batch()), step(batch());
+    for (long b = 0; b < batch(); ++b) saved[b] = active_.host(b) != 0;
+    for (long t = 0; t < longest; ++t) {
+      for (long b = 0; b < batch(); ++b) step[b] = t < len[b];
+      decode(detail::token_slice(q, t), detail::token_slice(k, t), detail::token_slice(v, t),
+             detail::token_slice(gate, t), detail::token_slice(y, t), step);
+    }
+    set_active(saved);
+  }
   void set_io(long b, long offset, long first, long last, long window_first, long read_rows) {
     auto& h = plan_.host;
     h(b, kernels::input_offset) = offset;

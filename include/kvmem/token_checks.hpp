@@ -4,8 +4,10 @@
 /// gates) are [B, heads, T] or [B, heads, T, channels] with a contiguous channel axis. Shared by Memory,
 /// EvictionMemory and TrellisMemory so that their messages read the same.
 
+#include <Kokkos_Core.hpp>
 #include <string>
 #include <type_traits>
+#include <utility>
 
 #include "errors.hpp"
 
@@ -49,6 +51,19 @@ void check_attention_views(const Q& q, const K& k, const V& v, const Y& y, const
   check_token_view(k, "k", where, batch, hkv, tokens, d);
   check_token_view(v, "v", where, batch, hkv, tokens, dv);
   check_token_view(y, "y", where, batch, hq, tokens, dv);
+}
+
+/// Token t of a token view x, [B, heads, T] or [B, heads, T, channels], as a view of one token ([B, heads,
+/// 1] or [B, heads, 1, channels], the same strides, no copy): a prefill that continues a sequence hands its
+/// tokens one by one to the decode step. An unallocated view (an absent gate) stays unallocated.
+template <class View>
+[[nodiscard]] View token_slice(const View& x, long t) {
+  if (x.data() == nullptr) return View{};
+  const auto one = std::make_pair(t, t + 1);
+  if constexpr (View::rank() == 3)
+    return Kokkos::subview(x, Kokkos::ALL, Kokkos::ALL, one);
+  else
+    return Kokkos::subview(x, Kokkos::ALL, Kokkos::ALL, one, Kokkos::ALL);
 }
 
 }  // namespace kvmem::detail

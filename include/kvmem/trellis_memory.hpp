@@ -17,6 +17,7 @@
 #include "kernels/trellis.hpp"
 #include "policy/merge/gradient_descent.hpp"
 #include "state/sequence_counts.hpp"
+#include "state/sequence_reset.hpp"
 #include "token_checks.hpp"
 #include "trellis_config.hpp"
 
@@ -217,6 +218,22 @@ class TrellisMemory {
     tokens_.forget_replays();
     for (long b = 0; b < batch(); ++b) tokens_.host(b) = 0;
     tokens_.mark_changed();  // the device's counts may have moved without the host
+    tokens_.upload(exec_);
+  }
+
+  /// Sets both memories of sequence b to zero and its token count to 0 (a finished request frees its
+  /// slot), so that its next tokens run as in a new memory, bit for bit; every other sequence keeps its
+  /// state bit for bit. The active set stays. Throws kvmem::invalid_argument, before anything changes, for
+  /// b outside [0, B), or for a sequence in decode_async's active set once the device counts steps on its
+  /// own (a GPU after decode_async, or plan_on_device()): a captured graph would go on advancing it.
+  void reset_sequence(long b) {
+    state::check_reset_sequence(b, tokens_, active_);
+    sync();
+    state::fill_sequence(exec_, state_.m1, b, 0.0f);
+    state::fill_sequence(exec_, state_.m2, b, 0.0f);
+    exec_.fence();
+    tokens_.host(b) = 0;
+    tokens_.mark_changed();
     tokens_.upload(exec_);
   }
 

@@ -156,9 +156,11 @@ class Memory:
     def prefill(self, q, k, v, *extras, y: torch.Tensor | None = None, lengths: Sequence[int] | None = None) -> torch.Tensor:
         """Runs a prompt: q [B, Hq, T, D], k [B, Hkv, T, D], v [B, Hkv, T, Dv] (or [T, H, C] for B = 1), the
         family's extras, and writes y [B, Hq, T, Dv] (returned; allocated in q's layout when not given).
-        Sequence b uses its first lengths[b] tokens (ragged batch; all T when None); y rows past a length are
-        zeros. Raises ValueError for a length outside [0, T] or, for KVM/OVQ, a memory that already holds
-        tokens (call reset())."""
+        Sequence b takes its first lengths[b] tokens (ragged batch; all T when None) after those it holds; y
+        rows past a length are zeros. A sequence with lengths[b] = 0 keeps its state (another request's slot),
+        and a sequence that holds tokens continues its prompt (chunked prefill, with the bits of one prefill;
+        for Trellis when every piece but the last is a multiple of its chunk). Raises ValueError for a length
+        outside [0, T]."""
         lengths = [] if lengths is None else [int(n) for n in lengths]
         if lengths and len(lengths) != self.batch:
             raise ValueError(f"len(lengths) = {len(lengths)}: must equal the batch size {self.batch}")
@@ -176,6 +178,14 @@ class Memory:
     def reset(self) -> None:
         """Forgets every sequence; keeps the allocations."""
         _kvmem.reset(self._handle)
+
+    def reset_sequence(self, sequence: int) -> None:
+        """Forgets sequence ``sequence`` alone (a finished request frees its slot): its next tokens run as in
+        a new memory, and every other sequence keeps its state bit for bit. Raises ValueError for a sequence
+        outside [0, batch)."""
+        if not 0 <= sequence < self.batch:
+            raise ValueError(f"sequence = {sequence}: must be in [0, {self.batch})")
+        _kvmem.reset_sequence(self._handle, int(sequence))
 
     def allocated_bytes(self) -> int:
         """Bytes this memory has allocated on its device (state, caches, scratch)."""

@@ -34,6 +34,7 @@ class Eviction final : public TypedMemory<S> {
     mem_.decode(t.q, t.k, t.v, t.y, active);
   }
   void reset() override { mem_.reset(); }
+  void reset_sequence(long b) override { mem_.reset_sequence(b); }
   [[nodiscard]] long allocated_bytes() const override { return mem_.allocated_bytes(); }
   [[nodiscard]] long held_bytes() const override { return mem_.held_bytes(); }
   [[nodiscard]] long tokens(long b) const override { return mem_.tokens(b); }

@@ -57,7 +57,10 @@ class AnyMemory {
   virtual void prefill(const Call& call, std::span<const long> lengths) = 0;
   /// Runs one token per active sequence; active [B] (0/1) or empty for all.
   virtual void decode(const Call& call, std::span<const unsigned char> active) = 0;
+  /// Forgets every sequence (the facade's reset()).
   virtual void reset() = 0;
+  /// Forgets sequence b alone (the facade's reset_sequence(b)); throws kvmem::invalid_argument as it does.
+  virtual void reset_sequence(long b) = 0;
   /// Bytes allocated on the device (the facade's allocated_bytes()).
   [[nodiscard]] virtual long allocated_bytes() const = 0;
   /// Bytes of keys/values/state held for the tokens seen (the facade's held_bytes()).

@@ -195,6 +195,8 @@ NB_MODULE(_kvmem, m) {
   m.def("prefill", &py::prefill, nb::arg("handle"), nb::arg("tensors"), nb::arg("extras"), nb::arg("lengths"));
   m.def("decode", &py::decode, nb::arg("handle"), nb::arg("tensors"), nb::arg("extras"), nb::arg("active"));
   m.def("reset", [](long h) { py::handles().at(h).reset(); }, nb::arg("handle"));
+  m.def("reset_sequence", [](long h, long b) { py::handles().at(h).reset_sequence(b); }, nb::arg("handle"),
+        nb::arg("sequence"));
   m.def("release", [](long h) { py::handles().release(h); }, nb::arg("handle"));
   m.def("live_memories", [] { return py::handles().live(); });
   m.def("allocated_bytes", [](long h) { return py::handles().at(h).allocated_bytes(); }, nb::arg("handle"));

@@ -34,7 +34,7 @@ namespace kvmem::score {
 /// as templates and reads them through kvmem::to_float, as the scorers here do.
 /// Higher is better. `bind` (host) is called once by the memory with its batch size and config, and may
 /// allocate state or throw kvmem::invalid_argument; `reset` (host) returns the state to that of an empty
-/// cache.
+/// cache, `reset_sequence(b)` (host) that of sequence b alone.
 struct EvictionDefaults {
   /// The scorer reads attention probabilities: the memory computes them (and pays for them) only then.
   static constexpr bool needs_probabilities = false;
@@ -46,6 +46,9 @@ struct EvictionDefaults {
 
   void bind(long /*batch*/, const EvictionConfig& /*cfg*/) {}
   void reset() const {}
+  /// Returns the state of sequence b alone to that of an empty cache (the memory's reset_sequence(b)); the
+  /// other sequences' state stays bit for bit.
+  void reset_sequence(long /*b*/) const {}
   template <class K, class V>
   KOKKOS_INLINE_FUNCTION double absorb(long, int, long, const K*, const V*) const {
     return 0.0;
@@ -73,6 +76,7 @@ concept EvictionScorer =
       { S::delayed } -> std::convertible_to<bool>;
       s.bind(b, cfg);
       cs.reset();
+      cs.reset_sequence(b);
       { cs.absorb(b, h, t, x, x) } -> std::same_as<double>;
       { cs.delayed_score(b, h, t, x, x) } -> std::same_as<double>;
       { cs.attended(stat, stat, g) } -> std::same_as<double>;

@@ -115,6 +115,15 @@ struct MLstm : EvictionDefaults {
     Kokkos::deep_copy(n, Real(0));
     Kokkos::deep_copy(m, Real(0));
   }
+  /// reset() for sequence b alone (its C, n and m; the other sequences' stay).
+  void reset_sequence(long b) const {
+    const typename MemorySpace::execution_space exec;
+    const auto all = Kokkos::ALL;
+    Kokkos::deep_copy(exec, Kokkos::subview(C, b, all, all, all), Real(0));
+    Kokkos::deep_copy(exec, Kokkos::subview(n, b, all, all), Real(0));
+    Kokkos::deep_copy(exec, Kokkos::subview(m, b, all), Real(0));
+    exec.fence();
+  }
 
   /// Absorbs token t into the state of (b, h); returns 0 (the score comes later, delayed_score). One thread.
   template <class K, class V>
