@@ -8,9 +8,9 @@ Two lines of user code run ``generate`` with a kvmem memory in every attention l
 ``KvmemCache(model, factory)`` registers the attention function "kvmem" with transformers'
 ``AttentionInterface`` and switches ``model`` to it (``model.set_attn_implementation("kvmem")``). Each
 layer's ``update`` hands the step's new keys and values (after RoPE) straight to the attention function,
-which runs them through that layer's memory: the first call of a layer is a prefill, later calls decode
-one token at a time (a multi-token call on a non-empty memory is decoded token by token, which kvmem
-defines to mean the same as a prefill). Memories are built at the first call of each layer, when the
+which runs them through that layer's memory: a call of several tokens is a prefill (the first, or a chunk
+that continues what the memory holds, with the meaning of one prefill), a call of one token after that a
+decode step. Memories are built at the first call of each layer, when the
 batch size, heads, head_dim and dtype are known, by ``factory(layer_idx, head_dim=, query_heads=,
 kv_heads=, value_dim=, batch=, dtype=)``. Nothing keeps the full keys and values:
 ``cache.allocated_bytes()`` is what the memories hold.
@@ -128,12 +128,10 @@ class KvmemLayer(CacheLayerMixin):
             query = query * (scaling * math.sqrt(D))
         out = torch.empty(B, T, Hq, Dv, dtype=query.dtype, device=query.device)
         y = out.transpose(1, 2)  # [B, Hq, T, Dv] view: the memory writes the output in transformers' layout
-        if self.memory.tokens(0) == 0:
+        if T == 1 and self.memory.tokens(0) > 0:
+            self.memory.decode(query, key, value, y=y)
+        else:  # a prompt, or a chunk of one (a prefill continues what the memory holds)
             self.memory.prefill(query, key, value, y=y)
-        else:
-            for t in range(T):
-                s = slice(t, t + 1)
-                self.memory.decode(query[:, :, s], key[:, :, s], value[:, :, s], y=y[:, :, s])
         return out
 
 

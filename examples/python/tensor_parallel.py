@@ -1,0 +1,120 @@
+"""kvmem under a real tensor-parallel runtime: SmolLM2-135M-Instruct with transformers' tensor parallelism
+(tp_plan="auto"), launched by torchrun, each rank holding the kvmem memories of its own kv-heads through
+KvmemCache; greedy generation must give the one-process run's tokens, and the logits must agree within
+--tolerance (docs/tensor-parallel.md).
+
+    python examples/python/tensor_parallel.py --json one.json                       # one process
+    torchrun --nproc-per-node 3 examples/python/tensor_parallel.py --json tp.json   # 3 ranks (gloo on CPU)
+    python examples/python/tensor_parallel.py --compare one.json tp.json            # same tokens, close logits
+
+SmolLM2 has 9 query heads and 3 kv-heads, so 3 ranks each get 3 query heads and 1 kv-head (and a third of
+every MLP); transformers shards the projections (colwise q/k/v, rowwise o) and all-reduces after o_proj and
+the MLP's down_proj. kvmem sees a layer whose kv_heads is 1 on each rank: a memory needs nothing else,
+since heads are independent. On CPU the ranks talk over gloo; on GPUs torchrun with NCCL (one GPU per
+rank) is the same command. The memory: H2O eviction (4 sinks, a window of 32, --top-k retained) unless
+--memory says kvm, proportional or streaming; prompts of about 300 tokens so that it evicts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+
+import kvmem
+import kvmem.transformers as kt
+
+here = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(here, "..", "..", "tools", "capture"))
+sys.path.insert(0, here)
+import smollm2  # noqa: E402
+from generate import CONTEXT, QUESTION  # noqa: E402
+
+PROMPTS = [CONTEXT[:1400] + "\n\n" + QUESTION,
+           CONTEXT[600:] + "\n\nIn the text above, how often do trains reach Velmora, and at what times?"]
+
+
+def factory(name: str, top_k: int):
+    if name == "h2o":
+        return kt.eviction("h2o", sinks=4, window=32, top_k=top_k)
+    if name == "streaming":
+        return kt.eviction("streaming", sinks=4, window=32, top_k=top_k)
+    if name == "kvm":
+        return kt.kvm(chunk=16, window_chunks=2, sinks=1, max_rows=top_k, budget=kvmem.budget.Fixed(top_k))
+    if name == "proportional":
+        return kt.proportional(chunk=16, window_chunks=2, sinks=1, max_rows=top_k, budget=kvmem.budget.Fixed(top_k))
+    raise ValueError(f"--memory = {name}: expected h2o, streaming, kvm or proportional")
+
+
+def run(args):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
+    cache_dir = os.environ.get("KVMEM_MODEL_CACHE", "/var/cache/kvmem/models/smollm2-135m-f32")
+    if not os.path.exists(os.path.join(cache_dir, "config.json")):
+        smollm2.load(cache_dir)  # converts the GGUF once (one process)
+    kwargs = {"tp_plan": "auto"} if distributed else {}
+    model = AutoModelForCausalLM.from_pretrained(cache_dir, dtype=torch.float32, **kwargs).eval()
+    tok = AutoTokenizer.from_pretrained(cache_dir)
+    rank = int(os.environ.get("RANK", "0"))
+    results = []
+    for prompt in PROMPTS:
+        enc = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                      return_tensors="pt", return_dict=True)
+        cache = kt.KvmemCache(model, factory(args.memory, args.top_k))
+        with torch.no_grad():
+            out = model.generate(enc["input_ids"], attention_mask=enc["attention_mask"], past_key_values=cache,
+                                 max_new_tokens=args.new_tokens, do_sample=False, output_logits=True,
+                                 return_dict_in_generate=True)
+        kv_heads = {layer.memory.kv_heads for layer in cache.layers if layer.memory is not None}
+        results.append({"prompt_tokens": enc["input_ids"].shape[1],
+                        "tokens": out.sequences[0, enc["input_ids"].shape[1]:].tolist(),
+                        "logits": torch.stack(out.logits)[:, 0].tolist(), "kv_heads_per_rank": sorted(kv_heads),
+                        "text": tok.decode(out.sequences[0, enc["input_ids"].shape[1]:], skip_special_tokens=True)})
+    if rank == 0:
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        with open(args.json, "w") as f:
+            json.dump({"world_size": world, "memory": args.memory, "top_k": args.top_k, "results": results}, f)
+        for r in results:
+            print(f"ranks {world}, kv-heads per rank {r['kv_heads_per_rank']}, prompt {r['prompt_tokens']} tokens: "
+                  f"{r['text']!r}")
+    if distributed:
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
+
+
+def compare(one_path, tp_path, tolerance):
+    one, tp = (json.load(open(p)) for p in (one_path, tp_path))
+    worst, same = 0.0, True
+    for a, b in zip(one["results"], tp["results"]):
+        same = same and a["tokens"] == b["tokens"]
+        la, lb = torch.tensor(a["logits"]), torch.tensor(b["logits"])
+        n = min(la.shape[0], lb.shape[0])
+        worst = max(worst, float((la[:n] - lb[:n]).abs().max()))
+    print(f"{tp['world_size']} ranks against one process ({one['memory']}): tokens "
+          f"{'equal' if same else 'DIFFER'}, largest logit difference {worst:.2e} (tolerance {tolerance:g})")
+    if not same or worst > tolerance:
+        sys.exit(1)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--memory", default="h2o")
+    ap.add_argument("--top-k", type=int, default=96, help="retained rows (eviction) or state rows (merges)")
+    ap.add_argument("--new-tokens", type=int, default=24)
+    ap.add_argument("--json", default="tensor-parallel.json")
+    ap.add_argument("--compare", nargs=2, metavar=("ONE", "TP"), help="compare two runs' JSON and exit")
+    ap.add_argument("--tolerance", type=float, default=1e-3,
+                    help="largest absolute logit difference allowed (default 1e-3; the all-reduces sum in another order)")
+    args = ap.parse_args()
+    if args.compare:
+        compare(*args.compare, args.tolerance)
+    else:
+        run(args)
+
+
+if __name__ == "__main__":
+    main()
