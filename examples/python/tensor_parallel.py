@@ -5,7 +5,13 @@ KvmemCache; greedy generation must give the one-process run's tokens, and the lo
 
     python examples/python/tensor_parallel.py --json one.json                       # one process
     torchrun --nproc-per-node 3 examples/python/tensor_parallel.py --json tp.json   # 3 ranks (gloo on CPU)
+    python examples/python/tensor_parallel.py --nproc 3 --json tp.json              # the same, without torchrun
     python examples/python/tensor_parallel.py --compare one.json tp.json            # same tokens, close logits
+
+--nproc N starts the N ranks with torch.multiprocessing.spawn and the environment torchrun gives them
+(RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT): torchrun's rendezvous store needs a PyTorch built
+with libuv, which Debian's is not ("use_libuv was requested but PyTorch was built without libuv support"),
+while the process group's own env:// rendezvous takes USE_LIBUV=0.
 
 SmolLM2 has 9 query heads and 3 kv-heads, so 3 ranks each get 3 query heads and 1 kv-head (and a third of
 every MLP); transformers shards the projections (colwise q/k/v, rowwise o) and all-reduces after o_proj and
@@ -86,6 +92,14 @@ def run(args):
         torch.distributed.destroy_process_group()
 
 
+def spawned(local_rank, nproc, port, args):
+    """A rank started by --nproc: torchrun's environment, then the run."""
+    os.environ.update(RANK=str(local_rank), LOCAL_RANK=str(local_rank), WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), USE_LIBUV="0", OMP_NUM_THREADS="1")
+    torch.set_num_threads(1)
+    run(args)
+
+
 def compare(one_path, tp_path, tolerance):
     one, tp = (json.load(open(p)) for p in (one_path, tp_path))
     worst, same = 0.0, True
@@ -106,12 +120,20 @@ def main():
     ap.add_argument("--top-k", type=int, default=96, help="retained rows (eviction) or state rows (merges)")
     ap.add_argument("--new-tokens", type=int, default=24)
     ap.add_argument("--json", default="tensor-parallel.json")
+    ap.add_argument("--nproc", type=int, default=1, help="start this many ranks without torchrun (see above)")
     ap.add_argument("--compare", nargs=2, metavar=("ONE", "TP"), help="compare two runs' JSON and exit")
     ap.add_argument("--tolerance", type=float, default=1e-3,
                     help="largest absolute logit difference allowed (default 1e-3; the all-reduces sum in another order)")
     args = ap.parse_args()
     if args.compare:
         compare(*args.compare, args.tolerance)
+    elif args.nproc > 1:
+        import socket
+
+        with socket.socket() as sock:  # a free port for the process group's store
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        torch.multiprocessing.spawn(spawned, args=(args.nproc, port, args), nprocs=args.nproc)
     else:
         run(args)
 
