@@ -2,7 +2,8 @@
 /// Continuous batching in C++: requests of random prompt and output lengths arrive (Poisson) and leave, up
 /// to --slots at a time, each layer served by one kvmem memory whose batch is the slots, against a full KV
 /// cache in the same process. Prints throughput, memory held and latency percentiles with a progress bar,
-/// and writes the runs as JSON that examples/python/serving.py plots (--replot).
+/// and writes the runs as JSON that examples/python/serving.py plots (--replot). Every layer is driven
+/// through the one memory contract (kvmem::AttentionMemory), whatever its family.
 ///
 ///   kvmem_example_serving [--memory h2o|kvm] [--budget 128] [--requests 64] [--slots 32] [--rate 50]
 ///                         [--layers 8] [--prefill-chunk 0] [--json serving-cpp.json]
@@ -68,7 +69,7 @@ void fill(const view4& x, long slot, long t0, long n, const Request& r, long l, 
   }
 }
 
-/// One layer's memory behind the calls the loop makes (the families' facades differ in their inputs).
+/// One layer's memory behind the calls the loop makes.
 struct Layer {
   std::function<void(const view4&, const view4&, const view4&, const view4&, std::span<const long>)> prefill;
   std::function<void(const view4&, const view4&, const view4&, const view4&, std::span<const unsigned char>)> decode;
@@ -76,12 +77,23 @@ struct Layer {
   std::function<long()> held_bytes;
 };
 
+/// Any memory through the one contract (kvmem::AttentionMemory); `inputs`(q, k, v) makes its M::inputs.
+template <kvmem::AttentionMemory M, class Inputs>
+Layer layer_of(std::shared_ptr<M> m, Inputs inputs) {
+  return {[m, inputs](const view4& q, const view4& k, const view4& v, const view4& y, std::span<const long> len) {
+            m->prefill(inputs(q, k, v), y, len);
+          },
+          [m, inputs](const view4& q, const view4& k, const view4& v, const view4& y, std::span<const unsigned char> on) {
+            m->decode(inputs(q, k, v), y, on);
+          },
+          [m](long b) { m->reset_sequence(b); }, [m] { return m->held_bytes(); }};
+}
+
 template <class Scorer>
 Layer eviction_layer(const kvmem::EvictionConfig& cfg, long slots) {
-  auto m = std::make_shared<kvmem::EvictionMemory<exec, Scorer>>(cfg, static_cast<int>(slots));
-  return {[m](auto q, auto k, auto v, auto y, auto len) { m->prefill(q, k, v, y, len); },
-          [m](auto q, auto k, auto v, auto y, auto on) { m->decode(q, k, v, y, on); },
-          [m](long b) { m->reset_sequence(b); }, [m] { return m->held_bytes(); }};
+  using M = kvmem::EvictionMemory<exec, Scorer>;
+  return layer_of(std::make_shared<M>(cfg, static_cast<int>(slots)),
+                  [](const view4& q, const view4& k, const view4& v) { return typename M::inputs{q, k, v}; });
 }
 
 Layer kvm_layer(long budget, long slots) {
@@ -100,9 +112,8 @@ Layer kvm_layer(long budget, long slots) {
   using M = kvmem::KvmMemory<exec, kvmem::budget::Fixed>;
   auto m = std::make_shared<M>(cfg, kvmem::budget::Fixed{budget}, kvmem::LayerWeights<space>{ones, zeros, taus, taus},
                                static_cast<int>(slots));
-  return {[m](auto q, auto k, auto v, auto y, auto len) { m->prefill(q, k, v, {}, y, len); },
-          [m](auto q, auto k, auto v, auto y, auto on) { m->decode(q, k, v, {}, y, on); },
-          [m](long b) { m->reset_sequence(b); }, [m] { return m->held_bytes(); }};
+  // Merge gate z = 0: an empty gate view.
+  return layer_of(m, [](const view4& q, const view4& k, const view4& v) { return typename M::inputs{q, k, v, {}}; });
 }
 
 struct Done {

@@ -67,7 +67,7 @@ def run(args):
     tok = AutoTokenizer.from_pretrained(cache_dir)
     rank = int(os.environ.get("RANK", "0"))
     results = []
-    for prompt in PROMPTS:
+    for prompt in PROMPTS[:args.prompts]:
         enc = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
                                       return_tensors="pt", return_dict=True)
         cache = kt.KvmemCache(model, factory(args.memory, args.top_k))
@@ -119,6 +119,8 @@ def main():
     ap.add_argument("--memory", default="h2o")
     ap.add_argument("--top-k", type=int, default=96, help="retained rows (eviction) or state rows (merges)")
     ap.add_argument("--new-tokens", type=int, default=24)
+    ap.add_argument("--prompts", type=int, default=len(PROMPTS), choices=range(1, len(PROMPTS) + 1),
+                    help=f"how many of the {len(PROMPTS)} test prompts to run (default all)")
     ap.add_argument("--json", default="tensor-parallel.json")
     ap.add_argument("--nproc", type=int, default=1, help="start this many ranks without torchrun (see above)")
     ap.add_argument("--compare", nargs=2, metavar=("ONE", "TP"), help="compare two runs' JSON and exit")

@@ -67,6 +67,11 @@ class EvictionMemory {
   using tokens_in = Kokkos::View<const Storage****, Kokkos::LayoutStride, memory_space>;
   /// y: [B, Hq, T, Dv], unit channel stride.
   using tokens_out = Kokkos::View<Storage****, Kokkos::LayoutStride, memory_space>;
+  /// The views one call reads, bundled (kvmem::AttentionMemory): q [B, Hq, T, D], k [B, Hkv, T, D], v [B,
+  /// Hkv, T, Dv].
+  struct inputs {
+    tokens_in q, k, v;
+  };
 
   /// An empty memory for `batch` sequences with the scorer `scorer` (its parameters and weights). Throws
   /// kvmem::invalid_argument for a bad config field (EvictionConfig::validate), `batch` < 1, or what the
@@ -110,6 +115,17 @@ class EvictionMemory {
     if (ragged) kernels::zero_tail(exec_, y, lengths_.device());
     run(q, k, v, y, lengths_, /*wait=*/true);
   }
+
+  /// prefill() above with the inputs bundled (the AttentionMemory contract).
+  void prefill(const inputs& in, const tokens_out& y, std::span<const long> lengths = {}) {
+    prefill(in.q, in.k, in.v, y, lengths);
+  }
+  /// decode() below with the inputs bundled (the AttentionMemory contract).
+  void decode(const inputs& in, const tokens_out& y, std::span<const unsigned char> active = {}) {
+    decode(in.q, in.k, in.v, y, active);
+  }
+  /// decode_async() below with the inputs bundled (the AttentionMemory contract).
+  void decode_async(const inputs& in, const tokens_out& y) { decode_async(in.q, in.k, in.v, y); }
 
   /// Runs one token of every sequence b with active[b] != 0 (all when `active` is empty): q [B, Hq, 1, D],
   /// k [B, Hkv, 1, D], v [B, Hkv, 1, Dv], y [B, Hq, 1, Dv]. Inactive sequences keep their cache and their

@@ -8,6 +8,7 @@
 #include "eviction.hpp"
 #include "kernels/exact_attention.hpp"
 #include "memory.hpp"
+#include "memory_concept.hpp"
 #include "policy/budget/fixed.hpp"
 #include "policy/budget/linear.hpp"
 #include "policy/budget/plateau.hpp"

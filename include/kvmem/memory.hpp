@@ -75,6 +75,12 @@ class Memory {
   using tokens_in = Kokkos::View<const Storage****, Kokkos::LayoutStride, memory_space>;
   using gates_in = Kokkos::View<const Storage***, Kokkos::LayoutStride, memory_space>;
   using tokens_out = Kokkos::View<Storage****, Kokkos::LayoutStride, memory_space>;
+  /// The views one call reads, bundled (kvmem::AttentionMemory): q [B, Hq, T, D], k [B, Hkv, T, D], v [B,
+  /// Hkv, T, Dv] and gate [B, Hkv, T] (merge-gate pre-activations; an empty view means z = 0).
+  struct inputs {
+    tokens_in q, k, v;
+    gates_in gate;
+  };
 
   /// A memory for `batch` sequences. `weights.tau_state`/`tau_window` [Hq] are the per-head factors of
   /// Merge::logit_scale (KVM temperatures, OVQ beta); `ln_weight`/`ln_bias` [D] are needed when
@@ -148,6 +154,17 @@ class Memory {
     prefill_fresh(q, k, v, gate, y, fresh);
     prefill_continued(q, k, v, gate, y, continued);
   }
+
+  /// prefill() above with the inputs bundled (the AttentionMemory contract).
+  void prefill(const inputs& in, const tokens_out& y, std::span<const long> lengths = {}) {
+    prefill(in.q, in.k, in.v, in.gate, y, lengths);
+  }
+  /// decode() below with the inputs bundled (the AttentionMemory contract).
+  void decode(const inputs& in, const tokens_out& y, std::span<const unsigned char> active = {}) {
+    decode(in.q, in.k, in.v, in.gate, y, active);
+  }
+  /// decode_async() below with the inputs bundled (the AttentionMemory contract).
+  void decode_async(const inputs& in, const tokens_out& y) { decode_async(in.q, in.k, in.v, in.gate, y); }
 
   /// Appends one token to every sequence b with active[b] != 0 (all when `active` is empty) and writes
   /// its attention output (spec KVM.md §6: push, direct append, at most one update, drop, readout).
@@ -325,6 +342,8 @@ class Memory {
     require(!cursors_.ahead(), "cursor(b)", b, "the device is ahead after decode_async: call sync() first");
     return cursors_.host(b);
   }
+  /// Tokens sequence b has seen (cursor(b).tokens). Throws as cursor(b).
+  [[nodiscard]] long tokens(long b) const { return cursor(b).tokens; }
   /// The fold table of decode steps (rows granted and appended per block), for inspection.
   [[nodiscard]] const kernels::FoldTable<memory_space>& fold_table() const { return folds_; }
   /// State rows [B, Hkv, capacity, ...]; rows [0, cursor(b).rows) of sequence b are live.

@@ -70,6 +70,9 @@ class TrellisMemory {
   using gates_in = Kokkos::View<const Storage***, Kokkos::LayoutStride, memory_space>;
   /// y: [B, H, T, Dv], unit channel stride.
   using tokens_out = Kokkos::View<Storage****, Kokkos::LayoutStride, memory_space>;
+  /// The views one call reads, bundled (kvmem::AttentionMemory): q, k [B, H, T, D], v [B, H, T, Dv], alpha
+  /// [B, H, T, m] and the gates beta1, gamma1, beta2, gamma2 [B, H, T].
+  using inputs = kernels::TrellisInputs<tokens_in, gates_in>;
   /// M1 [B, H, m, D] and M2 [B, H, m, Dv], slot-major, float32 whatever the storage type: the slots are
   /// trained by gradient steps, each smaller than a 16-bit type resolves (docs/numerics.md).
   using state_view = Kokkos::View<float****, Kokkos::LayoutRight, memory_space>;
@@ -138,6 +141,19 @@ class TrellisMemory {
                             longest);
     advance(lengths_);
     fence_step();
+  }
+
+  /// prefill() above with the inputs bundled (the AttentionMemory contract).
+  void prefill(const inputs& in, const tokens_out& y, std::span<const long> lengths = {}) {
+    prefill(in.q, in.k, in.v, in.alpha, in.beta1, in.gamma1, in.beta2, in.gamma2, y, lengths);
+  }
+  /// decode() below with the inputs bundled (the AttentionMemory contract).
+  void decode(const inputs& in, const tokens_out& y, std::span<const unsigned char> active = {}) {
+    decode(in.q, in.k, in.v, in.alpha, in.beta1, in.gamma1, in.beta2, in.gamma2, y, active);
+  }
+  /// decode_async() below with the inputs bundled (the AttentionMemory contract).
+  void decode_async(const inputs& in, const tokens_out& y) {
+    decode_async(in.q, in.k, in.v, in.alpha, in.beta1, in.gamma1, in.beta2, in.gamma2, y);
   }
 
   /// Runs one token of every sequence b with active[b] != 0 (all when `active` is empty) through the exact
@@ -279,7 +295,7 @@ class TrellisMemory {
   }
 
  private:
-  using inputs_t = kernels::TrellisInputs<tokens_in, gates_in>;
+  using inputs_t = inputs;
 
   /// Channels of the float32 readout scratch: Dv for a 16-bit storage type, none for float.
   [[nodiscard]] long output_scratch() const { return std::is_same_v<Storage, float> ? 0 : cfg_.value_dim; }

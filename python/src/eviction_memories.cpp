@@ -21,23 +21,12 @@ namespace {
 
 /// EvictionMemory<exec, Scorer, S> behind the AnyMemory interface.
 template <class Scorer, StorageType S>
-class Eviction final : public TypedMemory<S> {
+class Eviction final : public ContractMemory<EvictionMemory<exec, Scorer, S>> {
+  using Mem = EvictionMemory<exec, Scorer, S>;
+
  public:
   Eviction(const EvictionConfig& cfg, int batch, const Scorer& scorer) : mem_(cfg, batch, scorer) {}
 
-  void prefill(const Call& c, std::span<const long> lengths) override {
-    const auto t = c.views<S>();
-    mem_.prefill(t.q, t.k, t.v, t.y, lengths);
-  }
-  void decode(const Call& c, std::span<const unsigned char> active) override {
-    const auto t = c.views<S>();
-    mem_.decode(t.q, t.k, t.v, t.y, active);
-  }
-  void reset() override { mem_.reset(); }
-  void reset_sequence(long b) override { mem_.reset_sequence(b); }
-  [[nodiscard]] long allocated_bytes() const override { return mem_.allocated_bytes(); }
-  [[nodiscard]] long held_bytes() const override { return mem_.held_bytes(); }
-  [[nodiscard]] long tokens(long b) const override { return mem_.tokens(b); }
   [[nodiscard]] nb::dict state() const override {
     const auto& cache = mem_.cache();
     const long B = mem_.batch(), H = mem_.config().kv_heads, K = static_cast<long>(cache.positions.extent(2));
@@ -55,7 +44,13 @@ class Eviction final : public TypedMemory<S> {
   }
 
  private:
-  EvictionMemory<exec, Scorer, S> mem_;
+  Mem& memory() override { return mem_; }
+  const Mem& memory() const override { return mem_; }
+  typename Mem::inputs inputs(const Call& c) const override {
+    const auto t = c.views<S>();
+    return {t.q, t.k, t.v};
+  }
+  Mem mem_;
 };
 
 /// An EvictionMemory with `scorer`, of the storage type `dtype` names; returns its handle.

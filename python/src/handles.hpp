@@ -14,6 +14,8 @@
 #include <type_traits>
 #include <vector>
 
+#include <kvmem/memory_concept.hpp>
+
 #include "tensors.hpp"
 
 namespace kvmem::python {
@@ -129,6 +131,34 @@ template <StorageType S>
 class TypedMemory : public AnyMemory {
  public:
   [[nodiscard]] Dtype dtype() const final { return dtype_of<S>; }
+};
+
+/// A facade M (kvmem::AttentionMemory) behind AnyMemory: prefill, decode, reset, reset_sequence, the sizes
+/// and the token counts go through the one contract, the same for every family. A family's class gives the
+/// memory (memory()), how a call's tensors become M::inputs (inputs(), its extras included) and state().
+template <AttentionMemory M>
+class ContractMemory : public TypedMemory<typename M::storage_type> {
+  using S = typename M::storage_type;
+
+ public:
+  void prefill(const Call& c, std::span<const long> lengths) final {
+    memory().prefill(inputs(c), c.views<S>().y, lengths);
+  }
+  void decode(const Call& c, std::span<const unsigned char> active) final {
+    memory().decode(inputs(c), c.views<S>().y, active);
+  }
+  void reset() final { memory().reset(); }
+  void reset_sequence(long b) final { memory().reset_sequence(b); }
+  [[nodiscard]] long allocated_bytes() const final { return memory().allocated_bytes(); }
+  [[nodiscard]] long held_bytes() const final { return memory().held_bytes(); }
+  [[nodiscard]] long tokens(long b) const final { return memory().tokens(b); }
+
+ protected:
+  [[nodiscard]] virtual M& memory() = 0;
+  [[nodiscard]] virtual const M& memory() const = 0;
+  /// The call's q, k, v and the family's extras as the memory's inputs; throws kvmem::invalid_argument for
+  /// missing or misshapen extras.
+  [[nodiscard]] virtual typename M::inputs inputs(const Call& c) const = 0;
 };
 
 }  // namespace kvmem::python

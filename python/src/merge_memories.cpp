@@ -19,7 +19,7 @@ namespace {
 /// The compiled memory `Mem` behind the AnyMemory interface. The learned weights are device copies that
 /// live as long as the memory.
 template <class Mem>
-class MergeMemory final : public TypedMemory<typename Mem::storage_type> {
+class MergeMemory final : public ContractMemory<Mem> {
   using S = typename Mem::storage_type;
 
  public:
@@ -28,19 +28,6 @@ class MergeMemory final : public TypedMemory<typename Mem::storage_type> {
               int batch, bool counts, const RowPolicy&... row_policy)
       : weights_(weights), mem_(cfg, budget, weights_, batch, row_policy...), counts_(counts) {}
 
-  void prefill(const Call& c, std::span<const long> lengths) override {
-    const auto t = c.views<S>();
-    mem_.prefill(t.q, t.k, t.v, gate(c), t.y, lengths);
-  }
-  void decode(const Call& c, std::span<const unsigned char> active) override {
-    const auto t = c.views<S>();
-    mem_.decode(t.q, t.k, t.v, gate(c), t.y, active);
-  }
-  void reset() override { mem_.reset(); }
-  void reset_sequence(long b) override { mem_.reset_sequence(b); }
-  [[nodiscard]] long allocated_bytes() const override { return mem_.allocated_bytes(); }
-  [[nodiscard]] long held_bytes() const override { return mem_.held_bytes(); }
-  [[nodiscard]] long tokens(long b) const override { return mem_.cursor(b).tokens; }
   [[nodiscard]] nb::dict state() const override {
     nb::dict d;
     const auto& rows = mem_.rows();
@@ -57,9 +44,11 @@ class MergeMemory final : public TypedMemory<typename Mem::storage_type> {
   }
 
  private:
-  static typename Mem::gates_in gate(const Call& c) {
-    if (c.extras.empty()) return {};
-    return gate_view<S>(c.extras[0], "gate");
+  Mem& memory() override { return mem_; }
+  const Mem& memory() const override { return mem_; }
+  typename Mem::inputs inputs(const Call& c) const override {
+    const auto t = c.views<S>();
+    return {t.q, t.k, t.v, c.extras.empty() ? typename Mem::gates_in{} : gate_view<S>(c.extras[0], "gate")};
   }
   LayerWeights<mem_space> weights_;
   Mem mem_;

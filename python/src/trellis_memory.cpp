@@ -21,25 +21,12 @@ namespace {
 /// TrellisMemory<exec, S> behind the AnyMemory interface; Call::extras holds alpha, beta1, gamma1, beta2,
 /// gamma2 (of storage type S, as q, k, v).
 template <StorageType S>
-class Trellis final : public TypedMemory<S> {
+class Trellis final : public ContractMemory<TrellisMemory<exec, S>> {
+  using Mem = TrellisMemory<exec, S>;
+
  public:
   Trellis(const TrellisConfig& cfg, const TrellisWeights<mem_space>& w, int batch) : weights_(w), mem_(cfg, weights_, batch) {}
 
-  void prefill(const Call& c, std::span<const long> lengths) override {
-    const auto x = extras(c);
-    const auto t = c.views<S>();
-    mem_.prefill(t.q, t.k, t.v, x.alpha, x.beta1, x.gamma1, x.beta2, x.gamma2, t.y, lengths);
-  }
-  void decode(const Call& c, std::span<const unsigned char> active) override {
-    const auto x = extras(c);
-    const auto t = c.views<S>();
-    mem_.decode(t.q, t.k, t.v, x.alpha, x.beta1, x.gamma1, x.beta2, x.gamma2, t.y, active);
-  }
-  void reset() override { mem_.reset(); }
-  void reset_sequence(long b) override { mem_.reset_sequence(b); }
-  [[nodiscard]] long allocated_bytes() const override { return mem_.allocated_bytes(); }
-  [[nodiscard]] long held_bytes() const override { return mem_.held_bytes(); }
-  [[nodiscard]] long tokens(long b) const override { return mem_.tokens(b); }
   [[nodiscard]] nb::dict state() const override {
     nb::dict d;
     d["m1"] = to_numpy(mem_.m1());
@@ -48,14 +35,13 @@ class Trellis final : public TypedMemory<S> {
   }
 
  private:
-  struct Extras {
-    tokens_in<S> alpha;
-    gates_in<S> beta1, gamma1, beta2, gamma2;
-  };
-  static Extras extras(const Call& c) {
+  Mem& memory() override { return mem_; }
+  const Mem& memory() const override { return mem_; }
+  typename Mem::inputs inputs(const Call& c) const override {
     require(c.extras.size() == 5, "trellis inputs", c.extras.size(), "must be alpha, beta1, gamma1, beta2, gamma2");
-    return {token_view<S>(c.extras[0], "alpha"), gate_view<S>(c.extras[1], "beta1"), gate_view<S>(c.extras[2], "gamma1"),
-            gate_view<S>(c.extras[3], "beta2"), gate_view<S>(c.extras[4], "gamma2")};
+    const auto t = c.views<S>();
+    return {t.q, t.k, t.v, token_view<S>(c.extras[0], "alpha"), gate_view<S>(c.extras[1], "beta1"),
+            gate_view<S>(c.extras[2], "gamma1"), gate_view<S>(c.extras[3], "beta2"), gate_view<S>(c.extras[4], "gamma2")};
   }
   TrellisWeights<mem_space> weights_;
   TrellisMemory<exec, S> mem_;

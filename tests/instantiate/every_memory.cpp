@@ -32,4 +32,11 @@ template class EvictionMemory<exec, score::AccumulatedAttention>;
 template class EvictionMemory<exec, score::LastQueryAttention>;
 template class EvictionMemory<exec, score::MLstm<mem>>;
 
+// Every family keeps the one contract an engine drives (memory_concept.hpp).
+static_assert(AttentionMemory<Memory<exec, merge::WinnerTakeAll, budget::Fixed, score::Novelty>>);
+static_assert(AttentionMemory<Memory<exec, merge::Proportional, budget::Fixed, score::Novelty, score::KeepRows, bfloat16>>);
+static_assert(AttentionMemory<Memory<exec, merge::WinnerTakeAll, budget::PowerLaw, score::Novelty, score::RowAccumulatedAttention>>);
+static_assert(AttentionMemory<EvictionMemory<exec, score::AccumulatedAttention>>);
+static_assert(AttentionMemory<EvictionMemory<exec, score::MLstm<mem>, float16>>);
+
 }  // namespace kvmem

@@ -21,4 +21,9 @@ template class Memory<exec, merge::KMeansCount, budget::Plateau, score::Novelty,
 // Trellis slot memory (spec TRELLIS.md).
 template class TrellisMemory<exec>;
 
+// The one contract an engine drives (memory_concept.hpp).
+static_assert(AttentionMemory<Memory<exec, merge::KMeansCount, budget::Plateau, score::Novelty>>);
+static_assert(AttentionMemory<TrellisMemory<exec>>);
+static_assert(AttentionMemory<TrellisMemory<exec, bfloat16>>);
+
 }  // namespace kvmem
