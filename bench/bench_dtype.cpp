@@ -18,6 +18,7 @@
 #include "memories.hpp"
 
 #include <kvmem/dtype.hpp>
+#include <kvmem/memory_concept.hpp>
 
 #include <cstdio>
 
@@ -107,36 +108,41 @@ struct Exact {
   [[nodiscard]] double held(const Shape& s, long tokens) const { return kv_cache_bytes(s, tokens) * sizeof(S) / sizeof(float); }
 };
 
-template <class S>
-struct KvmFixed {
-  static constexpr const char* name = "kvm-fixed256";
-  kvmem::KvmMemory<exec_t, kvmem::budget::Fixed, S> mem;
-  KvmFixed(const Shape& s, long, const exec_t& exec) : mem(memory_config(s), fixed256(), unit_weights(s), s.B, exec) {}
+/// A kvmem memory M of storage type S driven through the one memory contract (kvmem::AttentionMemory):
+/// Family (KvmFixed, EvictH2o) gives the memory and `inputs_of`, the typed inputs as M::inputs.
+template <class S, kvmem::AttentionMemory M, class Family>
+struct ContractRow {
+  M mem;
   void prefill(const exec_t&, const TypedInputs<S>& in) {
     mem.reset();
-    mem.prefill(in.q, in.k, in.v, in.gate, in.y);
+    mem.prefill(Family::inputs_of(in), in.y);
   }
   void build(const exec_t& exec, const TypedInputs<S>& in, long) { prefill(exec, in); }
   void decode(const exec_t&, const TypedInputs<S>& in, long i, long) {
-    mem.decode(token(in.q, i), token(in.k, i), token(in.v, i), token(in.gate, i), token(in.y, i));
+    mem.decode(Family::inputs_of(in).token(i), token(in.y, i));
   }
   [[nodiscard]] double held(const Shape&, long) const { return double(mem.held_bytes()); }
 };
 
 template <class S>
-struct EvictH2o {
+using KvmFixedMemory = kvmem::KvmMemory<exec_t, kvmem::budget::Fixed, S>;
+template <class S>
+struct KvmFixed : ContractRow<S, KvmFixedMemory<S>, KvmFixed<S>> {
+  using M = KvmFixedMemory<S>;
+  static constexpr const char* name = "kvm-fixed256";
+  KvmFixed(const Shape& s, long, const exec_t& exec)
+      : ContractRow<S, M, KvmFixed>{M(memory_config(s), fixed256(), unit_weights(s), s.B, exec)} {}
+  static typename M::inputs inputs_of(const TypedInputs<S>& in) { return {in.q, in.k, in.v, in.gate}; }
+};
+
+template <class S>
+using EvictH2oMemory = kvmem::EvictionMemory<exec_t, kvmem::score::AccumulatedAttention, S>;
+template <class S>
+struct EvictH2o : ContractRow<S, EvictH2oMemory<S>, EvictH2o<S>> {
+  using M = EvictH2oMemory<S>;
   static constexpr const char* name = "evict-h2o256";
-  kvmem::EvictionMemory<exec_t, kvmem::score::AccumulatedAttention, S> mem;
-  EvictH2o(const Shape& s, long, const exec_t& exec) : mem(eviction_config(s), s.B, {}, exec) {}
-  void prefill(const exec_t&, const TypedInputs<S>& in) {
-    mem.reset();
-    mem.prefill(in.q, in.k, in.v, in.y);
-  }
-  void build(const exec_t& exec, const TypedInputs<S>& in, long) { prefill(exec, in); }
-  void decode(const exec_t&, const TypedInputs<S>& in, long i, long) {
-    mem.decode(token(in.q, i), token(in.k, i), token(in.v, i), token(in.y, i));
-  }
-  [[nodiscard]] double held(const Shape&, long) const { return double(mem.held_bytes()); }
+  EvictH2o(const Shape& s, long, const exec_t& exec) : ContractRow<S, M, EvictH2o>{M(eviction_config(s), s.B, {}, exec)} {}
+  static typename M::inputs inputs_of(const TypedInputs<S>& in) { return {in.q, in.k, in.v}; }
 };
 
 template <template <class> class Memory, class S>

@@ -15,9 +15,30 @@
 
 #include "common.hpp"
 
+#include <kvmem/memory_concept.hpp>
+
 #include <type_traits>
+#include <utility>
 
 namespace kvbench {
+
+/// What every adapter does alike, through the one memory contract (kvmem::AttentionMemory): the prompt into
+/// the memory, token i as a decode step, reset and held bytes. A family's adapter derives from it and gives
+/// `inputs_of(const Inputs&)`, the benchmark's random tensors as the memory's inputs (M::inputs).
+template <kvmem::AttentionMemory M, class Family>
+struct ContractAdapter {
+  M mem;
+
+  template <class... Args>
+  explicit ContractAdapter(Args&&... args) : mem(std::forward<Args>(args)...) {}
+  void prefill(const Inputs& in) { mem.prefill(family().inputs_of(in), in.y); }
+  void decode(const Inputs& in, long i) { mem.decode(family().inputs_of(in).token(i), token(in.y, i)); }
+  void reset() { mem.reset(); }
+  [[nodiscard]] long held_bytes() const { return mem.held_bytes(); }
+
+ private:
+  [[nodiscard]] const Family& family() const { return static_cast<const Family&>(*this); }
+};
 
 // ---------------------------------------------------------------------------------------------------
 // Series: which memories a shape registers, as a set of bits (the programs register exact attention and
@@ -138,27 +159,23 @@ class MergingModel {
 
 /// KVM or OVQ: kvmem::Memory<exec_t, Merge, Budget, score::Novelty, RowPolicy> for the shape's batch, with
 /// unit layer weights.
-template <class Merge, class Budget, class RowPolicy = kvmem::score::KeepRows>
-struct MergingAdapter {
-  kvmem::Memory<exec_t, Merge, Budget, kvmem::score::Novelty, RowPolicy> mem;
+template <class Merge, class Budget, class RowPolicy = kvmem::score::KeepRows,
+          class M = kvmem::Memory<exec_t, Merge, Budget, kvmem::score::Novelty, RowPolicy>>
+struct MergingAdapter : ContractAdapter<M, MergingAdapter<Merge, Budget, RowPolicy>> {
   MergingModel<Merge, Budget, RowPolicy> model;
 
   MergingAdapter(const Shape& s, const exec_t& exec, const kvmem::MemoryConfig& cfg, const Budget& budget,
                  const RowPolicy& row_policy = {})
-      : mem(cfg, budget, unit_weights(s), s.B, row_policy, exec), model(cfg, budget, row_policy) {}
+      : ContractAdapter<M, MergingAdapter>(cfg, budget, unit_weights(s), s.B, row_policy, exec),
+        model(cfg, budget, row_policy) {}
 
   static std::vector<std::string> readout_kernels() { return {"kvmem::readout"}; }
   static std::vector<std::string> update_kernels() {
     return {"kvmem::update", "kvmem::row_attn"};
   }
   void prepare(Inputs&) {}
-  void prefill(const Inputs& in) { mem.prefill(in.q, in.k, in.v, in.gate, in.y); }
-  void decode(const Inputs& in, long i) {
-    mem.decode(token(in.q, i), token(in.k, i), token(in.v, i), token(in.gate, i), token(in.y, i));
-  }
-  void reset() { mem.reset(); }
-  [[nodiscard]] long held_bytes() const { return mem.held_bytes(); }
-  [[nodiscard]] long rows() const { return mem.cursor(0).rows; }
+  [[nodiscard]] typename M::inputs inputs_of(const Inputs& in) const { return {in.q, in.k, in.v, in.gate}; }
+  [[nodiscard]] long rows() const { return this->mem.cursor(0).rows; }
 };
 
 /// Registration helper of the KVM family (kvm-fixed256, kvm-power-law, kvm-power-law-h2o256) and of OVQ:
@@ -227,26 +244,19 @@ class TrellisModel {
 };
 
 /// Trellis: kvmem::TrellisMemory<exec_t> for the shape's batch, without LN affine.
-struct TrellisAdapter {
-  kvmem::TrellisMemory<exec_t> mem;
+struct TrellisAdapter : ContractAdapter<kvmem::TrellisMemory<exec_t>, TrellisAdapter> {
   TrellisModel model;
 
   TrellisAdapter(const Shape& s, const exec_t& exec, const kvmem::TrellisConfig& cfg)
-      : mem(cfg, s.B, exec), model(cfg) {}
+      : ContractAdapter(cfg, s.B, exec), model(cfg) {}
 
   // One kernel ("kvmem::trellis") runs every chunk's gradients, readout and state update: no split.
   static std::vector<std::string> readout_kernels() { return {}; }
   static std::vector<std::string> update_kernels() { return {}; }
   void prepare(Inputs& in) const { in.add_trellis(mem.config().slots); }
-  void prefill(const Inputs& in) {
-    mem.prefill(in.q, in.k, in.v, in.alpha, in.beta1, in.gamma1, in.beta2, in.gamma2, in.y);
+  [[nodiscard]] kvmem::TrellisMemory<exec_t>::inputs inputs_of(const Inputs& in) const {
+    return {in.q, in.k, in.v, in.alpha, in.beta1, in.gamma1, in.beta2, in.gamma2};
   }
-  void decode(const Inputs& in, long i) {
-    mem.decode(token(in.q, i), token(in.k, i), token(in.v, i), token(in.alpha, i), token(in.beta1, i),
-               token(in.gamma1, i), token(in.beta2, i), token(in.gamma2, i), token(in.y, i));
-  }
-  void reset() { mem.reset(); }
-  [[nodiscard]] long held_bytes() const { return mem.held_bytes(); }
   [[nodiscard]] long rows() const { return mem.config().slots; }
 };
 
@@ -342,25 +352,21 @@ class EvictionModel {
 };
 
 /// Fixed-budget eviction: kvmem::EvictionMemory<exec_t, Scorer> for the shape's batch.
-template <class Scorer>
-struct EvictionAdapter {
-  kvmem::EvictionMemory<exec_t, Scorer> mem;
+template <class Scorer, class M = kvmem::EvictionMemory<exec_t, Scorer>>
+struct EvictionAdapter : ContractAdapter<M, EvictionAdapter<Scorer>> {
   EvictionModel<Scorer> model;
 
   EvictionAdapter(const Shape& s, const exec_t& exec, const kvmem::EvictionConfig& cfg)
-      : mem(cfg, s.B, make_scorer<Scorer>(cfg), exec), model(cfg) {}
+      : ContractAdapter<M, EvictionAdapter>(cfg, s.B, make_scorer<Scorer>(cfg), exec), model(cfg) {}
 
   // One kernel ("kvmem::evict") runs the whole per-token state machine: no readout/update split.
   static std::vector<std::string> readout_kernels() { return {}; }
   static std::vector<std::string> update_kernels() { return {}; }
   void prepare(Inputs&) {}
-  void prefill(const Inputs& in) { mem.prefill(in.q, in.k, in.v, in.y); }
-  void decode(const Inputs& in, long i) { mem.decode(token(in.q, i), token(in.k, i), token(in.v, i), token(in.y, i)); }
-  void reset() { mem.reset(); }
-  [[nodiscard]] long held_bytes() const { return mem.held_bytes(); }
+  [[nodiscard]] typename M::inputs inputs_of(const Inputs& in) const { return {in.q, in.k, in.v}; }
   [[nodiscard]] long rows() const {
     long live = 0;
-    Kokkos::deep_copy(live, Kokkos::subview(mem.cache().live, 0, 0));
+    Kokkos::deep_copy(live, Kokkos::subview(this->mem.cache().live, 0, 0));
     return live;
   }
 };

@@ -5,6 +5,7 @@
 
 #include <Kokkos_Core.hpp>
 #include <algorithm>
+#include <limits>
 #include <span>
 #include <string>
 #include <type_traits>
@@ -20,6 +21,7 @@
 #include "state/eviction_cache.hpp"
 #include "state/sequence_counts.hpp"
 #include "state/sequence_reset.hpp"
+#include "state/slot_protocol.hpp"
 #include "token_checks.hpp"
 
 namespace kvmem {
@@ -71,7 +73,20 @@ class EvictionMemory {
   /// Hkv, T, Dv].
   struct inputs {
     tokens_in q, k, v;
+
+    /// Token t of every input ([B, heads, 1, channels], the same strides, no copy): the inputs of one
+    /// decode step out of a prompt's (kvmem::AttentionMemory).
+    [[nodiscard]] inputs token(long t) const {
+      return {detail::token_slice(q, t), detail::token_slice(k, t), detail::token_slice(v, t)};
+    }
   };
+  /// The readout's log-sum-exp [B, Hq, T], float32, any strides (kvmem::AttentionMemory): lse[b, h, t] =
+  /// log sum_i exp(logit_i) over the rows query (b, h, t) reads (each logit with its log(count) for a merging
+  /// eviction), so that y can be merged with another attention over other keys. -inf at t >= lengths[b] in a
+  /// prefill.
+  using lse_out = Kokkos::View<float***, Kokkos::LayoutStride, memory_space>;
+  /// y is one softmax over the cached rows, so the readout has a log-sum-exp (lse_out).
+  static constexpr bool softmax_readout = true;
 
   /// An empty memory for `batch` sequences with the scorer `scorer` (its parameters and weights). Throws
   /// kvmem::invalid_argument for a bad config field (EvictionConfig::validate), `batch` < 1, or what the
@@ -95,11 +110,47 @@ class EvictionMemory {
   /// Runs T tokens of every sequence through the policy, continuing from the current cache (spec
   /// EVICTION.md §1). Sequence b uses tokens [0, lengths[b]) (all T when `lengths` is empty); y[b, :, t] for
   /// t >= lengths[b] is written as zeros. Throws kvmem::invalid_argument, before anything changes, for
-  /// mismatched shapes, a non-contiguous channel axis or a length outside [0, T].
+  /// mismatched shapes, a non-contiguous channel axis, a length outside [0, T] or, under
+  /// set_strict_slots(true), a sequence with lengths[b] > 0 that holds tokens (extend() continues it).
   void prefill(const tokens_in& q, const tokens_in& k, const tokens_in& v, const tokens_out& y,
                std::span<const long> lengths = {}) {
+    prefill(inputs{q, k, v}, y, lengths, lse_out{});
+  }
+
+  /// prefill() above with the inputs bundled (the AttentionMemory contract).
+  void prefill(const inputs& in, const tokens_out& y, std::span<const long> lengths = {}) {
+    prefill(in, y, lengths, lse_out{});
+  }
+  /// prefill() that also writes the readout's log-sum-exp lse [B, Hq, T] (lse_out; -inf at t >= lengths[b];
+  /// not written when empty). Throws as prefill(), and for an lse of other extents than [B, Hq, T].
+  void prefill(const inputs& in, const tokens_out& y, std::span<const long> lengths, const lse_out& lse) {
+    run_prompt(in, y, lengths, lse, state::SlotCall::prefill);
+  }
+  /// prefill() that only continues prompts (chunked prefill): sequence b takes lengths[b] tokens after the
+  /// ones it holds. Throws as prefill(), and kvmem::invalid_argument naming the sequence when one with
+  /// lengths[b] > 0 holds no token (state::SlotCall::extend), before anything changes.
+  void extend(const inputs& in, const tokens_out& y, std::span<const long> lengths = {}) {
+    run_prompt(in, y, lengths, lse_out{}, state::SlotCall::extend);
+  }
+  /// extend() that also writes the readout's log-sum-exp, as prefill() with lse.
+  void extend(const inputs& in, const tokens_out& y, std::span<const long> lengths, const lse_out& lse) {
+    run_prompt(in, y, lengths, lse, state::SlotCall::extend);
+  }
+  /// The strict slot protocol (off by default; state/slot_protocol.hpp): prefill() then refuses a sequence
+  /// that holds tokens (a request in a busy slot) and decode() one that holds none (a step of a request
+  /// that never started), naming the sequence, before anything changes; extend() continues prompts.
+  /// decode_async() does not check (the host's counts may be behind a GPU's).
+  void set_strict_slots(bool on) { strict_slots_ = on; }
+  [[nodiscard]] bool strict_slots() const { return strict_slots_; }
+
+ private:
+  void run_prompt(const inputs& in, const tokens_out& y, std::span<const long> lengths, const lse_out& lse,
+                  state::SlotCall call) {
+    const char* where = call == state::SlotCall::prefill ? "prefill" : "extend";
+    const auto& [q, k, v] = in;
     const long T = static_cast<long>(q.extent(2));
-    check_inputs(q, k, v, y, T, "prefill");
+    check_inputs(q, k, v, y, T, where);
+    check_lse(lse, T, where);
     if (!lengths.empty())
       require(static_cast<long>(lengths.size()) == batch(), "lengths.size()", lengths.size(),
               "must equal the batch size " + std::to_string(batch()));
@@ -110,35 +161,63 @@ class EvictionMemory {
       ragged = ragged || n < T;
     }
     sync();
+    state::check_slots(call, strict_slots_, batch(), lengths, T, [&](long b) { return tokens_.host(b); });
     for (long b = 0; b < batch(); ++b) lengths_.set(b, lengths.empty() ? T : lengths[b]);
     lengths_.upload(exec_);
-    if (ragged) kernels::zero_tail(exec_, y, lengths_.device());
-    run(q, k, v, y, lengths_, /*wait=*/true);
+    if (ragged) {
+      kernels::zero_tail(exec_, y, lengths_.device());
+      if (lse.data() != nullptr)
+        kernels::fill_tail(exec_, lse, lengths_.device(), -std::numeric_limits<float>::infinity());
+    }
+    run(in, y, lse, lengths_, /*wait=*/true);
   }
 
-  /// prefill() above with the inputs bundled (the AttentionMemory contract).
-  void prefill(const inputs& in, const tokens_out& y, std::span<const long> lengths = {}) {
-    prefill(in.q, in.k, in.v, y, lengths);
-  }
+ public:
+
   /// decode() below with the inputs bundled (the AttentionMemory contract).
   void decode(const inputs& in, const tokens_out& y, std::span<const unsigned char> active = {}) {
-    decode(in.q, in.k, in.v, y, active);
+    decode(in, y, active, lse_out{});
+  }
+  /// decode() that also writes the readout's log-sum-exp lse [B, Hq, 1] (lse_out) of the active sequences
+  /// (not written when empty). Throws as decode(), and for an lse of other extents than [B, Hq, 1].
+  void decode(const inputs& in, const tokens_out& y, std::span<const unsigned char> active, const lse_out& lse) {
+    const auto& [q, k, v] = in;
+    check_decode(q, k, v, y);
+    check_lse(lse, 1, "decode");
+    sync();
+    state::check_slots(state::SlotCall::decode, strict_slots_, batch(), active, [&](long b) { return tokens_.host(b); });
+    set_active(active);
+    run(in, y, lse, active_, /*wait=*/true);
   }
   /// decode_async() below with the inputs bundled (the AttentionMemory contract).
-  void decode_async(const inputs& in, const tokens_out& y) { decode_async(in.q, in.k, in.v, y); }
+  void decode_async(const inputs& in, const tokens_out& y) { decode_async(in, y, lse_out{}); }
+  /// decode_async() that also writes the readout's log-sum-exp lse [B, Hq, 1] (lse_out) of the active
+  /// sequences (not written when empty; its address, too, must stay fixed between replays). Throws as
+  /// decode_async(), and for an lse of other extents than [B, Hq, 1].
+  void decode_async(const inputs& in, const tokens_out& y, const lse_out& lse) {
+    const auto& [q, k, v] = in;
+    check_decode(q, k, v, y);
+    check_lse(lse, 1, "decode");
+    if (tokens_.shared()) {  // a host backend: the host advances the counts the kernel reads
+      run(in, y, lse, active_, /*wait=*/false);
+    } else {
+      kernels::eviction_tokens(exec_, kernels::EvictionParams::of(cfg_), cache_, scorer_, q, k, v, y, tokens_.device(),
+                               active_.device(), 0, lse);
+      kernels::advance_counts(exec_, tokens_.device(), active_.device());
+      tokens_.device_advanced();
+    }
+  }
 
   /// Runs one token of every sequence b with active[b] != 0 (all when `active` is empty): q [B, Hq, 1, D],
   /// k [B, Hkv, 1, D], v [B, Hkv, 1, Dv], y [B, Hq, 1, Dv]. Inactive sequences keep their cache and their
   /// rows of y are left untouched. Returns when y is written (one fence). The kernel reads each sequence's
   /// position from counts on the device, which the step advances there: no copy, except `active` when it
   /// changes (set_active()). Throws kvmem::invalid_argument, before anything changes, for mismatched shapes,
-  /// a token count other than 1 or an `active` of another size than the batch.
+  /// a token count other than 1, an `active` of another size than the batch or, under
+  /// set_strict_slots(true), an active sequence that holds no token.
   void decode(const tokens_in& q, const tokens_in& k, const tokens_in& v, const tokens_out& y,
               std::span<const unsigned char> active = {}) {
-    check_decode(q, k, v, y);
-    sync();
-    set_active(active);
-    run(q, k, v, y, active_, /*wait=*/true);
+    decode(inputs{q, k, v}, y, active, lse_out{});
   }
 
   /// decode() as launches only, for capture in a CUDA graph and replay: no host allocation, copy, fence or
@@ -148,15 +227,7 @@ class EvictionMemory {
   /// host memory space this is decode() without the fence. Throws kvmem::invalid_argument, before anything
   /// is launched, for mismatched shapes or a token count other than 1.
   void decode_async(const tokens_in& q, const tokens_in& k, const tokens_in& v, const tokens_out& y) {
-    check_decode(q, k, v, y);
-    if (tokens_.shared()) {  // a host backend: the host advances the counts the kernel reads
-      run(q, k, v, y, active_, /*wait=*/false);
-    } else {
-      kernels::eviction_tokens(exec_, kernels::EvictionParams::of(cfg_), cache_, scorer_, q, k, v, y, tokens_.device(),
-                               active_.device());
-      kernels::advance_counts(exec_, tokens_.device(), active_.device());
-      tokens_.device_advanced();
-    }
+    decode_async(inputs{q, k, v}, y, lse_out{});
   }
 
   /// Counts decode steps as a GPU does, on any execution space: from now on the device's token counts are
@@ -264,16 +335,20 @@ class EvictionMemory {
  private:
   /// Runs `lengths`(b) tokens of every sequence from the positions tokens_ holds, and advances those on both
   /// sides (on a host memory space one view): no copy. Fences when `wait`.
-  void run(const tokens_in& q, const tokens_in& k, const tokens_in& v, const tokens_out& y,
+  void run(const inputs& in, const tokens_out& y, const lse_out& lse,
            const state::SequenceCounts<long, memory_space>& lengths, bool wait) {
-    kernels::eviction_tokens(exec_, kernels::EvictionParams::of(cfg_), cache_, scorer_, q, k, v, y, tokens_.device(),
-                             lengths.device());
+    kernels::eviction_tokens(exec_, kernels::EvictionParams::of(cfg_), cache_, scorer_, in.q, in.k, in.v, y,
+                             tokens_.device(), lengths.device(), 0, lse);
     if (!tokens_.shared()) kernels::advance_counts(exec_, tokens_.device(), lengths.device());
     for (long b = 0; b < batch(); ++b) tokens_.host(b) += lengths.host(b);
     if (wait) {
       static const std::string fence_label = "kvmem::EvictionMemory::step";  // not a heap string per call
       exec_.fence(fence_label);
     }
+  }
+  void check_lse(const lse_out& lse, long T, const char* where) const {
+    if (lse.data() != nullptr)
+      detail::check_token_view(lse, "lse", where, batch(), {cfg_.query_heads, "the query heads Hq"}, T, {0, ""});
   }
   void check_decode(const tokens_in& q, const tokens_in& k, const tokens_in& v, const tokens_out& y) const {
     if (q.extent(2) != 1) throw invalid_argument(detail::describe("q.extent(2)", q.extent(2), "decode takes one token per sequence"));
@@ -294,6 +369,7 @@ class EvictionMemory {
   state::SequenceCounts<long, memory_space> lengths_;  ///< a prefill's tokens per sequence
   state::SequenceCounts<long, memory_space> active_;   ///< a decode step's tokens per sequence: 1 or 0
   state::EvictionCache<memory_space, Storage> cache_;
+  bool strict_slots_ = false;  ///< set_strict_slots()
 };
 
 }  // namespace kvmem

@@ -27,6 +27,7 @@
 #include "state/schedule.hpp"
 #include "state/sequence_counts.hpp"
 #include "state/sequence_reset.hpp"
+#include "state/slot_protocol.hpp"
 #include "state/state_rows.hpp"
 #include "token_checks.hpp"
 
@@ -80,7 +81,22 @@ class Memory {
   struct inputs {
     tokens_in q, k, v;
     gates_in gate;
+
+    /// Token t of every input ([B, heads, 1, ...], the same strides, no copy): the inputs of one decode
+    /// step out of a prompt's (kvmem::AttentionMemory).
+    [[nodiscard]] inputs token(long t) const {
+      return {detail::token_slice(q, t), detail::token_slice(k, t), detail::token_slice(v, t),
+              detail::token_slice(gate, t)};
+    }
   };
+  /// The readout's log-sum-exp [B, Hq, T], float32, any strides (kvmem::AttentionMemory): lse[b, h, t] =
+  /// log sum_j exp(logit_j) over every key that query (b, h, t) reads (state rows with their bias, window
+  /// tokens), the natural log of the softmax normalizer, so that y can be merged with another attention over
+  /// other keys (y = (e^lse1 y1 + e^lse2 y2) / (e^lse1 + e^lse2)). -inf where a query reads no key (t >=
+  /// lengths[b] in a prefill).
+  using lse_out = Kokkos::View<float***, Kokkos::LayoutStride, memory_space>;
+  /// y is one softmax over keys, so the readout has a log-sum-exp (lse_out).
+  static constexpr bool softmax_readout = true;
 
   /// A memory for `batch` sequences. `weights.tau_state`/`tau_window` [Hq] are the per-head factors of
   /// Merge::logit_scale (KVM temperatures, OVQ beta); `ln_weight`/`ln_bias` [D] are needed when
@@ -127,11 +143,47 @@ class Memory {
   /// holds tokens continues it (chunked prefill: a prompt in pieces, interleaved with other sequences'
   /// decode steps) through the decode step, token by token: both give the bits of one prefill of the whole
   /// prompt (docs/design.md, "Requests that come and go"). Throws kvmem::invalid_argument, before anything
-  /// changes, for mismatched shapes, a length outside [0, T], or sinks >= chunk when merges happen.
+  /// changes, for mismatched shapes, a length outside [0, T], sinks >= chunk when merges happen, or, under
+  /// set_strict_slots(true), a sequence with lengths[b] > 0 that holds tokens (extend() continues it).
   void prefill(const tokens_in& q, const tokens_in& k, const tokens_in& v, const gates_in& gate, const tokens_out& y,
                std::span<const long> lengths = {}) {
+    prefill(inputs{q, k, v, gate}, y, lengths, lse_out{});
+  }
+
+  /// prefill() above with the inputs bundled (the AttentionMemory contract).
+  void prefill(const inputs& in, const tokens_out& y, std::span<const long> lengths = {}) {
+    prefill(in, y, lengths, lse_out{});
+  }
+  /// prefill() that also writes the readout's log-sum-exp lse [B, Hq, T] (lse_out; -inf at t >= lengths[b];
+  /// not written when empty). Throws as prefill(), and for an lse of other extents than [B, Hq, T].
+  void prefill(const inputs& in, const tokens_out& y, std::span<const long> lengths, const lse_out& lse) {
+    run_prompt(in, y, lengths, lse, state::SlotCall::prefill);
+  }
+  /// prefill() that only continues prompts (chunked prefill): sequence b takes lengths[b] tokens after the
+  /// ones it holds. Throws as prefill(), and kvmem::invalid_argument naming the sequence when one with
+  /// lengths[b] > 0 holds no token (state::SlotCall::extend), before anything changes.
+  void extend(const inputs& in, const tokens_out& y, std::span<const long> lengths = {}) {
+    run_prompt(in, y, lengths, lse_out{}, state::SlotCall::extend);
+  }
+  /// extend() that also writes the readout's log-sum-exp, as prefill() with lse.
+  void extend(const inputs& in, const tokens_out& y, std::span<const long> lengths, const lse_out& lse) {
+    run_prompt(in, y, lengths, lse, state::SlotCall::extend);
+  }
+  /// The strict slot protocol (off by default; state/slot_protocol.hpp): prefill() then refuses a sequence
+  /// that holds tokens (a request in a busy slot) and decode() one that holds none (a step of a request
+  /// that never started), naming the sequence, before anything changes; extend() continues prompts.
+  /// decode_async() does not check (the host's counts may be behind a GPU's).
+  void set_strict_slots(bool on) { strict_slots_ = on; }
+  [[nodiscard]] bool strict_slots() const { return strict_slots_; }
+
+ private:
+  void run_prompt(const inputs& in, const tokens_out& y, std::span<const long> lengths, const lse_out& lse,
+                  state::SlotCall call) {
+    const char* where = call == state::SlotCall::prefill ? "prefill" : "extend";
+    const auto& [q, k, v, gate] = in;
     const long T = static_cast<long>(q.extent(2));
-    check_inputs(q, k, v, gate, y, T, "prefill");
+    check_inputs(q, k, v, gate, y, T, where);
+    check_lse(lse, T, where);
     std::vector<long> len(batch(), T);
     if (!lengths.empty()) {
       require(static_cast<long>(lengths.size()) == batch(), "lengths.size()", lengths.size(),
@@ -143,6 +195,7 @@ class Memory {
       }
     }
     sync();
+    state::check_slots(call, strict_slots_, batch(), lengths, T, [&](long b) { return cursors_.host(b).tokens; });
     // Sequences that hold tokens continue through the decode step; the others start chunk-parallel.
     std::vector<long> fresh(batch(), 0), continued(batch(), 0);
     for (long b = 0; b < batch(); ++b) {
@@ -151,33 +204,26 @@ class Memory {
       (held == 0 ? fresh : continued)[b] = len[b];
     }
     Kokkos::deep_copy(exec_, y, Storage{});
-    prefill_fresh(q, k, v, gate, y, fresh);
-    prefill_continued(q, k, v, gate, y, continued);
+    if (lse.data() != nullptr) Kokkos::deep_copy(exec_, lse, -std::numeric_limits<float>::infinity());
+    prefill_fresh(in, y, lse, fresh);
+    prefill_continued(in, y, lse, continued);
   }
 
-  /// prefill() above with the inputs bundled (the AttentionMemory contract).
-  void prefill(const inputs& in, const tokens_out& y, std::span<const long> lengths = {}) {
-    prefill(in.q, in.k, in.v, in.gate, y, lengths);
-  }
+ public:
+
   /// decode() below with the inputs bundled (the AttentionMemory contract).
   void decode(const inputs& in, const tokens_out& y, std::span<const unsigned char> active = {}) {
-    decode(in.q, in.k, in.v, in.gate, y, active);
+    decode(in, y, active, lse_out{});
   }
-  /// decode_async() below with the inputs bundled (the AttentionMemory contract).
-  void decode_async(const inputs& in, const tokens_out& y) { decode_async(in.q, in.k, in.v, in.gate, y); }
-
-  /// Appends one token to every sequence b with active[b] != 0 (all when `active` is empty) and writes
-  /// its attention output (spec KVM.md §6: push, direct append, at most one update, drop, readout).
-  /// q [B, Hq, 1, D], k [B, Hkv, 1, D], v [B, Hkv, 1, Dv], gate [B, Hkv, 1], y [B, Hq, 1, Dv]; rows of
-  /// inactive sequences in y are left untouched. Returns when y is written (one fence). The step's plan is
-  /// worked out on the host for its launch bounds and, on a GPU, by the device from its own counts
-  /// (kernels::plan_decode): no plan is copied; `active` is copied only when it changes (set_active()).
-  /// Throws kvmem::invalid_argument for mismatched shapes, a token count other than 1, or sinks >= chunk at
-  /// the first merge, before anything changes.
-  void decode(const tokens_in& q, const tokens_in& k, const tokens_in& v, const gates_in& gate, const tokens_out& y,
-              std::span<const unsigned char> active = {}) {
+  /// decode() that also writes the readout's log-sum-exp lse [B, Hq, 1] (lse_out) of the active sequences
+  /// (not written when empty). Throws as decode(), and for an lse of other extents than [B, Hq, 1].
+  void decode(const inputs& in, const tokens_out& y, std::span<const unsigned char> active, const lse_out& lse) {
+    const auto& [q, k, v, gate] = in;
     check_decode(q, k, v, gate, y);
+    check_lse(lse, 1, "decode");
     sync();
+    state::check_slots(state::SlotCall::decode, strict_slots_, batch(), active,
+                       [&](long b) { return cursors_.host(b).tokens; });
     set_active(active);
     for (long b = 0; b < batch(); ++b)
       if (active_.host(b) != 0) cfg_.check_sinks(cursors_.host(b).tokens + 1);
@@ -186,8 +232,24 @@ class Memory {
     if (!cursors_.shared())  // the device plans from its own counts (a GPU, or plan_on_device())
       kernels::plan_decode(exec_, shape(), cursors_.device(), folds_.device, folds_.folds, rows_.capacity(),
                            std::numeric_limits<long>::max(), active_.device(), plan_.device, plan_error_);
-    run_step(q, k, v, gate, y, bounds, /*update_first=*/!Merge::commit_eagerly);
+    run_step(in, y, lse, bounds, /*update_first=*/!Merge::commit_eagerly);
     fence_step();
+  }
+  /// decode_async() below with the inputs bundled (the AttentionMemory contract).
+  void decode_async(const inputs& in, const tokens_out& y) { decode_async(in, y, lse_out{}); }
+
+  /// Appends one token to every sequence b with active[b] != 0 (all when `active` is empty) and writes
+  /// its attention output (spec KVM.md §6: push, direct append, at most one update, drop, readout).
+  /// q [B, Hq, 1, D], k [B, Hkv, 1, D], v [B, Hkv, 1, Dv], gate [B, Hkv, 1], y [B, Hq, 1, Dv]; rows of
+  /// inactive sequences in y are left untouched. Returns when y is written (one fence). The step's plan is
+  /// worked out on the host for its launch bounds and, on a GPU, by the device from its own counts
+  /// (kernels::plan_decode): no plan is copied; `active` is copied only when it changes (set_active()).
+  /// Throws kvmem::invalid_argument for mismatched shapes, a token count other than 1, sinks >= chunk at
+  /// the first merge, or, under set_strict_slots(true), an active sequence that holds no token, before
+  /// anything changes.
+  void decode(const tokens_in& q, const tokens_in& k, const tokens_in& v, const gates_in& gate, const tokens_out& y,
+              std::span<const unsigned char> active = {}) {
+    decode(inputs{q, k, v, gate}, y, active, lse_out{});
   }
 
   /// decode() as launches only, for capture in a CUDA graph and replay (FlashInfer's plan/run split: reserve()
@@ -209,13 +271,21 @@ class Memory {
   /// construction or reset().
   void decode_async(const tokens_in& q, const tokens_in& k, const tokens_in& v, const gates_in& gate,
                     const tokens_out& y) {
+    decode_async(inputs{q, k, v, gate}, y, lse_out{});
+  }
+  /// decode_async() that also writes the readout's log-sum-exp lse [B, Hq, 1] (lse_out) of the active
+  /// sequences (not written when empty; its address, too, must stay fixed between replays). Throws as
+  /// decode_async(), and for an lse of other extents than [B, Hq, 1].
+  void decode_async(const inputs& in, const tokens_out& y, const lse_out& lse) {
+    const auto& [q, k, v, gate] = in;
     check_decode(q, k, v, gate, y);
+    check_lse(lse, 1, "decode");
     if (cursors_.shared()) {  // a host backend: the host plans in place
       for (long b = 0; b < batch(); ++b)
         if (active_.host(b) != 0) cfg_.check_sinks(cursors_.host(b).tokens + 1);
       const Bounds bounds = plan_on_host();
       rows_.grow(bounds.most_rows);
-      run_step(q, k, v, gate, y, bounds, /*update_first=*/!Merge::commit_eagerly);
+      run_step(in, y, lse, bounds, /*update_first=*/!Merge::commit_eagerly);
     } else {
       if (horizon_ <= 0)
         throw invalid_argument(detail::describe("horizon", horizon_, "decode_async needs reserve(tokens) first"));
@@ -225,7 +295,7 @@ class Memory {
       fixed.tokens = 1;
       fixed.block = cfg_.chunk;
       fixed.most_read = rows_.capacity();
-      run_step(q, k, v, gate, y, fixed, /*update_first=*/!Merge::commit_eagerly);
+      run_step(in, y, lse, fixed, /*update_first=*/!Merge::commit_eagerly);
       cursors_.device_advanced();
     }
   }
@@ -375,8 +445,7 @@ class Memory {
  private:
   /// The chunk-parallel prefill of the empty sequences b with len[b] > 0 (spec KVM.md §4); sequences with
   /// len[b] = 0 are not planned (their state and y stay).
-  void prefill_fresh(const tokens_in& q, const tokens_in& k, const tokens_in& v, const gates_in& gate,
-                     const tokens_out& y, const std::vector<long>& len) {
+  void prefill_fresh(const inputs& in, const tokens_out& y, const lse_out& lse, const std::vector<long>& len) {
     const long longest = *std::max_element(len.begin(), len.end());
     if (longest == 0) return;
     const long C = cfg_.chunk, L = cfg_.window();
@@ -400,7 +469,7 @@ class Memory {
         front_block = C;
       }
     }
-    run_step(q, k, v, gate, y, std::min(longest, L), front_block, /*update_first=*/false);
+    run_step(in, y, lse, std::min(longest, L), front_block, /*update_first=*/false);
     // Chunks [s, s + C) for s = L, L + C, ...: attend to [state ; window], then fold the block that is due.
     for (long s = L; s < longest; s += C) {
       plan_.clear();
@@ -416,7 +485,7 @@ class Memory {
           block = C;
         }
       }
-      run_step(q, k, v, gate, y, C, block, /*update_first=*/false);
+      run_step(in, y, lse, C, block, /*update_first=*/false);
     }
     cursors_.mark_changed();
     cursors_.upload(exec_);  // the device plans decode steps from these
@@ -426,16 +495,14 @@ class Memory {
   /// Continues each sequence b by len[b] tokens (0: not at all), one decode step per position t of the views
   /// (spec KVM.md §6; a decode step gives a prefill's bits), the other sequences inactive; y[b, :, t] is
   /// written where sequence b takes token t. The active set of set_active() is restored after.
-  void prefill_continued(const tokens_in& q, const tokens_in& k, const tokens_in& v, const gates_in& gate,
-                         const tokens_out& y, const std::vector<long>& len) {
+  void prefill_continued(const inputs& in, const tokens_out& y, const lse_out& lse, const std::vector<long>& len) {
     const long longest = *std::max_element(len.begin(), len.end());
     if (longest == 0) return;
     std::vector<unsigned char> saved(batch()), step(batch());
     for (long b = 0; b < batch(); ++b) saved[b] = active_.host(b) != 0;
     for (long t = 0; t < longest; ++t) {
       for (long b = 0; b < batch(); ++b) step[b] = t < len[b];
-      decode(detail::token_slice(q, t), detail::token_slice(k, t), detail::token_slice(v, t),
-             detail::token_slice(gate, t), detail::token_slice(y, t), step);
+      decode(in.token(t), detail::token_slice(y, t), step, detail::token_slice(lse, t));
     }
     set_active(saved);
   }
@@ -524,8 +591,8 @@ class Memory {
   /// decode step, or a prefill step short enough for one team), that team writes the window instead
   /// (kernels::readout_writes_window), except on a step whose lazy fold runs before the readout (the fold may
   /// read the new token). No fence, no copy.
-  void run_step(const tokens_in& q, const tokens_in& k, const tokens_in& v, const gates_in& gate, const tokens_out& y,
-                const Bounds& bd, bool update_first) {
+  void run_step(const inputs& in, const tokens_out& y, const lse_out& lse, const Bounds& bd, bool update_first) {
+    const auto& [q, k, v, gate] = in;
     const auto w = LayerWeightsRef::of(weights_);
     auto update = [&] {
       kernels::update_state<Merge, Scorer, RowPolicy::evicts>(exec_, cfg_, w, rows_, ring_, scratch_, plan_, bd.block);
@@ -538,21 +605,25 @@ class Memory {
     if (update_first) update();
     if (fused)
       kernels::readout<Merge>(exec_, cfg_, w, rows_, ring_, plan_, q, y, bd.tokens, lse_,
-                              kernels::WindowTokens<tokens_in, gates_in>{k, v, gate});
+                              kernels::WindowTokens<tokens_in, gates_in>{k, v, gate}, lse);
     else
-      kernels::readout<Merge>(exec_, cfg_, w, rows_, ring_, plan_, q, y, bd.tokens, lse_);
+      kernels::readout<Merge>(exec_, cfg_, w, rows_, ring_, plan_, q, y, bd.tokens, lse_, kernels::NoWindowTokens{},
+                              lse);
     if constexpr (RowPolicy::needs_probabilities)
       kernels::accumulate_row_attention<Merge>(exec_, cfg_, w, rows_, plan_, q, lse_, row_policy_, bd.most_read);
     if (!update_first) update();
   }
   /// A prefill step planned in plan_.host: the state grown to the plan's rows, the plan sent, the kernels
   /// launched.
-  void run_step(const tokens_in& q, const tokens_in& k, const tokens_in& v, const gates_in& gate, const tokens_out& y,
-                long tokens, long block, bool update_first) {
+  void run_step(const inputs& in, const tokens_out& y, const lse_out& lse, long tokens, long block, bool update_first) {
     const Bounds bd = host_bounds(tokens, block);
     rows_.grow(bd.most_rows);
     plan_.upload(exec_);
-    run_step(q, k, v, gate, y, bd, update_first);
+    run_step(in, y, lse, bd, update_first);
+  }
+  void check_lse(const lse_out& lse, long T, const char* where) const {
+    if (lse.data() != nullptr)
+      detail::check_token_view(lse, "lse", where, batch(), {cfg_.query_heads, "the query heads Hq"}, T, {0, ""});
   }
   void fence_step() const {
     static const std::string fence_label = "kvmem::Memory::step";  // not Kokkos' default name, a heap string per call
@@ -588,6 +659,7 @@ class Memory {
   kernels::UpdateScratch<memory_space> scratch_;
   kernels::StepPlan<memory_space> plan_;
   RowPolicy row_policy_{};
+  bool strict_slots_ = false;  ///< set_strict_slots()
   Kokkos::View<float***, Kokkos::LayoutRight, memory_space> lse_;  ///< [B, Hq, max(L, C)], row eviction only
 };
 

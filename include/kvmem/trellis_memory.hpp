@@ -18,6 +18,7 @@
 #include "policy/merge/gradient_descent.hpp"
 #include "state/sequence_counts.hpp"
 #include "state/sequence_reset.hpp"
+#include "state/slot_protocol.hpp"
 #include "token_checks.hpp"
 #include "trellis_config.hpp"
 
@@ -73,6 +74,9 @@ class TrellisMemory {
   /// The views one call reads, bundled (kvmem::AttentionMemory): q, k [B, H, T, D], v [B, H, T, Dv], alpha
   /// [B, H, T, m] and the gates beta1, gamma1, beta2, gamma2 [B, H, T].
   using inputs = kernels::TrellisInputs<tokens_in, gates_in>;
+  /// y is read from the slots through phi (trellis-paper Sec. 3, two readouts), not as one softmax over keys
+  /// and values: there is no log-sum-exp to merge it with another attention (kvmem::AttentionMemory).
+  static constexpr bool softmax_readout = false;
   /// M1 [B, H, m, D] and M2 [B, H, m, Dv], slot-major, float32 whatever the storage type: the slots are
   /// trained by gradient steps, each smaller than a 16-bit type resolves (docs/numerics.md).
   using state_view = Kokkos::View<float****, Kokkos::LayoutRight, memory_space>;
@@ -109,12 +113,33 @@ class TrellisMemory {
   /// is written as zeros. T = 0 does nothing. Throws kvmem::invalid_argument, before the state or y
   /// changes, for mismatched shapes, a non-contiguous channel axis, a length outside [0, T], or (with
   /// check_gates) a beta outside [0, 1] or a negative or non-finite gamma among the tokens used; the message
-  /// names the view or the gate element, e.g. "gamma1[0, 3, 17] = -0.5: ...".
+  /// names the view or the gate element, e.g. "gamma1[0, 3, 17] = -0.5: ...", or, under
+  /// set_strict_slots(true), a sequence with lengths[b] > 0 that holds tokens (extend() continues it).
   void prefill(const tokens_in& q, const tokens_in& k, const tokens_in& v, const tokens_in& alpha,
                const gates_in& beta1, const gates_in& gamma1, const gates_in& beta2, const gates_in& gamma2,
                const tokens_out& y, std::span<const long> lengths = {}) {
+    run_prompt({q, k, v, alpha, beta1, gamma1, beta2, gamma2}, y, lengths, state::SlotCall::prefill);
+  }
+
+  /// prefill() that only continues prompts (chunked prefill; chunks start at this call's first token):
+  /// sequence b takes lengths[b] tokens after the ones it holds. Throws as prefill(), and
+  /// kvmem::invalid_argument naming the sequence when one with lengths[b] > 0 holds no token
+  /// (state::SlotCall::extend), before anything changes.
+  void extend(const inputs& in, const tokens_out& y, std::span<const long> lengths = {}) {
+    run_prompt(in, y, lengths, state::SlotCall::extend);
+  }
+  /// The strict slot protocol (off by default; state/slot_protocol.hpp): prefill() then refuses a sequence
+  /// that holds tokens (a request in a busy slot) and decode() one that holds none (a step of a request
+  /// that never started), naming the sequence, before anything changes; extend() continues prompts.
+  /// decode_async() does not check (the host's counts may be behind a GPU's).
+  void set_strict_slots(bool on) { strict_slots_ = on; }
+  [[nodiscard]] bool strict_slots() const { return strict_slots_; }
+
+ private:
+  void run_prompt(const inputs& in, const tokens_out& y, std::span<const long> lengths, state::SlotCall call) {
+    const auto& [q, k, v, alpha, beta1, gamma1, beta2, gamma2] = in;
     const long T = static_cast<long>(q.extent(2));
-    check_inputs(q, k, v, alpha, beta1, gamma1, beta2, gamma2, y, T, "prefill");
+    check_inputs(q, k, v, alpha, beta1, gamma1, beta2, gamma2, y, T, call == state::SlotCall::prefill ? "prefill" : "extend");
     bool ragged = false;
     if (!lengths.empty())
       require(static_cast<long>(lengths.size()) == batch(), "lengths.size()", lengths.size(),
@@ -125,12 +150,12 @@ class TrellisMemory {
       ragged = ragged || n < T;
     }
     sync();
+    state::check_slots(call, strict_slots_, batch(), lengths, T, [&](long b) { return tokens_.host(b); });
     long longest = 0;
     for (long b = 0; b < batch(); ++b) {
       lengths_.set(b, lengths.empty() ? T : lengths[b]);
       longest = std::max(longest, lengths_.host(b));
     }
-    const inputs_t in{q, k, v, alpha, beta1, gamma1, beta2, gamma2};
     lengths_.upload(exec_);
     if (cfg_.check_gates) check_gates(in, T, lengths_);
     if (ragged) kernels::zero_tail(exec_, y, lengths_.device());
@@ -143,6 +168,7 @@ class TrellisMemory {
     fence_step();
   }
 
+ public:
   /// prefill() above with the inputs bundled (the AttentionMemory contract).
   void prefill(const inputs& in, const tokens_out& y, std::span<const long> lengths = {}) {
     prefill(in.q, in.k, in.v, in.alpha, in.beta1, in.gamma1, in.beta2, in.gamma2, y, lengths);
@@ -161,8 +187,8 @@ class TrellisMemory {
   /// state: q, k [B, H, 1, D], v [B, H, 1, Dv], alpha [B, H, 1, m], gates [B, H, 1], y [B, H, 1, Dv].
   /// Inactive sequences keep their state and their rows of y are left untouched. Throws
   /// kvmem::invalid_argument, before the state or y changes, for mismatched shapes, a token count other
-  /// than 1, an `active` of another size than the batch, or (with check_gates) an out-of-range gate of an
-  /// active sequence. Returns when y is written (one fence); copies `active` only when it changes
+  /// than 1, an `active` of another size than the batch, (with check_gates) an out-of-range gate of an
+  /// active sequence, or, under set_strict_slots(true), an active sequence that holds no token. Returns when y is written (one fence); copies `active` only when it changes
   /// (set_active()), nothing else.
   void decode(const tokens_in& q, const tokens_in& k, const tokens_in& v, const tokens_in& alpha,
               const gates_in& beta1, const gates_in& gamma1, const gates_in& beta2, const gates_in& gamma2,
@@ -170,6 +196,7 @@ class TrellisMemory {
     if (q.extent(2) != 1) throw invalid_argument(detail::describe("q.extent(2)", q.extent(2), "decode takes one token per sequence"));
     check_inputs(q, k, v, alpha, beta1, gamma1, beta2, gamma2, y, 1, "decode");
     sync();
+    state::check_slots(state::SlotCall::decode, strict_slots_, batch(), active, [&](long b) { return tokens_.host(b); });
     set_active(active);
     const inputs_t in{q, k, v, alpha, beta1, gamma1, beta2, gamma2};
     if (cfg_.check_gates) check_gates(in, 1, active_);
@@ -372,6 +399,7 @@ class TrellisMemory {
   kernels::TrellisState<memory_space> state_;
   kernels::TrellisScratch<memory_space> scratch_;
   Kokkos::View<long, memory_space> first_bad_gate_;  // check_gates' result (device scalar)
+  bool strict_slots_ = false;                        ///< set_strict_slots()
 };
 
 }  // namespace kvmem

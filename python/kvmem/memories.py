@@ -42,6 +42,10 @@ def _tensor(name: str, t, rank: tuple[int, ...] = (3, 4), dtype: torch.dtype = t
     return t
 
 
+#: The C++ call behind each op, for eager calls (no dispatcher).
+_DIRECT = {ops.prefill: _kvmem.prefill, ops.extend: _kvmem.extend, ops.decode: _kvmem.decode}
+
+
 class Memory:
     """What every memory offers: prefill, decode, reset, sizes and state export.
 
@@ -130,7 +134,21 @@ class Memory:
     def _extra(self, name: str, t, tokens: int) -> torch.Tensor:
         return self._gate(name, t, self.kv_heads, tokens)
 
-    def _call(self, op, q, k, v, extras, y, control):
+    def _lse(self, t, tokens: int) -> list[int]:
+        """Checks the log-sum-exp output ``t`` (float32 [B, Hq, T], or [T, Hq] for batch 1; any strides) and
+        returns its descriptor (data pointer, extents and strides as [B, Hq, T]), or [] for None."""
+        if t is None:
+            return []
+        t = _tensor("lse", t, (2, 3))
+        if t.dim() == 2:  # [T, Hq]: one sequence
+            if self.batch != 1:
+                raise ValueError(f"lse.shape = {tuple(t.shape)}: [tokens, heads] holds one sequence, but the batch is {self.batch}")
+            t = t.unsqueeze(0).transpose(1, 2)
+        if tuple(t.shape) != (self.batch, self.query_heads, tokens):
+            raise ValueError(f"lse.shape = {tuple(t.shape)}: must be [B, Hq, T] = {(self.batch, self.query_heads, tokens)}")
+        return [t.data_ptr(), *t.shape, *t.stride()]
+
+    def _call(self, op, q, k, v, extras, y, control, lse=None):
         tensors: list[int] = []
         T = self._token("q", q, self.query_heads, self.head_dim, None, tensors)
         self._token("k", k, self.kv_heads, self.head_dim, T, tensors)
@@ -142,38 +160,69 @@ class Memory:
             fill = torch.zeros if op is ops.decode and not all(control) else torch.empty
             y = fill(q.shape[:-1] + (self.value_dim,), dtype=self.dtype, device=q.device)
         self._token("y", y, self.query_heads, self.value_dim, T, tensors)  # C++ refuses a y overlapping q, k or v
+        lse_descriptor = self._lse(lse, T)
         tensors.append(self._code)
         if op is ops.decode and control:
             control = [1 if a else 0 for a in control]
         if torch.compiler.is_compiling():  # traced: the custom op (on [B, H, T, C] views), which the graph records
             as4 = lambda t: t.unsqueeze(0).transpose(1, 2) if t.dim() == 3 else t
-            op(self._handle, as4(q), as4(k), as4(v), xs, as4(y), control)
+            as3 = lambda t: t.unsqueeze(0).transpose(1, 2) if t is not None and t.dim() == 2 else t
+            op(self._handle, as4(q), as4(k), as4(v), xs, as4(y), control, as3(lse))
         else:  # eager: straight to C++ (a custom op's dispatcher costs more than the checks and the call)
-            (_kvmem.prefill if op is ops.prefill else _kvmem.decode)(self._handle, tensors, xs, control)
+            _DIRECT[op](self._handle, tensors, xs, control, lse_descriptor)
         return y
 
     # --- the memory's contract ---------------------------------------------------------------------------
-    def prefill(self, q, k, v, *extras, y: torch.Tensor | None = None, lengths: Sequence[int] | None = None) -> torch.Tensor:
+    def prefill(self, q, k, v, *extras, y: torch.Tensor | None = None, lengths: Sequence[int] | None = None,
+                lse: torch.Tensor | None = None) -> torch.Tensor:
         """Runs a prompt: q [B, Hq, T, D], k [B, Hkv, T, D], v [B, Hkv, T, Dv] (or [T, H, C] for B = 1), the
         family's extras, and writes y [B, Hq, T, Dv] (returned; allocated in q's layout when not given).
         Sequence b takes its first lengths[b] tokens (ragged batch; all T when None) after those it holds; y
         rows past a length are zeros. A sequence with lengths[b] = 0 keeps its state (another request's slot),
         and a sequence that holds tokens continues its prompt (chunked prefill, with the bits of one prefill;
-        for Trellis when every piece but the last is a multiple of its chunk). Raises ValueError for a length
-        outside [0, T]."""
+        for Trellis when every piece but the last is a multiple of its chunk). With ``lse`` (float32 [B, Hq, T],
+        or [T, Hq] for B = 1, any strides) the readout's log-sum-exp is written there too: the natural log of
+        each query's softmax normalizer over the keys it read, -inf past a length, to merge y with attention
+        over other keys (docs/python.md). Raises ValueError for a length outside [0, T] or an lse of another
+        shape, TypeError for an lse that is not float32, and ValueError for an lse on a memory whose readout
+        is not one softmax (TrellisMemory)."""
         lengths = [] if lengths is None else [int(n) for n in lengths]
         if lengths and len(lengths) != self.batch:
             raise ValueError(f"len(lengths) = {len(lengths)}: must equal the batch size {self.batch}")
-        return self._call(ops.prefill, q, k, v, extras, y, lengths)
+        return self._call(ops.prefill, q, k, v, extras, y, lengths, lse)
 
-    def decode(self, q, k, v, *extras, y: torch.Tensor | None = None, active: Sequence[bool] | None = None) -> torch.Tensor:
+    def extend(self, q, k, v, *extras, y: torch.Tensor | None = None, lengths: Sequence[int] | None = None,
+               lse: torch.Tensor | None = None) -> torch.Tensor:
+        """prefill() that only continues prompts (chunked prefill): sequence b takes lengths[b] tokens after
+        the ones it holds. Raises ValueError naming the sequence when one with lengths[b] > 0 holds no token
+        (start it with prefill()), before anything changes; otherwise as prefill()."""
+        lengths = [] if lengths is None else [int(n) for n in lengths]
+        if lengths and len(lengths) != self.batch:
+            raise ValueError(f"len(lengths) = {len(lengths)}: must equal the batch size {self.batch}")
+        return self._call(ops.extend, q, k, v, extras, y, lengths, lse)
+
+    @property
+    def strict_slots(self) -> bool:
+        """The strict slot protocol (off by default): when on, prefill() refuses a sequence that holds tokens
+        (a request in a busy slot: extend() continues a prompt, reset_sequence() frees the slot) and decode()
+        one that holds none (a step of a request that never started), each with a ValueError naming the
+        sequence and its state, before anything changes."""
+        return _kvmem.strict_slots(self._handle)
+
+    @strict_slots.setter
+    def strict_slots(self, on: bool) -> None:
+        _kvmem.set_strict_slots(self._handle, bool(on))
+
+    def decode(self, q, k, v, *extras, y: torch.Tensor | None = None, active: Sequence[bool] | None = None,
+               lse: torch.Tensor | None = None) -> torch.Tensor:
         """Appends one token per sequence (T = 1) and writes its output row into y [B, Hq, 1, Dv]; with
         ``active`` (one bool per sequence) only those sequences advance and the others' rows of y are left
-        as they were. Continues whatever prefill or earlier decodes left."""
+        as they were. Continues whatever prefill or earlier decodes left. ``lse`` (float32 [B, Hq, 1]) as in
+        prefill, written for the active sequences."""
         active = [] if active is None else [bool(a) for a in active]
         if active and len(active) != self.batch:
             raise ValueError(f"len(active) = {len(active)}: must equal the batch size {self.batch}")
-        return self._call(ops.decode, q, k, v, extras, y, active)
+        return self._call(ops.decode, q, k, v, extras, y, active, lse)
 
     def reset(self) -> None:
         """Forgets every sequence; keeps the allocations."""

@@ -1,7 +1,8 @@
-"""The torch.library custom ops ``kvmem::prefill`` and ``kvmem::decode``, and how tensors cross into C++.
+"""The torch.library custom ops ``kvmem::prefill``, ``kvmem::extend`` and ``kvmem::decode``, and how tensors cross into C++.
 
-Both ops take a memory handle (an int: what torch.compile can trace), the token tensors and an output tensor
-``y`` that they write in place (``mutates_args=("y",)``), and return nothing. Their fake (meta)
+Both ops take a memory handle (an int: what torch.compile can trace), the token tensors, an output tensor
+``y`` and optionally ``lse`` (the readout's log-sum-exp, float32 [B, Hq, T]) that they write in place
+(``mutates_args=("y", "lse")``), and return nothing. Their fake (meta)
 implementations do nothing, since ``y`` already has its final shape: a model that calls them traces under
 torch.compile without graph breaks and ``torch.library.opcheck`` passes. The memory classes of
 kvmem.memories check every argument and, outside torch.compile tracing, call the C++ module directly
@@ -21,6 +22,7 @@ memory's dtype; DLPack would cost microseconds per tensor at every step.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Optional
 
 import torch
 
@@ -67,32 +69,62 @@ def describe(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, y: torch.Tensor)
     return out
 
 
-def call(run, handle: int, q, k, v, extras: Sequence[torch.Tensor], y, control: Sequence[int]) -> None:
+def describe_lse(lse: torch.Tensor | None) -> list[int]:
+    """The 7-integer descriptor of lse [B, Hq, T] (data pointer, 3 extents, 3 strides in elements), or []
+    for None. Raises TypeError for a dtype other than float32 and ValueError for another device or a rank
+    other than 3; C++ checks the extents against the memory."""
+    if lse is None:
+        return []
+    if lse.dtype != torch.float32:
+        raise TypeError(f"lse.dtype = {lse.dtype}: must be torch.float32")
+    if lse.device != device():
+        raise ValueError(f"lse.device = {lse.device}: must be the memory's device {device()} (kvmem does not copy)")
+    if lse.dim() != 3:
+        raise ValueError(f"lse.dim() = {lse.dim()}: must be 3 ([B, Hq, T])")
+    return [lse.data_ptr(), *lse.shape, *lse.stride()]
+
+
+def call(run, handle: int, q, k, v, extras: Sequence[torch.Tensor], y, control: Sequence[int], lse=None) -> None:
     """Runs ``_kvmem.prefill`` or ``_kvmem.decode`` (``run``) on the tensors, without the dispatcher."""
-    run(handle, describe(q, k, v, y), [x.detach() for x in extras], control)
+    run(handle, describe(q, k, v, y), [x.detach() for x in extras], control, describe_lse(lse))
 
 
-@torch.library.custom_op("kvmem::prefill", mutates_args=("y",))
+@torch.library.custom_op("kvmem::prefill", mutates_args=("y", "lse"))
 def prefill(handle: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, extras: Sequence[torch.Tensor],
-            y: torch.Tensor, lengths: Sequence[int]) -> None:
+            y: torch.Tensor, lengths: Sequence[int], lse: Optional[torch.Tensor] = None) -> None:
     """Runs T tokens of every sequence through memory ``handle`` (sequence b: its first lengths[b] tokens;
-    all T when ``lengths`` is empty) and writes y. Raises ValueError for shapes the memory rejects."""
-    call(_kvmem.prefill, handle, q, k, v, extras, y, list(lengths))
+    all T when ``lengths`` is empty) and writes y, and the readout's log-sum-exp into ``lse`` when given.
+    Raises ValueError for shapes the memory rejects."""
+    call(_kvmem.prefill, handle, q, k, v, extras, y, list(lengths), lse)
 
 
 @prefill.register_fake
-def _(handle, q, k, v, extras, y, lengths) -> None:
+def _(handle, q, k, v, extras, y, lengths, lse=None) -> None:
     return None
 
 
-@torch.library.custom_op("kvmem::decode", mutates_args=("y",))
+@torch.library.custom_op("kvmem::extend", mutates_args=("y", "lse"))
+def extend(handle: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, extras: Sequence[torch.Tensor],
+           y: torch.Tensor, lengths: Sequence[int], lse: Optional[torch.Tensor] = None) -> None:
+    """prefill that only continues prompts (chunked prefill): a sequence with lengths[b] > 0 must hold
+    tokens. Raises ValueError naming the sequence otherwise, or for shapes the memory rejects."""
+    call(_kvmem.extend, handle, q, k, v, extras, y, list(lengths), lse)
+
+
+@extend.register_fake
+def _(handle, q, k, v, extras, y, lengths, lse=None) -> None:
+    return None
+
+
+@torch.library.custom_op("kvmem::decode", mutates_args=("y", "lse"))
 def decode(handle: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, extras: Sequence[torch.Tensor],
-           y: torch.Tensor, active: Sequence[int]) -> None:
+           y: torch.Tensor, active: Sequence[int], lse: Optional[torch.Tensor] = None) -> None:
     """Runs one token of every sequence b with active[b] != 0 (all when ``active`` is empty) through memory
-    ``handle`` and writes its row of y (rows of inactive sequences are left as they were)."""
-    call(_kvmem.decode, handle, q, k, v, extras, y, [1 if a else 0 for a in active])
+    ``handle`` and writes its row of y (rows of inactive sequences are left as they were), and of ``lse``
+    when given."""
+    call(_kvmem.decode, handle, q, k, v, extras, y, [1 if a else 0 for a in active], lse)
 
 
 @decode.register_fake
-def _(handle, q, k, v, extras, y, active) -> None:
+def _(handle, q, k, v, extras, y, active, lse=None) -> None:
     return None

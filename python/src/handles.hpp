@@ -27,6 +27,19 @@ namespace kvmem::python {
 struct Call {
   Descriptor tensors{};
   std::vector<nb::ndarray<>> extras;
+  /// The readout's log-sum-exp to write, lse [B, Hq, T] float32: (data pointer, 3 extents, 3 strides in
+  /// elements), or all zeros when not asked (LseDescriptor).
+  LseDescriptor lse{};
+
+  /// Whether the call asks for the readout's log-sum-exp.
+  [[nodiscard]] bool wants_lse() const { return lse[0] != 0; }
+  /// lse as a view of type View (a facade's lse_out; unallocated when not asked).
+  template <class View>
+  [[nodiscard]] View lse_view() const {
+    if (!wants_lse()) return View{};
+    const Kokkos::LayoutStride layout(lse[1], lse[4], lse[2], lse[5], lse[3], lse[6]);
+    return View(reinterpret_cast<float*>(static_cast<std::uintptr_t>(lse[0])), layout);
+  }
 
   /// The storage type of q, k, v and y.
   [[nodiscard]] Dtype dtype() const { return static_cast<Dtype>(tensors[descriptor_size - 1]); }
@@ -39,11 +52,15 @@ struct Call {
   }
   /// Token t of every sequence (T = 1): the same tensors, each moved on by t tokens, no extras.
   [[nodiscard]] Call token(std::int64_t t) const {
-    Call c{tensors, {}};
+    Call c{tensors, {}, lse};
     for (std::size_t i = 0; i < 4; ++i) {
       std::int64_t* d = c.tensors.data() + 9 * i;
       d[0] += t * d[7] * element_bytes();
       d[3] = 1;
+    }
+    if (wants_lse()) {
+      c.lse[0] += t * c.lse[6] * static_cast<std::int64_t>(sizeof(float));
+      c.lse[3] = 1;
     }
     return c;
   }
@@ -56,9 +73,16 @@ class AnyMemory {
   /// The storage type of the memory's tokens and state (its template's Storage).
   [[nodiscard]] virtual Dtype dtype() const = 0;
   /// Runs a prompt (Memory::prefill, EvictionMemory::prefill, TrellisMemory::prefill); lengths [B] or empty.
+  /// Writes the readout's log-sum-exp too when the call asks (Call::lse); throws kvmem::invalid_argument
+  /// when it asks a memory whose readout is not one softmax (Trellis).
   virtual void prefill(const Call& call, std::span<const long> lengths) = 0;
-  /// Runs one token per active sequence; active [B] (0/1) or empty for all.
+  /// Runs one token per active sequence; active [B] (0/1) or empty for all. The log-sum-exp as prefill.
   virtual void decode(const Call& call, std::span<const unsigned char> active) = 0;
+  /// Continues prompts (the facade's extend()): prefill's form, refusing a sequence that holds no token.
+  virtual void extend(const Call& call, std::span<const long> lengths) = 0;
+  /// The strict slot protocol on or off (the facade's set_strict_slots()), and whether it is on.
+  virtual void set_strict_slots(bool on) = 0;
+  [[nodiscard]] virtual bool strict_slots() const = 0;
   /// Forgets every sequence (the facade's reset()).
   virtual void reset() = 0;
   /// Forgets sequence b alone (the facade's reset_sequence(b)); throws kvmem::invalid_argument as it does.
@@ -133,20 +157,41 @@ class TypedMemory : public AnyMemory {
   [[nodiscard]] Dtype dtype() const final { return dtype_of<S>; }
 };
 
-/// A facade M (kvmem::AttentionMemory) behind AnyMemory: prefill, decode, reset, reset_sequence, the sizes
-/// and the token counts go through the one contract, the same for every family. A family's class gives the
-/// memory (memory()), how a call's tensors become M::inputs (inputs(), its extras included) and state().
+/// A facade M (kvmem::AttentionMemory) behind AnyMemory: prefill, decode (with the readout's log-sum-exp
+/// when asked), reset, reset_sequence, the sizes and the token counts go through the one contract, the
+/// same for every family. A family's class gives the memory (memory()), how a call's tensors become
+/// M::inputs (inputs(), its extras included) and state().
 template <AttentionMemory M>
 class ContractMemory : public TypedMemory<typename M::storage_type> {
   using S = typename M::storage_type;
 
  public:
   void prefill(const Call& c, std::span<const long> lengths) final {
+    if constexpr (M::softmax_readout) {
+      if (c.wants_lse()) return memory().prefill(inputs(c), c.views<S>().y, lengths, c.lse_view<typename M::lse_out>());
+    } else {
+      refuse_lse(c);
+    }
     memory().prefill(inputs(c), c.views<S>().y, lengths);
   }
   void decode(const Call& c, std::span<const unsigned char> active) final {
+    if constexpr (M::softmax_readout) {
+      if (c.wants_lse()) return memory().decode(inputs(c), c.views<S>().y, active, c.lse_view<typename M::lse_out>());
+    } else {
+      refuse_lse(c);
+    }
     memory().decode(inputs(c), c.views<S>().y, active);
   }
+  void extend(const Call& c, std::span<const long> lengths) final {
+    if constexpr (M::softmax_readout) {
+      if (c.wants_lse()) return memory().extend(inputs(c), c.views<S>().y, lengths, c.lse_view<typename M::lse_out>());
+    } else {
+      refuse_lse(c);
+    }
+    memory().extend(inputs(c), c.views<S>().y, lengths);
+  }
+  void set_strict_slots(bool on) final { memory().set_strict_slots(on); }
+  [[nodiscard]] bool strict_slots() const final { return memory().strict_slots(); }
   void reset() final { memory().reset(); }
   void reset_sequence(long b) final { memory().reset_sequence(b); }
   [[nodiscard]] long allocated_bytes() const final { return memory().allocated_bytes(); }
@@ -159,6 +204,13 @@ class ContractMemory : public TypedMemory<typename M::storage_type> {
   /// The call's q, k, v and the family's extras as the memory's inputs; throws kvmem::invalid_argument for
   /// missing or misshapen extras.
   [[nodiscard]] virtual typename M::inputs inputs(const Call& c) const = 0;
+
+ private:
+  static void refuse_lse(const Call& c) {
+    if (c.wants_lse())
+      throw invalid_argument(detail::describe("lse", "a tensor", "this memory reads its slots through phi, not one softmax "
+                                                                  "over keys: it has no log-sum-exp (pass lse=None)"));
+  }
 };
 
 }  // namespace kvmem::python

@@ -77,16 +77,21 @@ void finalize() {
   if (Kokkos::is_initialized() && !Kokkos::is_finalized()) Kokkos::finalize();
 }
 
-/// The call of `memory` on the tensors of descriptor `tensors` (tensors.hpp) and the family's `extras`.
-/// Throws kvmem::invalid_argument when the descriptor is not 37 integers, when its dtype is not the
-/// memory's (naming q.dtype and both types), or when y's bytes overlap those of q, k or v (the output would
-/// be written while it is read).
-Call make_call(const AnyMemory& memory, const std::vector<std::int64_t>& tensors, std::vector<nb::ndarray<>> extras) {
+/// The call of `memory` on the tensors of descriptor `tensors` (tensors.hpp), the family's `extras` and the
+/// log-sum-exp descriptor `lse` (7 integers, or none when not asked). Throws kvmem::invalid_argument when
+/// the descriptor is not 37 integers or `lse` neither 0 nor 7, when its dtype is not the memory's (naming
+/// q.dtype and both types), or when y's bytes overlap those of q, k or v (the output would be written while
+/// it is read).
+Call make_call(const AnyMemory& memory, const std::vector<std::int64_t>& tensors, std::vector<nb::ndarray<>> extras,
+               const std::vector<std::int64_t>& lse = {}) {
   if (tensors.size() != descriptor_size)
     throw invalid_argument(detail::describe("tensors", tensors.size(), "must be 37 integers: q, k, v, y as (pointer, 4 extents, "
                                                                        "4 strides), then the dtype code"));
-  Call call{{}, std::move(extras)};
+  if (!lse.empty() && lse.size() != lse_descriptor_size)
+    throw invalid_argument(detail::describe("lse", lse.size(), "must be 7 integers (pointer, 3 extents, 3 strides) or none"));
+  Call call{{}, std::move(extras), {}};
   std::copy(tensors.begin(), tensors.end(), call.tensors.begin());
+  std::copy(lse.begin(), lse.end(), call.lse.begin());
   const std::int64_t code = tensors.back();
   if (code < 0 || code > 2 || static_cast<Dtype>(code) != memory.dtype())
     throw invalid_argument(detail::describe("q.dtype", code >= 0 && code <= 2 ? dtype_name_of(static_cast<Dtype>(code)) : "unknown code",
@@ -112,17 +117,25 @@ Call make_call(const AnyMemory& memory, const std::vector<std::int64_t>& tensors
 }
 
 void prefill(long handle, const std::vector<std::int64_t>& tensors, std::vector<nb::ndarray<>> extras,
-             const std::vector<long>& lengths) {
+             const std::vector<long>& lengths, const std::vector<std::int64_t>& lse) {
   auto& memory = handles().at(handle);
-  const Call call = make_call(memory, tensors, std::move(extras));
+  const Call call = make_call(memory, tensors, std::move(extras), lse);
   nb::gil_scoped_release release;
   memory.prefill(call, lengths);
 }
 
-void decode(long handle, const std::vector<std::int64_t>& tensors, std::vector<nb::ndarray<>> extras,
-            const std::vector<std::uint8_t>& active) {
+void extend(long handle, const std::vector<std::int64_t>& tensors, std::vector<nb::ndarray<>> extras,
+            const std::vector<long>& lengths, const std::vector<std::int64_t>& lse) {
   auto& memory = handles().at(handle);
-  const Call call = make_call(memory, tensors, std::move(extras));
+  const Call call = make_call(memory, tensors, std::move(extras), lse);
+  nb::gil_scoped_release release;
+  memory.extend(call, lengths);
+}
+
+void decode(long handle, const std::vector<std::int64_t>& tensors, std::vector<nb::ndarray<>> extras,
+            const std::vector<std::uint8_t>& active, const std::vector<std::int64_t>& lse) {
+  auto& memory = handles().at(handle);
+  const Call call = make_call(memory, tensors, std::move(extras), lse);
   nb::gil_scoped_release release;
   memory.decode(call, std::span<const unsigned char>(active.data(), active.size()));
 }
@@ -192,8 +205,15 @@ NB_MODULE(_kvmem, m) {
   py::bind_eviction_memories(m);
   py::bind_trellis_memory(m);
 
-  m.def("prefill", &py::prefill, nb::arg("handle"), nb::arg("tensors"), nb::arg("extras"), nb::arg("lengths"));
-  m.def("decode", &py::decode, nb::arg("handle"), nb::arg("tensors"), nb::arg("extras"), nb::arg("active"));
+  m.def("prefill", &py::prefill, nb::arg("handle"), nb::arg("tensors"), nb::arg("extras"), nb::arg("lengths"),
+        nb::arg("lse") = std::vector<std::int64_t>{});
+  m.def("decode", &py::decode, nb::arg("handle"), nb::arg("tensors"), nb::arg("extras"), nb::arg("active"),
+        nb::arg("lse") = std::vector<std::int64_t>{});
+  m.def("extend", &py::extend, nb::arg("handle"), nb::arg("tensors"), nb::arg("extras"), nb::arg("lengths"),
+        nb::arg("lse") = std::vector<std::int64_t>{});
+  m.def("set_strict_slots", [](long handle, bool on) { py::handles().at(handle).set_strict_slots(on); }, nb::arg("handle"),
+        nb::arg("on"));
+  m.def("strict_slots", [](long handle) { return py::handles().at(handle).strict_slots(); }, nb::arg("handle"));
   m.def("reset", [](long h) { py::handles().at(h).reset(); }, nb::arg("handle"));
   m.def("reset_sequence", [](long h, long b) { py::handles().at(h).reset_sequence(b); }, nb::arg("handle"),
         nb::arg("sequence"));

@@ -117,6 +117,10 @@ gates_in<S> gate_view(const nb::ndarray<>& t, const char* name) {
 /// has checked dtype, device and rank; the memories check the extents against their configuration.
 inline constexpr std::size_t descriptor_size = 4 * 9 + 1;
 using Descriptor = std::array<std::int64_t, descriptor_size>;
+/// The descriptor of a call's log-sum-exp output lse [B, Hq, T] (float32): data pointer, 3 extents, 3
+/// strides in elements; all zeros when the call does not ask for it.
+inline constexpr std::size_t lse_descriptor_size = 1 + 3 + 3;
+using LseDescriptor = std::array<std::int64_t, lse_descriptor_size>;
 
 /// The views of a descriptor's tensors in storage type S (which the caller has matched with the
 /// descriptor's dtype code): q, k, v read, y written.

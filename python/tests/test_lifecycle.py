@@ -145,3 +145,33 @@ def test_reset_sequence_refuses_a_slot_out_of_range(make, multiple):
     for b in (-1, SLOTS):
         with pytest.raises(ValueError, match=f"sequence = {b}"):
             memory.reset_sequence(b)
+
+
+@pytest.mark.parametrize("make,multiple", FAMILIES, ids=[f.__name__ for f, _ in FAMILIES])
+def test_strict_slots_refuse_a_busy_prefill_and_an_empty_chunk_or_step(make, multiple):
+    """Under the strict slot protocol a prefill into a busy slot, an extend of an empty one and a decode
+    step of an empty one raise ValueError naming the sequence, and change nothing; the calls that fit go
+    through (the C++ twin: test_lifecycle.cpp, "the strict slot protocol ...")."""
+    g = torch.Generator().manual_seed(3)
+    P, C = 2 * multiple, multiple
+    x = batch_of([request_tokens(make, P + C + 1, g), request_tokens(make, P + C + 1, g)], 2)
+    at = lambda a, b: [t[:, :, a:b] for t in x]
+    memory = make(2)
+    assert not memory.strict_slots
+    memory.strict_slots = True
+    assert memory.strict_slots
+    memory.prefill(*at(0, P), lengths=[P, 0])
+    before = [state_of(memory, b) for b in (0, 1)]
+    with pytest.raises(ValueError, match=f"prefill: sequence 0 = busy \\(holds {P} tokens\\)"):
+        memory.prefill(*at(P, P + C), lengths=[C, 0])
+    with pytest.raises(ValueError, match=r"extend: sequence 1 = empty \(holds no token\)"):
+        memory.extend(*at(P, P + C), lengths=[C, C])
+    with pytest.raises(ValueError, match=r"decode: sequence 1 = empty \(holds no token\)"):
+        memory.decode(*at(P, P + 1))
+    for b in (0, 1):
+        for got, want in zip(state_of(memory, b), before[b]):
+            torch.testing.assert_close(got, want, rtol=0, atol=0)
+    memory.extend(*at(P, P + C), lengths=[C, 0])
+    memory.prefill(*at(0, P), lengths=[0, P])
+    memory.decode(*at(P + C, P + C + 1))
+    assert (memory.tokens(0), memory.tokens(1)) == (P + C + 1, P + 1)

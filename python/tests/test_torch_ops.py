@@ -13,17 +13,19 @@ def memory(dtype=torch.float32):
     return kvmem.EvictionMemory(D, HQ, HKV, batch=B, scorer="knorm", sinks=2, window=8, top_k=8, dtype=dtype)
 
 
+@pytest.mark.parametrize("with_lse", [False, True], ids=["y", "y+lse"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("op", ["prefill", "decode"])
-def test_opcheck(rand, op, dtype):
+def test_opcheck(rand, op, dtype, with_lse):
     m = memory(dtype)
     tokens = T if op == "prefill" else 1
     q, k, v = rand(B, HQ, tokens, D).to(dtype), rand(B, HKV, tokens, D).to(dtype), rand(B, HKV, tokens, D).to(dtype)
     y = torch.empty(B, HQ, tokens, D, dtype=dtype)
+    lse = torch.empty(B, HQ, tokens) if with_lse else None
     fn = getattr(torch.ops.kvmem, op).default
     if op == "decode":
         m.prefill(rand(B, HQ, T, D).to(dtype), rand(B, HKV, T, D).to(dtype), rand(B, HKV, T, D).to(dtype))
-    torch.library.opcheck(fn, (m.handle, q, k, v, [], y, []))
+    torch.library.opcheck(fn, (m.handle, q, k, v, [], y, [], lse))
 
 
 class Attention(torch.nn.Module):

@@ -71,6 +71,7 @@ struct EvictHead {
 
 struct EvictResult {
   std::vector<double> y;                    ///< [G][T][Dv]
+  std::vector<double> lse;                  ///< [G][T] log-sum-exp of each query's logits (natural log)
   std::vector<std::vector<long>> attended;  ///< per query q: the attended set A(q), ascending
   std::vector<long> kept;                   ///< A(T - 1) (the cache after the last step), ascending
   std::vector<double> score;                ///< [T] static score_t (NaN: never scored, or a dynamic scorer)
@@ -264,6 +265,7 @@ inline EvictResult evict_decode(const EvictHead& x, const EvictPolicy& p) {
   const bool dynamic = p.kind == EvictKind::h2o || p.kind == EvictKind::tova;
   EvictResult r;
   r.y.assign(G * T * Dv, 0.0);
+  r.lse.assign(G * T, 0.0);
   r.attended.resize(T);
   r.score = dynamic ? Vec(T, nan) : static_scores(x, p);
   const double lg = policy_log_gamma(p);
@@ -302,6 +304,7 @@ inline EvictResult evict_decode(const EvictHead& x, const EvictPolicy& p) {
         logits[i] = d / std::sqrt(static_cast<double>(D)) + std::log(rows.n[cache[i]]);
       }
       const Vec pr = softmax(logits);
+      r.lse[g * T + q] = math::log_sum_exp(logits);
       for (std::size_t i = 0; i < cache.size(); ++i) {
         psum[i] += pr[i];
         for (long c = 0; c < Dv; ++c) r.y[(g * T + q) * Dv + c] += pr[i] * rows.V[cache[i]][c];
@@ -329,6 +332,7 @@ inline std::vector<EvictResult> evict_decode_layer(const std::vector<EvictHead>&
   std::vector<EvictResult> r(H);
   for (long h = 0; h < H; ++h) {
     r[h].y.assign(heads[h].G * T * heads[h].Dv, 0.0);
+    r[h].lse.assign(heads[h].G * T, 0.0);
     r[h].attended.resize(T);
     r[h].score.assign(T, nan);
   }
@@ -355,6 +359,7 @@ inline std::vector<EvictResult> evict_decode_layer(const std::vector<EvictHead>&
           logits[i] = d / std::sqrt(static_cast<double>(x.D)) + std::log(rows[h].n[cache[i]]);
         }
         const Vec pr = softmax(logits);
+        r[h].lse[g * T + q] = math::log_sum_exp(logits);
         for (std::size_t i = 0; i < cache.size(); ++i) {
           psum[i] += pr[i];
           for (long c = 0; c < x.Dv; ++c) r[h].y[(g * T + q) * x.Dv + c] += pr[i] * rows[h].V[cache[i]][c];

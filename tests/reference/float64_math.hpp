@@ -1,5 +1,5 @@
 #pragma once
-// Small float64 helpers shared by the naive C++ references: sigmoid, log-sigmoid and softmax, written for
+// Small float64 helpers shared by the naive C++ references: sigmoid, log-sigmoid, softmax and log-sum-exp, written for
 // clarity and without overflow.
 
 #include <algorithm>
@@ -21,6 +21,14 @@ inline Vec softmax(const Vec& z) {
   for (std::size_t i = 0; i < z.size(); ++i) s += (p[i] = std::exp(z[i] - top));
   for (auto& x : p) x /= s;
   return p;
+}
+
+/// log sum_i exp(z_i) (n >= 1), max subtracted first.
+inline double log_sum_exp(const Vec& z) {
+  const double top = *std::max_element(z.begin(), z.end());
+  double s = 0;
+  for (double x : z) s += std::exp(x - top);
+  return top + std::log(s);
 }
 
 }  // namespace kvmem_ref::math

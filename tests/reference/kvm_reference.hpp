@@ -45,6 +45,7 @@ struct KvmSequence {          // one sequence of a batch
 
 struct KvmResult {
   std::vector<double> y;             // [Hq, T, Dv]
+  std::vector<double> lse;           // [Hq, T] log-sum-exp of each query's logits (natural log)
   long rows = 0;                     // state rows m of the final state (same for every kv head)
   std::vector<double> state_keys;    // [Hkv, rows, D]  running sums K (not LN_s(K)), creation order
   std::vector<double> state_values;  // [Hkv, rows, Dv] running sums V
@@ -163,8 +164,9 @@ inline StateHat read_state(const State& st, const KvmSequence& s, const KvmParam
   return h;
 }
 
-// Section 3: y_u for query head h at position u; state rows (if any) plus window keys [b, u].
-inline void readout(const Head& hd, long h, long u, const StateHat* sh, long b, double* y) {
+// Section 3: y_u for query head h at position u; state rows (if any) plus window keys [b, u]. Returns the
+// log-sum-exp of the logits, log sum_j exp(logit_j).
+inline double readout(const Head& hd, long h, long u, const StateHat* sh, long b, double* y) {
   const KvmSequence& s = hd.s;
   const double* q = &s.q[(h * s.T + u) * s.D];
   const double scale = 1.0 / std::sqrt(static_cast<double>(s.D));
@@ -189,6 +191,7 @@ inline void readout(const Head& hd, long h, long u, const StateHat* sh, long b, 
     for (std::size_t i = 0; i < logits.size(); ++i) acc += logits[i] * vals[i][c];
     y[c] = acc / sum;
   }
+  return mx + std::log(sum);
 }
 
 // Diagnostics of one state update (for tests).
@@ -286,6 +289,7 @@ inline void check_config(const KvmSequence& s, const KvmParams& p) {
 inline KvmResult make_result(const KvmSequence& s) {
   KvmResult r;
   r.y.assign(s.Hq * s.T * s.Dv, 0.0);
+  r.lse.assign(s.Hq * s.T, 0.0);
   return r;
 }
 
@@ -312,7 +316,7 @@ inline KvmResult prefill_impl(const KvmSequence& s, const KvmParams& p, std::vec
     // Front block: exact causal attention, no state.
     const long L0 = std::min(T, L);
     for (long h = j * G; h < (j + 1) * G; ++h)
-      for (long u = 0; u < L0; ++u) readout(hd, h, u, nullptr, 0, y(h, u));
+      for (long u = 0; u < L0; ++u) res.lse[h * T + u] = readout(hd, h, u, nullptr, 0, y(h, u));
     // The first chunk initializes the state (ungated, no merge).
     State st;
     const long n0 = std::min(T, C);
@@ -324,7 +328,7 @@ inline KvmResult prefill_impl(const KvmSequence& s, const KvmParams& p, std::vec
       assert(b == cov);
       const StateHat sh = read_state(st, s, p);
       for (long h = j * G; h < (j + 1) * G; ++h)
-        for (long u = s0; u < e; ++u) readout(hd, h, u, &sh, b, y(h, u));   // attend first
+        for (long u = s0; u < e; ++u) res.lse[h * T + u] = readout(hd, h, u, &sh, b, y(h, u));  // attend first
       const long nb = bswa_begin(std::min(T, e + C), C, L);
       if (nb > b) {                                                         // then update
         assert(nb - b == C);
@@ -373,7 +377,7 @@ inline KvmResult decode_impl(const KvmSequence& s, const KvmParams& p, std::vect
       // Window is [nb, n); the state is read only once nb > 0.
       if (nb > 0 && state_changed) { sh = read_state(st, s, p); state_changed = false; }
       for (long h = j * G; h < (j + 1) * G; ++h)
-        readout(hd, h, u, nb > 0 ? &sh : nullptr, nb, &res.y[(h * T + u) * s.Dv]);
+        res.lse[h * T + u] = readout(hd, h, u, nb > 0 ? &sh : nullptr, nb, &res.y[(h * T + u) * s.Dv]);
     }
     assert(cov == std::max(std::min(T, C), bswa_begin(T, C, L)));
     store_state(res, s, j, st);

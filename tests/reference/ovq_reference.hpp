@@ -50,6 +50,7 @@ struct OvqSequence {                // one sequence of a batch
 
 struct OvqResult {
   std::vector<double> y;                // [H, T, Dv]
+  std::vector<double> lse;              // [H, T] log-sum-exp of each query's logits (natural log)
   long rows = 0;                        // live rows `size` of the final committed state
                                         // (the same for every head)
   std::vector<double> centroid_keys;    // [H, rows, D]
@@ -167,8 +168,8 @@ inline std::vector<long> commit(OvqDict& d, long m, long num_new, const double* 
 }
 
 // Spec section 4: softmax over the m live centroids (bias log count) and the given raw tokens
-// (bias 0); y [Dv].
-inline void ovq_attend(const OvqDict& d, long m, const std::vector<double>& qs,
+// (bias 0); y [Dv]. Returns the log-sum-exp of the logits.
+inline double ovq_attend(const OvqDict& d, long m, const std::vector<double>& qs,
                        const std::vector<const double*>& tok_keys,
                        const std::vector<const double*>& tok_vals, bool count_bias, double* y) {
   std::vector<double> logits;
@@ -192,6 +193,7 @@ inline void ovq_attend(const OvqDict& d, long m, const std::vector<double>& qs,
     for (std::size_t i = 0; i < logits.size(); ++i) acc += logits[i] * vals[i][c];
     y[c] = acc / sum;
   }
+  return mx + std::log(sum);
 }
 
 // Normalized keys khat [T, D] and scaled queries qs [T, D] of head h.
@@ -248,6 +250,7 @@ inline OvqResult ovq_prefill(const OvqSequence& s, const OvqParams& p) {
   const std::vector<long> sizes = ovq_sizes(p, T);
   OvqResult res;
   res.y.assign(s.H * T * s.Dv, 0.0);
+  res.lse.assign(s.H * T, 0.0);
   res.rows = sizes[T / C];
   for (long h = 0; h < s.H; ++h) {
     const detail::OvqHeadInputs in(s, h);
@@ -260,7 +263,7 @@ inline OvqResult ovq_prefill(const OvqSequence& s, const OvqParams& p) {
           tk.push_back(in.khat[t].data());
           tv.push_back(&s.v[(h * T + t) * s.Dv]);
         }
-        detail::ovq_attend(dict, m, in.qs[u], tk, tv, p.count_bias, &res.y[(h * T + u) * s.Dv]);
+        res.lse[h * T + u] = detail::ovq_attend(dict, m, in.qs[u], tk, tv, p.count_bias, &res.y[(h * T + u) * s.Dv]);
       }
       if (e - b == C) {                   // only full chunks are committed
         std::vector<double> kh;
@@ -280,6 +283,7 @@ inline OvqResult ovq_decode(const OvqSequence& s, const OvqParams& p) {
   const long T = s.T, C = p.chunk;
   OvqResult res;
   res.y.assign(s.H * T * s.Dv, 0.0);
+  res.lse.assign(s.H * T, 0.0);
   if (s.H == 0) res.rows = ovq_sizes(p, T)[T / C];
   for (long h = 0; h < s.H; ++h) {
     detail::OvqDict dict(p.max_centroids, s.D, s.Dv);
@@ -299,7 +303,7 @@ inline OvqResult ovq_decode(const OvqSequence& s, const OvqParams& p) {
         tk.push_back(&pend_k[j * s.D]);
         tv.push_back(&pend_v[j * s.Dv]);
       }
-      detail::ovq_attend(dict, size, qs, tk, tv, p.count_bias, &res.y[(h * T + u) * s.Dv]);
+      res.lse[h * T + u] = detail::ovq_attend(dict, size, qs, tk, tv, p.count_bias, &res.y[(h * T + u) * s.Dv]);
       if (n == C) {
         const long next = detail::ovq_next_size(p, size, (committed + 1) * C);
         detail::commit(dict, size, next - size, pend_k.data(), pend_v.data(), C,

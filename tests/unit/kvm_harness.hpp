@@ -5,6 +5,7 @@
 #include <Kokkos_Core.hpp>
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <random>
 #include <string>
 #include <vector>
@@ -105,6 +106,7 @@ struct KvmCase {
 /// What the kernels produced for a batch: y [B, Hq, T, Dv] and the final state per sequence.
 struct KvmOutput {
   std::vector<float> y;
+  std::vector<float> lse;                                   // [B, Hq, T], the readout's log-sum-exp
   std::vector<long> rows;                                   // [B]
   std::vector<std::vector<float>> keys, values, radius, counts;  // per b: [Hkv, rows, D|Dv|1|1]
 };
@@ -168,7 +170,7 @@ std::vector<S> stored_as(const std::vector<float>& x) {
 /// to S; outputs widened back to float) and row eviction `row_policy` (score::RowEviction; the default
 /// evicts none), merging by `Merge` (KVM's merge::WinnerTakeAll by default; merge::Proportional is checked
 /// the same way). prefill_then_decode prefills the first `split` tokens of every sequence and decodes the
-/// rest.
+/// rest. Every call asks for the readout's log-sum-exp (the AttentionMemory overloads with lse).
 template <class ExecSpace, kvmem::StorageType S = float, class RowPolicy = kvmem::score::KeepRows,
           class Merge = kvmem::merge::WinnerTakeAll>
 KvmOutput run_kvm(const KvmCase& c, Mode mode, long split = 0, const ExecSpace& exec = ExecSpace(),
@@ -189,6 +191,8 @@ KvmOutput run_kvm(const KvmCase& c, Mode mode, long split = 0, const ExecSpace& 
   Kokkos::deep_copy(gate, Kokkos::View<const S***, Kokkos::LayoutRight, Kokkos::HostSpace, Kokkos::MemoryUnmanaged>(
                               gates.data(), c.B, c.Hkv, c.T));
   view4 y("y", c.B, c.Hq, c.T, c.Dv);
+  Kokkos::View<float***, Kokkos::LayoutRight, space> lse("lse", c.B, c.Hq, c.T);
+  Kokkos::deep_copy(lse, -std::numeric_limits<float>::infinity());  // what a prefill writes past a sequence
   kvmem::LayerWeights<space> w{device_vector<space>(c.ln_weight, "ln_weight"), device_vector<space>(c.ln_bias, "ln_bias"),
                                device_vector<space>(c.tau_state, "tau_state"), device_vector<space>(c.tau_bswa, "tau_bswa")};
   std::vector<long> len(c.B);
@@ -198,11 +202,12 @@ KvmOutput run_kvm(const KvmCase& c, Mode mode, long split = 0, const ExecSpace& 
     using budget_t = std::remove_cvref_t<decltype(budget)>;
     kvmem::Memory<ExecSpace, Merge, budget_t, kvmem::score::Novelty, RowPolicy, S> mem(c.config(), budget, w,
                                                                                        static_cast<int>(c.B), row_policy, exec);
+    using memory_t = decltype(mem);
     long first_decoded = 0;
     if (mode != Mode::decode) {
       std::vector<long> pre(c.B);
       for (long b = 0; b < c.B; ++b) pre[b] = mode == Mode::prefill ? len[b] : std::min(len[b], split);
-      mem.prefill(q, k, v, gate, y, pre);
+      mem.prefill(typename memory_t::inputs{q, k, v, gate}, y, pre, lse);
       first_decoded = mode == Mode::prefill ? c.T : split;
     }
     std::vector<unsigned char> active(c.B);
@@ -210,13 +215,16 @@ KvmOutput run_kvm(const KvmCase& c, Mode mode, long split = 0, const ExecSpace& 
       for (long b = 0; b < c.B; ++b) active[b] = t < len[b];
       const auto at = std::make_pair(t, t + 1);
       auto s4 = [&](const view4& x) { return Kokkos::subview(x, Kokkos::ALL, Kokkos::ALL, at, Kokkos::ALL); };
-      mem.decode(s4(q), s4(k), s4(v), Kokkos::subview(gate, Kokkos::ALL, Kokkos::ALL, at), s4(y), active);
+      auto s3 = [&](const auto& x) { return Kokkos::subview(x, Kokkos::ALL, Kokkos::ALL, at); };
+      mem.decode(typename memory_t::inputs{s4(q), s4(k), s4(v), s3(gate)}, s4(y), active, s3(lse));
     }
     read_state(mem, c, out);
   });
   auto yh = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), y);
   out.y.resize(yh.size());
   for (std::size_t i = 0; i < yh.size(); ++i) out.y[i] = kvmem::to_float(yh.data()[i]);
+  auto lh = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), lse);
+  out.lse.assign(lh.data(), lh.data() + lh.size());
   return out;
 }
 
@@ -237,6 +245,15 @@ inline std::vector<float> sequence_y(const KvmOutput& got, const KvmCase& c, lon
     for (long t = 0; t < c.length(b); ++t)
       for (long d = 0; d < c.Dv; ++d) y.push_back(got.y[((b * c.Hq + h) * c.T + t) * c.Dv + d]);
   return y;
+}
+
+/// The readout's log-sum-exp of sequence b's own tokens out of a batch run: [Hq, length(b)], as the
+/// reference writes it.
+inline std::vector<float> sequence_lse(const KvmOutput& got, const KvmCase& c, long b) {
+  std::vector<float> lse;
+  for (long h = 0; h < c.Hq; ++h)
+    for (long t = 0; t < c.length(b); ++t) lse.push_back(got.lse[(b * c.Hq + h) * c.T + t]);
+  return lse;
 }
 
 /// Largest |a - b| / max(1, max |b|) over a tensor: the relative error measure of the acceptance checks.

@@ -85,3 +85,32 @@ TEST_CASE("bad weights and shapes are named", "[errors]") {
   v4 q2("q", 2, 4, 13, 8), k2("k", 2, 2, 13, 8), v2("v", 2, 2, 13, 4), y2("y", 2, 4, 13, 4);
   REQUIRE_THROWS_WITH(sinky.prefill(q2, k2, v2, v3("g", 2, 2, 13), y2), ContainsSubstring("sinks = 4"));
 }
+
+TEST_CASE("a log-sum-exp output of the wrong shape is named, before anything changes", "[errors][lse]") {
+  using memory_t = kvmem::KvmMemory<exec, kvmem::budget::Fixed>;
+  memory_t mem(good_config(), {}, weights(8, 4), 2);
+  using v4 = Kokkos::View<float****, space>;
+  using v3 = Kokkos::View<float***, space>;
+  v4 q("q", 2, 4, 10, 8), k("k", 2, 2, 10, 8), v("v", 2, 2, 10, 4), y("y", 2, 4, 10, 4);
+  const memory_t::inputs in{q, k, v, v3("g", 2, 2, 10)};
+  REQUIRE_THROWS_WITH(mem.prefill(in, y, {}, v3("lse", 2, 2, 10)), ContainsSubstring("lse.extent(1) = 2"));
+  REQUIRE_THROWS_WITH(mem.prefill(in, y, {}, v3("lse", 2, 4, 9)), ContainsSubstring("lse.extent(2) = 9"));
+  REQUIRE(mem.cursor(0).tokens == 0);
+  REQUIRE_NOTHROW(mem.prefill(in, y, {}, v3("lse", 2, 4, 10)));
+  const auto one = std::make_pair(0L, 1L);
+  auto t4 = [&](const v4& x) { return Kokkos::subview(x, Kokkos::ALL, Kokkos::ALL, one, Kokkos::ALL); };
+  const memory_t::inputs step{t4(q), t4(k), t4(v), {}};
+  REQUIRE_THROWS_WITH(mem.decode(step, t4(y), {}, v3("lse", 1, 4, 1)), ContainsSubstring("lse.extent(0) = 1"));
+  REQUIRE_THROWS_WITH(mem.decode_async(step, t4(y), v3("lse", 2, 4, 2)), ContainsSubstring("lse.extent(2) = 2"));
+  REQUIRE(mem.cursor(0).tokens == 10);
+
+  kvmem::EvictionConfig ec;
+  ec.head_dim = 8, ec.value_dim = 4, ec.query_heads = 4, ec.kv_heads = 2, ec.sinks = 1, ec.window = 2, ec.top_k = 2;
+  kvmem::EvictionMemory<exec, kvmem::score::AccumulatedAttention> evict(ec, 2);
+  const decltype(evict)::inputs ein{q, k, v};
+  REQUIRE_THROWS_WITH(evict.prefill(ein, y, {}, v3("lse", 2, 4, 11)), ContainsSubstring("lse.extent(2) = 11"));
+  REQUIRE(evict.tokens(0) == 0);
+  REQUIRE_THROWS_WITH(evict.decode(decltype(evict)::inputs{t4(q), t4(k), t4(v)}, t4(y), {}, v3("lse", 2, 3, 1)),
+                      ContainsSubstring("lse.extent(1) = 3"));
+  REQUIRE(evict.tokens(0) == 0);
+}

@@ -279,6 +279,7 @@ enum class Mode { prefill, decode, prefill_then_decode, two_prefills };
 /// and in decode mode (with `record`) the cache after every step.
 struct EvictOutput {
   std::vector<float> y;
+  std::vector<float> lse;  // [B, Hq, T], the readout's log-sum-exp
   std::vector<long> rows;
   std::vector<std::vector<long>> kept;
   std::vector<std::vector<std::vector<long>>> steps;
@@ -325,7 +326,8 @@ std::vector<std::vector<long>> cached_positions(const Memory& mem) {
   return out;
 }
 
-/// The eviction memory over case c with tokens in the storage type S (outputs widened back to float).
+/// The eviction memory over case c with tokens in the storage type S (outputs widened back to float). Every
+/// call asks for the readout's log-sum-exp (the AttentionMemory overloads with lse).
 template <kvmem::StorageType S = float, class ExecSpace, class Scorer>
 EvictOutput run_with(const EvictCase& c, const Scorer& scorer, Mode mode, long split, bool record, const ExecSpace& exec) {
   using space = typename ExecSpace::memory_space;
@@ -333,7 +335,10 @@ EvictOutput run_with(const EvictCase& c, const Scorer& scorer, Mode mode, long s
   const auto k = to_device<space, S>(c.k, c.B, c.Hkv, c.T, c.D, "k");
   const auto v = to_device<space, S>(c.v, c.B, c.Hkv, c.T, c.Dv, "v");
   view4<space, S> y("y", c.B, c.Hq, c.T, c.Dv);
-  kvmem::EvictionMemory<ExecSpace, Scorer, S> mem(c.config(), static_cast<int>(c.B), scorer, exec);
+  Kokkos::View<float***, Kokkos::LayoutRight, space> lse("lse", c.B, c.Hq, c.T);
+  Kokkos::deep_copy(lse, -std::numeric_limits<float>::infinity());  // what a prefill writes past a sequence
+  using memory_t = kvmem::EvictionMemory<ExecSpace, Scorer, S>;
+  memory_t mem(c.config(), static_cast<int>(c.B), scorer, exec);
   const long K = std::min(c.budget(), c.T) + 1;
   std::vector<long> len(c.B);
   for (long b = 0; b < c.B; ++b) len[b] = c.length(b);
@@ -341,27 +346,29 @@ EvictOutput run_with(const EvictCase& c, const Scorer& scorer, Mode mode, long s
   auto slice = [](const view4<space, S>& x, long from, long to) {
     return Kokkos::subview(x, Kokkos::ALL, Kokkos::ALL, std::make_pair(from, to), Kokkos::ALL);
   };
+  auto in = [&](long from, long to) { return typename memory_t::inputs{slice(q, from, to), slice(k, from, to), slice(v, from, to)}; };
+  auto lse_of = [&](long from, long to) { return Kokkos::subview(lse, Kokkos::ALL, Kokkos::ALL, std::make_pair(from, to)); };
   EvictOutput out;
   if (record) out.steps.assign(c.B * c.Hkv, {});
   long first_decoded = c.T;
   std::vector<long> head(c.B), tail(c.B);
   for (long b = 0; b < c.B; ++b) head[b] = std::min(len[b], split), tail[b] = std::max(0L, len[b] - split);
   switch (mode) {
-    case Mode::prefill: mem.prefill(q, k, v, y, len); break;
+    case Mode::prefill: mem.prefill(in(0, c.T), y, len, lse); break;
     case Mode::decode: first_decoded = 0; break;
     case Mode::prefill_then_decode:
-      mem.prefill(slice(q, 0, split), slice(k, 0, split), slice(v, 0, split), slice(y, 0, split), head);
+      mem.prefill(in(0, split), slice(y, 0, split), head, lse_of(0, split));
       first_decoded = split;
       break;
     case Mode::two_prefills:
-      mem.prefill(slice(q, 0, split), slice(k, 0, split), slice(v, 0, split), slice(y, 0, split), head);
-      mem.prefill(slice(q, split, c.T), slice(k, split, c.T), slice(v, split, c.T), slice(y, split, c.T), tail);
+      mem.prefill(in(0, split), slice(y, 0, split), head, lse_of(0, split));
+      mem.prefill(in(split, c.T), slice(y, split, c.T), tail, lse_of(split, c.T));
       break;
   }
   std::vector<unsigned char> active(c.B);
   for (long t = first_decoded; t < c.T; ++t) {
     for (long b = 0; b < c.B; ++b) active[b] = t < len[b];
-    mem.decode(slice(q, t, t + 1), slice(k, t, t + 1), slice(v, t, t + 1), slice(y, t, t + 1), active);
+    mem.decode(in(t, t + 1), slice(y, t, t + 1), active, lse_of(t, t + 1));
     if (record) {
       const auto kept = cached_positions(mem);
       for (long b = 0; b < c.B; ++b)
@@ -373,6 +380,8 @@ EvictOutput run_with(const EvictCase& c, const Scorer& scorer, Mode mode, long s
   read_kept(mem, c.B, c.Hkv, K, out.rows, out.kept);
   auto yh = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), y);
   for (std::size_t i = 0; i < yh.size(); ++i) out.y.push_back(kvmem::to_float(yh.data()[i]));
+  auto lh = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), lse);
+  out.lse.assign(lh.data(), lh.data() + lh.size());
   return out;
 }
 
@@ -391,6 +400,7 @@ void require_same_bits(const EvictOutput& a, const EvictOutput& b) {
   REQUIRE(a.rows == b.rows);
   REQUIRE(a.kept == b.kept);
   REQUIRE(same_bits(a.y, b.y));
+  REQUIRE(same_bits(a.lse, b.lse));
 }
 
 /// Largest |got - want| / max(1, max |want|).
@@ -432,11 +442,14 @@ void check_reference(const EvictCase& c, const EvictOutput& got, double tol = to
           REQUIRE(got.steps[idx][t] == ref.attended[t]);
         }
       }
-      std::vector<float> y;
+      std::vector<float> y, lse;
       for (long g = 0; g < c.G(); ++g)
-        for (long t = 0; t < n; ++t)
+        for (long t = 0; t < n; ++t) {
           for (long d = 0; d < c.Dv; ++d) y.push_back(got.y[((b * c.Hq + h * c.G() + g) * c.T + t) * c.Dv + d]);
+          lse.push_back(got.lse[(b * c.Hq + h * c.G() + g) * c.T + t]);
+        }
       CHECK(relative_error(y, ref.y) <= tol);
+      CHECK(relative_error(lse, ref.lse) <= tol);
     }
   }
   for (long b = 0; b < c.B; ++b)
@@ -794,11 +807,14 @@ TEST_CASE("eviction: reruns and reset() give the same bits", "[eviction][determi
                   to_device<host_mem>(other.v, c.B, c.Hkv, c.T, c.Dv, "v"), y);
       mem.reset();
       for (long b = 0; b < c.B; ++b) REQUIRE(mem.tokens(b) == 0);
-      mem.prefill(to_device<host_mem>(c.q, c.B, c.Hq, c.T, c.D, "q"), to_device<host_mem>(c.k, c.B, c.Hkv, c.T, c.D, "k"),
-                  to_device<host_mem>(c.v, c.B, c.Hkv, c.T, c.Dv, "v"), y, len);
+      Kokkos::View<float***, Kokkos::LayoutRight, host_mem> lse("lse", c.B, c.Hq, c.T);
+      mem.prefill(typename kvmem::EvictionMemory<host_exec, S>::inputs{to_device<host_mem>(c.q, c.B, c.Hq, c.T, c.D, "q"), to_device<host_mem>(c.k, c.B, c.Hkv, c.T, c.D, "k"),
+                   to_device<host_mem>(c.v, c.B, c.Hkv, c.T, c.Dv, "v")},
+                  y, len, lse);
       EvictOutput again;
       read_kept(mem, c.B, c.Hkv, std::min(c.budget(), c.T) + 1, again.rows, again.kept);
       again.y.assign(y.data(), y.data() + y.size());
+      again.lse.assign(lse.data(), lse.data() + lse.size());
       require_same_bits(first, again);
     });
   }

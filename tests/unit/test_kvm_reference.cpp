@@ -2,6 +2,7 @@
 // inputs over the spec's edge cases, in prefill and in decode, on every host execution space built.
 #include <catch2/catch_test_macros.hpp>
 #include <catch2/generators/catch_generators.hpp>
+#include <limits>
 #include <string>
 
 #include "kvm_harness.hpp"
@@ -39,12 +40,15 @@ void check_against_reference(KvmCase c, Mode mode) {
     const auto ref = kvmem_ref::kvm_prefill(c.sequence(b), c.params);
     REQUIRE(got.rows[b] == ref.rows);
     CHECK(kvmem_test::relative_error(kvmem_test::sequence_y(got, c, b), ref.y) <= tolerance);
+    CHECK(kvmem_test::relative_error(kvmem_test::sequence_lse(got, c, b), ref.lse) <= tolerance);
     CHECK(kvmem_test::relative_error(got.keys[b], ref.state_keys) <= tolerance);
     CHECK(kvmem_test::relative_error(got.values[b], ref.state_values) <= tolerance);
     CHECK(kvmem_test::relative_error(got.radius[b], ref.state_radius) <= tolerance);
-    for (long h = 0; h < c.Hq; ++h)  // padding past the sequence stays zero
-      for (long t = c.length(b); t < c.T; ++t)
+    for (long h = 0; h < c.Hq; ++h)  // padding past the sequence: y zero, log-sum-exp -inf (no key read)
+      for (long t = c.length(b); t < c.T; ++t) {
         for (long d = 0; d < c.Dv; ++d) REQUIRE(got.y[((b * c.Hq + h) * c.T + t) * c.Dv + d] == 0.0f);
+        if (mode != Mode::decode) REQUIRE(got.lse[(b * c.Hq + h) * c.T + t] == -std::numeric_limits<float>::infinity());
+      }
   }
 }
 

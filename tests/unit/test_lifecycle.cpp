@@ -6,6 +6,8 @@
 //    bit for bit, a batch-of-one memory that reads its whole prompt in one prefill and then decodes.
 //  - reset_sequence's refusals: a slot out of range, and a slot that decode_async still advances once the
 //    device counts steps on its own (plan_on_device(), the GPU's path); both leave every state unchanged.
+//  - The strict slot protocol's refusals (set_strict_slots): a prefill into a busy slot, an extend (a
+//    chunk) of a slot that has not started, a decode step of an empty slot; none changes any state.
 #include <catch2/catch_test_macros.hpp>
 #include <catch2/matchers/catch_matchers_string.hpp>
 
@@ -77,6 +79,9 @@ struct MergingFamily {
   void decode(Memory& m, const Inputs& in, const tview& y, std::span<const unsigned char> active) const {
     m.decode(in[0], in[1], in[2], rank3(in[3]), y, active);
   }
+  void extend(Memory& m, const Inputs& in, const tview& y, std::span<const long> lengths) const {
+    m.extend(typename Memory::inputs{in[0], in[1], in[2], rank3(in[3])}, y, lengths);
+  }
   /// The counts and live rows (sums, read caches, radius, counts) of sequence b.
   std::vector<double> state(const Memory& m, long b) const {
     const auto c = m.cursor(b);
@@ -111,6 +116,9 @@ struct EvictionFamily {
   }
   void decode(Memory& m, const Inputs& in, const tview& y, std::span<const unsigned char> active) const {
     m.decode(in[0], in[1], in[2], y, active);
+  }
+  void extend(Memory& m, const Inputs& in, const tview& y, std::span<const long> lengths) const {
+    m.extend(typename Memory::inputs{in[0], in[1], in[2]}, y, lengths);
   }
   /// The token count and the cached positions of sequence b (and the merged rows' counts).
   std::vector<double> state(const Memory& m, long b) const {
@@ -152,6 +160,9 @@ struct TrellisFamily {
   void decode(kvmem::TrellisMemory<exec>& m, const Inputs& in, const tview& y,
               std::span<const unsigned char> active) const {
     m.decode(in[0], in[1], in[2], in[3], rank3(in[4]), rank3(in[5]), rank3(in[6]), rank3(in[7]), y, active);
+  }
+  void extend(kvmem::TrellisMemory<exec>& m, const Inputs& in, const tview& y, std::span<const long> lengths) const {
+    m.extend({in[0], in[1], in[2], in[3], rank3(in[4]), rank3(in[5]), rank3(in[6]), rank3(in[7])}, y, lengths);
   }
   std::vector<double> state(const kvmem::TrellisMemory<exec>& m, long b) const {
     std::vector<double> out{double(m.tokens(b))};
@@ -283,6 +294,49 @@ void require_served_like_alone(const Family& family, unsigned seed, long slots =
 
 namespace {
 
+/// The strict slot protocol on a memory of two slots: with slot 0 holding a prompt and slot 1 free, a
+/// prefill into slot 0, an extend of slot 1 and a decode step of slot 1 are each refused, naming the
+/// sequence and its state, and leave both sequences' state bit for bit; then the calls that fit go through
+/// (extend slot 0, prefill slot 1, decode both; a freed slot takes a prefill again).
+template <class Family>
+void require_strict_slots(const Family& family, unsigned seed) {
+  const long P = 2 * family.piece_multiple, C = family.piece_multiple, T = P + C + 1;
+  auto m = family.make(2);
+  REQUIRE_FALSE(m.strict_slots());
+  m.set_strict_slots(true);
+  REQUIRE(m.strict_slots());
+  Inputs in;
+  for (const auto& s : family.specs())
+    in.push_back(random4("in", 2, s.heads, T, std::max(s.channels, 1L), seed++, s.lo, s.hi));
+  const tview y = view4("y", 2, family.output_heads(), T, kHeadDim);
+  auto at = [&](long first, long n) {
+    Inputs out;
+    for (const auto& x : in) out.push_back(tokens_of(x, first, n));
+    return out;
+  };
+  const std::vector<long> start_0{P, 0}, more_0{C, 0}, both{C, C}, start_1{0, P};
+  const std::vector<unsigned char> step_both{1, 1};
+  family.prefill(m, at(0, P), tokens_of(y, 0, P), start_0);
+  const auto s0 = family.state(m, 0), s1 = family.state(m, 1);
+  REQUIRE_THROWS_WITH(family.prefill(m, at(P, C), tokens_of(y, P, C), more_0),
+                      ContainsSubstring("prefill: sequence 0 = busy (holds " + std::to_string(P) + " tokens)") &&
+                          ContainsSubstring("extend()"));
+  REQUIRE_THROWS_WITH(family.extend(m, at(P, C), tokens_of(y, P, C), both),
+                      ContainsSubstring("extend: sequence 1 = empty (holds no token)"));
+  REQUIRE_THROWS_WITH(family.decode(m, at(P, 1), tokens_of(y, P, 1), step_both),
+                      ContainsSubstring("decode: sequence 1 = empty (holds no token)"));
+  REQUIRE(differing(family.state(m, 0), s0) == 0);
+  REQUIRE(differing(family.state(m, 1), s1) == 0);
+  family.extend(m, at(P, C), tokens_of(y, P, C), more_0);
+  family.prefill(m, at(0, P), tokens_of(y, 0, P), start_1);
+  family.decode(m, at(P + C, 1), tokens_of(y, P + C, 1), step_both);
+  REQUIRE(m.tokens(0) == P + C + 1);
+  REQUIRE(m.tokens(1) == P + 1);
+  m.reset_sequence(0);
+  family.prefill(m, at(0, P), tokens_of(y, 0, P), start_0);  // a freed slot takes a new request
+  REQUIRE(m.tokens(0) == P);
+}
+
 template <class Memory, class Make>
 MergingFamily<Memory, Make> merging(Make make) {
   return {make};
@@ -385,4 +439,22 @@ TEST_CASE("reset_sequence refuses a slot out of range or still advanced by decod
   REQUIRE_THROWS_WITH(evict.reset_sequence(kBatch), ContainsSubstring("reset_sequence: b = 2"));
   kvmem::TrellisMemory<exec> trellis(TrellisFamily{}.config(), kBatch);
   REQUIRE_THROWS_WITH(trellis.reset_sequence(-1), ContainsSubstring("reset_sequence: b = -1"));
+}
+
+TEST_CASE("the strict slot protocol refuses a prefill into a busy slot, a chunk or a step of an empty one",
+          "[lifecycle][errors]") {
+  const auto w = unit_weights();
+  SECTION("KVM") {
+    using M = kvmem::KvmMemory<exec, kvmem::budget::PowerLaw>;
+    require_strict_slots(merging<M>([&](int B) { return M(small_config(2, 1), {.min_rows = 4, .growth_factor = 2.0}, w, B); }), 20);
+  }
+  SECTION("OVQ") {
+    using M = kvmem::OvqMemory<exec>;
+    require_strict_slots(merging<M>([&](int B) { return M(small_config(1, 0), {.n = 12.0}, w, B); }), 21);
+  }
+  SECTION("H2O, merging where it evicts") {
+    using M = kvmem::EvictionMemory<exec, kvmem::score::AccumulatedAttention>;
+    require_strict_slots(evicting<M>([](int B) { return M(eviction_config(true), B); }), 22);
+  }
+  SECTION("Trellis") { require_strict_slots(TrellisFamily{}, 23); }
 }

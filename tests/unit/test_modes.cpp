@@ -38,6 +38,7 @@ KvmCase growing_case(long T, long chunk, long B = 1) {
 void require_same_bits(const kvmem_test::KvmOutput& a, const kvmem_test::KvmOutput& b) {
   REQUIRE(a.rows == b.rows);
   REQUIRE(a.y == b.y);
+  REQUIRE(a.lse == b.lse);
   REQUIRE(a.keys == b.keys);
   REQUIRE(a.values == b.values);
   REQUIRE(a.radius == b.radius);

@@ -2,6 +2,7 @@
 // (tests/reference/ovq_reference.hpp) over the spec's edge cases, prefill == decode, and thread counts.
 #include <catch2/catch_template_test_macros.hpp>
 #include <catch2/catch_test_macros.hpp>
+#include <limits>
 #include <random>
 
 #include <kvmem/kvmem.hpp>
@@ -72,11 +73,13 @@ struct OvqCase {
 
 struct OvqOutput {
   std::vector<float> y;
+  std::vector<float> lse;  // [B, H, T], the readout's log-sum-exp
   std::vector<long> rows;
   std::vector<std::vector<float>> keys, values, counts;
 };
 
-/// The OVQ memory over case c with tokens in the storage type S (outputs widened back to float).
+/// The OVQ memory over case c with tokens in the storage type S (outputs widened back to float), asking for
+/// the readout's log-sum-exp (the AttentionMemory overloads with lse).
 template <kvmem::StorageType S = float, class Budget, class Exec>
 OvqOutput run_with(const OvqCase& c, const Budget& budget, bool decode, const Exec& ex) {
   using view4 = Kokkos::View<S****, Kokkos::LayoutRight, space>;
@@ -100,24 +103,29 @@ OvqOutput run_with(const OvqCase& c, const Budget& budget, bool decode, const Ex
   };
   const view4 q = to4(c.q, c.D), k = to4(c.k, c.D), v = to4(c.v, c.Dv);
   view4 y("y", c.B, c.H, c.T, c.Dv);
+  Kokkos::View<float***, Kokkos::LayoutRight, space> lse("lse", c.B, c.H, c.T);
+  Kokkos::deep_copy(lse, -std::numeric_limits<float>::infinity());  // what a prefill writes past a sequence
   Kokkos::View<float*, space> beta("beta", c.H);
   for (long h = 0; h < c.H; ++h) beta(h) = c.beta[h];
-  kvmem::OvqMemory<Exec, Budget, S> mem(cfg, budget, {{}, {}, beta, beta}, static_cast<int>(c.B), ex);
+  using memory_t = kvmem::OvqMemory<Exec, Budget, S>;
+  memory_t mem(cfg, budget, {{}, {}, beta, beta}, static_cast<int>(c.B), ex);
   std::vector<long> len(c.B);
   for (long b = 0; b < c.B; ++b) len[b] = c.length(b);
   if (!decode) {
-    mem.prefill(q, k, v, {}, y, len);
+    mem.prefill(typename memory_t::inputs{q, k, v, {}}, y, len, lse);
   } else {
     std::vector<unsigned char> active(c.B);
     for (long t = 0; t < c.T; ++t) {
       for (long b = 0; b < c.B; ++b) active[b] = t < len[b];
       const auto at = std::make_pair(t, t + 1);
       auto s4 = [&](const view4& x) { return Kokkos::subview(x, Kokkos::ALL, Kokkos::ALL, at, Kokkos::ALL); };
-      mem.decode(s4(q), s4(k), s4(v), {}, s4(y), active);
+      mem.decode(typename memory_t::inputs{s4(q), s4(k), s4(v), {}}, s4(y), active,
+                 Kokkos::subview(lse, Kokkos::ALL, Kokkos::ALL, at));
     }
   }
   OvqOutput out;
   for (std::size_t i = 0; i < y.size(); ++i) out.y.push_back(kvmem::to_float(y.data()[i]));
+  out.lse.assign(lse.data(), lse.data() + lse.size());
   const auto& st = mem.rows();
   for (long b = 0; b < c.B; ++b) {
     const long m = mem.cursor(b).rows;
@@ -160,11 +168,14 @@ void check(OvqCase c) {
     for (long b = 0; b < c.B; ++b) {
       const auto ref = kvmem_ref::ovq_prefill(c.sequence(b), c.params());
       REQUIRE(got.rows[b] == ref.rows);
-      std::vector<float> y;
+      std::vector<float> y, lse;
       for (long h = 0; h < c.H; ++h)
-        for (long t = 0; t < c.length(b); ++t)
+        for (long t = 0; t < c.length(b); ++t) {
           for (long d = 0; d < c.Dv; ++d) y.push_back(got.y[((b * c.H + h) * c.T + t) * c.Dv + d]);
+          lse.push_back(got.lse[(b * c.H + h) * c.T + t]);
+        }
       CHECK(rel(y, ref.y) <= 1e-4);
+      CHECK(rel(lse, ref.lse) <= 1e-4);
       CHECK(rel(got.keys[b], ref.centroid_keys) <= 1e-4);
       CHECK(rel(got.values[b], ref.centroid_values) <= 1e-4);
       CHECK(rel(got.counts[b], ref.counts) == 0.0);
@@ -204,11 +215,13 @@ TEST_CASE("ovq prefill and decode give the same bits; so do 1 and all OpenMP thr
   const auto a = run(c, false), b = run(c, true);
   REQUIRE(a.rows == b.rows);
   REQUIRE(a.y == b.y);
+  REQUIRE(a.lse == b.lse);
   REQUIRE(a.keys == b.keys);
   REQUIRE(a.counts == b.counts);
 #ifdef KOKKOS_ENABLE_OPENMP
   const auto one = run(c, false, Kokkos::OpenMP(1)), all = run(c, false, Kokkos::OpenMP());
   REQUIRE(one.y == all.y);
+  REQUIRE(one.lse == all.lse);
   REQUIRE(one.keys == all.keys);
 #endif
 }

@@ -4,6 +4,8 @@
 // exact causal attention; the fold's count saturation.
 #include <catch2/catch_test_macros.hpp>
 
+#include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <string>
 
@@ -44,6 +46,7 @@ void check_reference(const KvmCase& c, const kvmem_test::KvmOutput& got) {
     const auto ref = kvmem_ref::kvm_prefill(c.sequence(b), c.params);
     REQUIRE(got.rows[b] == ref.rows);
     CHECK(kvmem_test::relative_error(kvmem_test::sequence_y(got, c, b), ref.y) <= tolerance);
+    CHECK(kvmem_test::relative_error(kvmem_test::sequence_lse(got, c, b), ref.lse) <= tolerance);
     CHECK(kvmem_test::relative_error(got.keys[b], ref.state_keys) <= tolerance);
     CHECK(kvmem_test::relative_error(got.values[b], ref.state_values) <= tolerance);
     std::vector<double> counts(ref.state_counts.begin(), ref.state_counts.end());
@@ -54,6 +57,7 @@ void check_reference(const KvmCase& c, const kvmem_test::KvmOutput& got) {
 
 bool same_bits(const kvmem_test::KvmOutput& a, const kvmem_test::KvmOutput& b) {
   return a.y.size() == b.y.size() && std::memcmp(a.y.data(), b.y.data(), a.y.size() * sizeof(float)) == 0 &&
+         a.lse.size() == b.lse.size() && std::memcmp(a.lse.data(), b.lse.data(), a.lse.size() * sizeof(float)) == 0 &&
          a.rows == b.rows && a.keys == b.keys && a.values == b.values && a.counts == b.counts;
 }
 
@@ -157,6 +161,25 @@ TEST_CASE("proportional merge that holds every token as its own row is exact cau
       scale = std::max(scale, static_cast<double>(std::abs(y.data()[i])));
     }
     CHECK(worst / scale <= 1e-6);  // float32 rounding: the same logits, summed in another order
+    // The log-sum-exp is exact attention's: log sum_{p <= u} exp(q_u . k_p / sqrt(D)), in float64 here.
+    double worst_lse = 0;
+    const long G = c.Hq / c.Hkv;
+    for (long b = 0; b < c.B; ++b)
+      for (long h = 0; h < c.Hq; ++h)
+        for (long u = 0; u < c.T; ++u) {
+          std::vector<double> logits;
+          for (long p = 0; p <= u; ++p) {
+            double d = 0;
+            for (long x = 0; x < c.D; ++x)
+              d += double(c.q[((b * c.Hq + h) * c.T + u) * c.D + x]) * c.k[((b * c.Hkv + h / G) * c.T + p) * c.D + x];
+            logits.push_back(d / std::sqrt(double(c.D)));
+          }
+          const double mx = *std::max_element(logits.begin(), logits.end());
+          double sum = 0;
+          for (double l : logits) sum += std::exp(l - mx);
+          worst_lse = std::max(worst_lse, std::abs(got.lse[(b * c.Hq + h) * c.T + u] - (mx + std::log(sum))));
+        }
+    CHECK(worst_lse <= 1e-5);
   }
 }
 

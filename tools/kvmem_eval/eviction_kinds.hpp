@@ -8,7 +8,6 @@
 
 #include <Kokkos_Core.hpp>
 #include <algorithm>
-#include <chrono>
 #include <string>
 #include <vector>
 
@@ -19,6 +18,7 @@
 #include "memory_kind.hpp"
 #include "run_composed.hpp"
 #include "sizing.hpp"
+#include "timed_prefill.hpp"
 
 namespace kvmem::tools::eval {
 
@@ -66,13 +66,9 @@ inline EvictionConfig eviction_sizing(const Inputs& in, const SizingOptions& o, 
 template <StorageType T, class Scorer, class Y>
 RunStats prefill_eviction(const EvictionConfig& cfg, const Scorer& scorer, const InputsOf<T>& in, const Y& yt) {
   const auto q = tau_scaled_queries(in);
-  EvictionMemory<exec, Scorer, T> mem(cfg, static_cast<int>(in.B), scorer);
-  Kokkos::fence();
-  const auto start = std::chrono::steady_clock::now();
-  mem.prefill(q, in.k, in.v, yt, in.lengths);
-  Kokkos::fence();
-  RunStats s;
-  s.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  using memory_t = EvictionMemory<exec, Scorer, T>;
+  memory_t mem(cfg, static_cast<int>(in.B), scorer);
+  RunStats s = timed_prefill(mem, typename memory_t::inputs{q, in.k, in.v}, yt, in.lengths);
   Kokkos::View<long***, Kokkos::LayoutRight, mem_space> positions("kept_positions", in.B, in.Hkv, 0);
   Kokkos::View<long**, Kokkos::LayoutRight, mem_space> kept("kept_rows", in.B, in.Hkv);
   mem.kept(positions, kept);
@@ -86,7 +82,6 @@ RunStats prefill_eviction(const EvictionConfig& cfg, const Scorer& scorer, const
     s.window.push_back(window);
     units += std::min(in.lengths[b], cfg.budget() + 1);
   }
-  s.held_bytes = mem.held_bytes();
   s.peak_bytes = units * in.Hkv * ((in.D + in.Dv) * static_cast<long>(sizeof(T)) +
                                     (cfg.merge_evicted ? static_cast<long>(sizeof(float)) : 0L));
   return s;

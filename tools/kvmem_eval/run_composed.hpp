@@ -5,9 +5,9 @@
 
 #include <Kokkos_Core.hpp>
 #include <algorithm>
-#include <chrono>
 
 #include "memory_kind.hpp"
+#include "timed_prefill.hpp"
 
 namespace kvmem::tools::eval {
 
@@ -25,17 +25,11 @@ long composed_bytes(long rows, long tokens, long D, long Dv) {
 template <class ComposedMemory, StorageType T, class Y>
 RunStats run_composed(ComposedMemory& mem, const InputsOf<T>& in, const Y& y) {
   const auto& cfg = mem.config();
-  Kokkos::fence();
-  const auto start = std::chrono::steady_clock::now();
-  mem.prefill(in.q, in.k, in.v, in.gate, y, in.lengths);
-  Kokkos::fence();
-  RunStats s;
-  s.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  RunStats s = timed_prefill(mem, typename ComposedMemory::inputs{in.q, in.k, in.v, in.gate}, y, in.lengths);
   for (long b = 0; b < in.B; ++b) {
     s.rows.push_back(mem.cursor(b).rows);
     s.window.push_back(mem.window_tokens(b));
   }
-  s.held_bytes = mem.held_bytes();
   // Rows only grow, and the window holds at most min(n, L) tokens, so rows + min(n, L) bounds what is held
   // at any token; it is exact when the last token ends a chunk (then the window holds L tokens).
   long bytes = 0;

@@ -5,7 +5,6 @@
 
 #include <Kokkos_Core.hpp>
 #include <algorithm>
-#include <chrono>
 #include <cmath>
 #include <string>
 #include <vector>
@@ -13,6 +12,7 @@
 #include <kvmem/trellis_memory.hpp>
 
 #include "memory_kind.hpp"
+#include "timed_prefill.hpp"
 #include "trellis_inputs.hpp"
 
 namespace kvmem::tools::eval {
@@ -33,16 +33,12 @@ inline TrellisConfig trellis_config(const Inputs& in, long slots) {
 /// Prefills a zero TrellisMemory<exec, T> with the inputs `t` and writes yt [B, Hq, T, Dv] of type T.
 template <StorageType T, class Y>
 RunStats prefill_trellis(const TrellisConfig& cfg, const TrellisInputs<T>& t, const Inputs& in, const Y& yt) {
-  TrellisMemory<exec, T> mem(cfg, static_cast<int>(in.B));
-  Kokkos::fence();
-  const auto start = std::chrono::steady_clock::now();
-  mem.prefill(t.q, t.k, t.v, t.alpha, t.forget, t.step, t.forget, t.step, yt, in.lengths);
-  Kokkos::fence();
-  RunStats s;
-  s.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  using memory_t = TrellisMemory<exec, T>;
+  memory_t mem(cfg, static_cast<int>(in.B));
+  RunStats s = timed_prefill(mem, typename memory_t::inputs{t.q, t.k, t.v, t.alpha, t.forget, t.step, t.forget, t.step},
+                             yt, in.lengths);
   s.rows.assign(in.B, cfg.slots);
   s.window.assign(in.B, 0);
-  s.held_bytes = s.peak_bytes = mem.held_bytes();
   return s;
 }
 

@@ -18,6 +18,7 @@
 #include <kvmem/kernels/zero_tail.hpp>
 
 #include "batch.hpp"
+#include "run_tokens.hpp"
 #include "tensors.hpp"
 
 namespace kvmem::tools {
@@ -131,22 +132,10 @@ void run_eviction(const EvictOptions& o, const EvictionConfig& cfg, const Scorer
   if constexpr (!Scorer::needs_probabilities) {
     if (o.mask) mask = dense_mask(cfg, scorer, in);
   }
-  EvictionMemory<exec, Scorer, Storage> mem(cfg, static_cast<int>(in.B), scorer);
+  using memory_t = EvictionMemory<exec, Scorer, Storage>;
+  memory_t mem(cfg, static_cast<int>(in.B), scorer);
   Kokkos::View<Storage****, Kokkos::LayoutRight, MemorySpace> y("y", in.B, in.Hq, in.T, in.Dv);
-  const auto start = std::chrono::steady_clock::now();
-  if (o.mode == "prefill") {
-    mem.prefill(in.q, in.k, in.v, y, in.lengths);
-  } else {
-    std::vector<unsigned char> active(in.B);
-    for (long t = 0; t < in.T; ++t) {
-      for (long b = 0; b < in.B; ++b) active[b] = t < in.lengths[b];
-      const auto at = std::make_pair(t, t + 1);
-      auto sub = [&](const auto& x) { return Kokkos::subview(x, Kokkos::ALL, Kokkos::ALL, at, Kokkos::ALL); };
-      mem.decode(sub(in.q), sub(in.k), sub(in.v), sub(y), active);
-    }
-  }
-  Kokkos::fence();
-  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  const double seconds = run_tokens(mem, typename memory_t::inputs{in.q, in.k, in.v}, y, o.mode, in.lengths);
   Kokkos::View<long***, Kokkos::LayoutRight, MemorySpace> positions("kept_positions", in.B, in.Hkv, cfg.budget() + 1);
   Kokkos::View<long**, Kokkos::LayoutRight, MemorySpace> rows("kept_rows", in.B, in.Hkv);
   mem.kept(positions, rows);

@@ -5,7 +5,6 @@
 
 #include <Kokkos_Core.hpp>
 #include <algorithm>
-#include <chrono>
 #include <cstdint>
 #include <cstdio>
 #include <string>
@@ -15,6 +14,7 @@
 #include <kvmem/kvmem.hpp>
 
 #include "batch.hpp"
+#include "run_tokens.hpp"
 #include "tensors.hpp"
 
 namespace kvmem::tools {
@@ -35,22 +35,7 @@ void run_memory(Memory& mem, const Batch<MemorySpace, typename Memory::storage_t
                 const std::string& details) {
   using storage = typename Memory::storage_type;
   Kokkos::View<storage****, Kokkos::LayoutRight, MemorySpace> y("y", in.B, in.Hq, in.T, in.Dv);
-  const auto start = std::chrono::steady_clock::now();
-  if (mode == "prefill") {
-    mem.prefill(in.q, in.k, in.v, in.gate, y, in.lengths);
-  } else {
-    std::vector<unsigned char> active(in.B);
-    for (long t = 0; t < in.T; ++t) {
-      for (long b = 0; b < in.B; ++b) active[b] = t < in.lengths[b];
-      const auto at = std::make_pair(t, t + 1);
-      auto sub4 = [&](const auto& x) { return Kokkos::subview(x, Kokkos::ALL, Kokkos::ALL, at, Kokkos::ALL); };
-      typename Memory::gates_in gate;
-      if (in.gate.data() != nullptr) gate = Kokkos::subview(in.gate, Kokkos::ALL, Kokkos::ALL, at);
-      mem.decode(sub4(in.q), sub4(in.k), sub4(in.v), gate, sub4(y), active);
-    }
-  }
-  Kokkos::fence();
-  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  const double seconds = run_tokens(mem, typename Memory::inputs{in.q, in.k, in.v, in.gate}, y, mode, in.lengths);
 
   long M = 0, tokens = 0, min_rows = -1;
   for (long b = 0; b < in.B; ++b) {

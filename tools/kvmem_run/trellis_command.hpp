@@ -6,7 +6,6 @@
 #include <CLI/CLI.hpp>
 #include <Kokkos_Core.hpp>
 #include <algorithm>
-#include <chrono>
 #include <cstdio>
 #include <string>
 #include <utility>
@@ -15,6 +14,7 @@
 #include <kvmem/io/safetensors.hpp>
 #include <kvmem/trellis_memory.hpp>
 
+#include "run_tokens.hpp"
 #include "tensors.hpp"
 
 namespace kvmem::tools {
@@ -136,25 +136,11 @@ void run_trellis(const TrellisOptions& o, const io::SafetensorsFile& file, const
   } catch (const invalid_argument& e) {
     rethrow_trellis_flag(e);
   }
-  TrellisMemory<exec, Storage> mem(cfg, static_cast<int>(in.B));
+  using memory_t = TrellisMemory<exec, Storage>;
+  memory_t mem(cfg, static_cast<int>(in.B));
   Kokkos::View<Storage****, Kokkos::LayoutRight, mem_space> y("y", in.B, in.H, in.T, in.Dv);
-
-  const auto start = std::chrono::steady_clock::now();
-  if (o.mode == "prefill") {
-    mem.prefill(in.q, in.k, in.v, in.alpha, in.beta1, in.gamma1, in.beta2, in.gamma2, y, in.lengths);
-  } else {
-    std::vector<unsigned char> active(in.B);
-    for (long t = 0; t < in.T; ++t) {
-      for (long b = 0; b < in.B; ++b) active[b] = t < in.lengths[b];
-      const auto at = std::make_pair(t, t + 1);
-      auto s4 = [&](const auto& x) { return Kokkos::subview(x, Kokkos::ALL, Kokkos::ALL, at, Kokkos::ALL); };
-      auto s3 = [&](const auto& x) { return Kokkos::subview(x, Kokkos::ALL, Kokkos::ALL, at); };
-      mem.decode(s4(in.q), s4(in.k), s4(in.v), s4(in.alpha), s3(in.beta1), s3(in.gamma1), s3(in.beta2),
-                 s3(in.gamma2), s4(y), active);
-    }
-  }
-  Kokkos::fence();
-  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  const typename memory_t::inputs inputs{in.q, in.k, in.v, in.alpha, in.beta1, in.gamma1, in.beta2, in.gamma2};
+  const double seconds = run_tokens(mem, inputs, y, o.mode, in.lengths);
 
   auto yh = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), y);
   auto m1 = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), mem.m1());

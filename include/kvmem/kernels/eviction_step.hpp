@@ -204,11 +204,12 @@ KOKKOS_INLINE_FUNCTION void row_group_dots(const Q* q, int dim, const Row* const
 /// probability per step for as long as the token lives, stays float64). Where a thread has vector
 /// registers (simd::vector_registers: CPUs), a thread takes a group of rows at once, each row's dot
 /// product still its own chain in channel order (simd::row_dots), so the bits are those of one row at a
-/// time; elsewhere (GPUs) a thread takes one row.
-template <class Team, class Scorer, class Cache, class QueryOf, class OutOf>
+/// time; elsewhere (GPUs) a thread takes one row. When lse_of(g) is not null, it receives the softmax's
+/// log-sum-exp max + log(normalizer) of query head g.
+template <class Team, class Scorer, class Cache, class QueryOf, class OutOf, class LseOf>
 KOKKOS_INLINE_FUNCTION void eviction_attend(const Team& team, const EvictionParams& p, const Cache& c,
                                             const Scorer& scorer, long b, int h, const QueryOf& query_of,
-                                            const OutOf& out_of) {
+                                            const OutOf& out_of, const LseOf& lse_of) {
   const int D = p.head_dim, Dv = p.value_dim;
   const long live = c.live(b, h);
   for (int g = 0; g < p.group; ++g) {
@@ -240,7 +241,9 @@ KOKKOS_INLINE_FUNCTION void eviction_attend(const Team& team, const EvictionPara
     Kokkos::parallel_for(Kokkos::TeamThreadRange(team, live),
                          [&](long i) { c.logits(b, h, i) = softmax_exp(c.logits(b, h, i) - max_logit); });
     team.team_barrier();
-    const float inv = 1.0f / ordered_sum<float>(team, live, [&](long i) { return c.logits(b, h, i); });
+    const float normalizer = ordered_sum<float>(team, live, [&](long i) { return c.logits(b, h, i); });
+    const float inv = 1.0f / normalizer;
+    if (float* lse = lse_of(g)) Kokkos::single(Kokkos::PerTeam(team), [&] { *lse = max_logit + Kokkos::log(normalizer); });
     // The probabilities the scorer reads (spec §6 "needs P"), summed over the group in head order: only for
     // scorers that ask. Each thread writes its own rows; the barrier at the end of the head orders the heads.
     if constexpr (Scorer::needs_probabilities)
@@ -299,28 +302,28 @@ KOKKOS_INLINE_FUNCTION void eviction_attend(const Team& team, const EvictionPara
 /// Step q of (b, h) (spec EVICTION.md §1 steps 1-5): append, evict the worst retained rows while |R| > k
 /// (a merging eviction, p.merge, first folds each into its most similar kept row: eviction_merge), attend,
 /// update attention statistics. One team; every sum in a fixed order.
-template <class Team, class Scorer, class Cache, class T, class QueryOf, class OutOf>
+template <class Team, class Scorer, class Cache, class T, class QueryOf, class OutOf, class LseOf>
 KOKKOS_INLINE_FUNCTION void eviction_step(const Team& team, const EvictionParams& p, const Cache& c,
                                           const Scorer& scorer, long b, int h, long q, const T* key,
                                           const T* value, const QueryOf& query_of, const OutOf& out_of,
-                                          TeamSelectScratch select = {}) {
+                                          const LseOf& lse_of, TeamSelectScratch select = {}) {
   eviction_append(team, p, c, scorer, b, h, q, key, value);
   for (RetainedRange r(p, c.live(b, h), q); r.end - r.begin > p.top_k; r = RetainedRange(p, c.live(b, h), q)) {
     const long worst = eviction_worst(team, p, c, scorer, b, h, h + 1, q, r, select);
     if (p.merge) eviction_merge(team, p, c, b, h, worst, r.begin, select);
     eviction_remove(team, c, b, h, worst);
   }
-  eviction_attend(team, p, c, scorer, b, h, query_of, out_of);
+  eviction_attend(team, p, c, scorer, b, h, query_of, out_of, lse_of);
 }
 
 /// Step q of every kv-head of sequence b for a layer-wide scorer (Scorer::layer_wide(): every kv-head
 /// evicts the same token, the one with the lowest effective score summed over the kv-heads, as the
 /// original TOVA's mean over all heads of the layer; spec EVICTION.md §6).
-template <class Team, class Scorer, class Cache, class QueryOf, class OutOf, class KeyOf, class ValueOf>
+template <class Team, class Scorer, class Cache, class QueryOf, class OutOf, class LseOf, class KeyOf, class ValueOf>
 KOKKOS_INLINE_FUNCTION void eviction_step_layer(const Team& team, const EvictionParams& p, const Cache& c,
                                                 const Scorer& scorer, long b, int heads, long q, const KeyOf& key_of,
                                                 const ValueOf& value_of, const QueryOf& query_of,
-                                                const OutOf& out_of, TeamSelectScratch select = {}) {
+                                                const OutOf& out_of, const LseOf& lse_of, TeamSelectScratch select = {}) {
   for (int h = 0; h < heads; ++h) eviction_append(team, p, c, scorer, b, h, q, key_of(h), value_of(h));
   for (RetainedRange r(p, c.live(b, 0), q); r.end - r.begin > p.top_k; r = RetainedRange(p, c.live(b, 0), q)) {
     const long worst = eviction_worst(team, p, c, scorer, b, 0, heads, q, r, select);
@@ -330,7 +333,9 @@ KOKKOS_INLINE_FUNCTION void eviction_step_layer(const Team& team, const Eviction
     }
   }
   for (int h = 0; h < heads; ++h)
-    eviction_attend(team, p, c, scorer, b, h, [&](int g) { return query_of(h, g); }, [&](int g) { return out_of(h, g); });
+    eviction_attend(
+        team, p, c, scorer, b, h, [&](int g) { return query_of(h, g); }, [&](int g) { return out_of(h, g); },
+        [&](int g) { return lse_of(h, g); });
 }
 
 /// Runs tokens [0, lengths[b]) of every sequence b through eviction_step, in order, at positions
@@ -340,11 +345,13 @@ KOKKOS_INLINE_FUNCTION void eviction_step_layer(const Team& team, const Eviction
 /// spread over the team; one team per sequence for a layer-wide scorer (eviction_step_layer).
 /// `team_size`: threads per team, Kokkos::AUTO's choice when 0 (the memory's); every team size gives the
 /// same bits (the tests run several). On Cuda each team also gets the shared memory of CUB's selection
-/// (team_select_bytes).
-template <class Scorer, class ExecSpace, class Cache, class TokensIn, class TokensOut, class Lengths>
+/// (team_select_bytes). When `lse` [B, Hq, T] (float32) is not empty, lse(b, hq, i) receives the log-sum-exp
+/// of token i's softmax (eviction_attend).
+template <class Scorer, class ExecSpace, class Cache, class TokensIn, class TokensOut, class Lengths,
+          class Lse = Kokkos::View<float***, Kokkos::LayoutStride, typename ExecSpace::memory_space>>
 void eviction_tokens(const ExecSpace& exec, const EvictionParams& p, const Cache& cache, const Scorer& scorer,
                      const TokensIn& q, const TokensIn& k, const TokensIn& v, const TokensOut& y, const Lengths& first,
-                     const Lengths& lengths, int team_size = 0) {
+                     const Lengths& lengths, int team_size = 0, const Lse& lse = Lse{}) {
   const long B = static_cast<long>(k.extent(0)), H = static_cast<long>(k.extent(1));
   const bool layer = scorer.layer_wide();
   using policy = Kokkos::TeamPolicy<ExecSpace, step_launch>;
@@ -355,13 +362,15 @@ void eviction_tokens(const ExecSpace& exec, const EvictionParams& p, const Cache
       "kvmem::evict", launch, KOKKOS_LAMBDA(const typename policy::member_type& team) {
         const long idx = team.league_rank();
         const TeamSelectScratch select = team_select_scratch(team);
+        const bool with_lse = lse.data() != nullptr;
         if (layer) {
           const long b = idx;
           for (long i = 0; i < lengths(b); ++i)
             eviction_step_layer(
                 team, p, cache, scorer, b, static_cast<int>(H), first(b) + i, [&](int h) { return &k(b, h, i, 0); },
                 [&](int h) { return &v(b, h, i, 0); }, [&](int h, int g) { return &q(b, h * p.group + g, i, 0); },
-                [&](int h, int g) { return &y(b, h * p.group + g, i, 0); }, select);
+                [&](int h, int g) { return &y(b, h * p.group + g, i, 0); },
+                [&](int h, int g) { return with_lse ? &lse(b, h * p.group + g, i) : nullptr; }, select);
           return;
         }
         const long b = idx / H;
@@ -369,8 +378,9 @@ void eviction_tokens(const ExecSpace& exec, const EvictionParams& p, const Cache
         for (long i = 0; i < lengths(b); ++i) {
           auto query_of = [&](int g) { return &q(b, h * p.group + g, i, 0); };
           auto out_of = [&](int g) { return &y(b, h * p.group + g, i, 0); };
+          auto lse_of = [&](int g) { return with_lse ? &lse(b, h * p.group + g, i) : nullptr; };
           eviction_step(team, p, cache, scorer, b, h, first(b) + i, &k(b, h, i, 0), &v(b, h, i, 0), query_of, out_of,
-                        select);
+                        lse_of, select);
         }
       });
 }

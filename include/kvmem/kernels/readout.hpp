@@ -701,6 +701,8 @@ template <class ExecSpace, class Traits = TileTraits<ExecSpace>>
 /// a backend, for any block layout and on any thread count.
 /// When `lse` [B, Hq, >= max_queries] is not empty, lse(b, hq, u - query_begin) also receives each query's
 /// log-sum-exp max + log(normalizer) (for row eviction, score::RowEviction); otherwise nothing is paid.
+/// When `out_lse` [B, Hq, T] (float32, any layout) is not empty, out_lse(b, hq, u - input_offset) receives the
+/// same log-sum-exp, indexed as y (the readout's log-sum-exp an engine asked for: AttentionMemory).
 /// `Traits` (TileTraits<ExecSpace>) picks how a team covers a key tile; it changes no bit.
 /// With `fresh` a WindowTokens (only where readout_writes_window(cfg, max_queries); std::logic_error
 /// otherwise), each team first writes the tokens [write_begin, write_end) of its (sequence, kv-head) into
@@ -708,12 +710,13 @@ template <class ExecSpace, class Traits = TileTraits<ExecSpace>>
 /// without write_window's launch.
 template <class Merge, class ExecSpace, StorageType T, class QueriesIn, class Out,
           class Lse = Kokkos::View<float***, Kokkos::LayoutRight, typename ExecSpace::memory_space>,
-          class Traits = TileTraits<ExecSpace>, class Fresh = NoWindowTokens>
+          class Traits = TileTraits<ExecSpace>, class Fresh = NoWindowTokens,
+          class OutLse = Kokkos::View<float***, Kokkos::LayoutStride, typename ExecSpace::memory_space>>
 void readout(const ExecSpace& exec, const MemoryConfig& cfg, const LayerWeightsRef& w,
              const state::StateRows<typename ExecSpace::memory_space, T>& rows,
              const state::WindowRing<typename ExecSpace::memory_space, T>& ring,
              const StepPlan<typename ExecSpace::memory_space>& plan, const QueriesIn& q, const Out& y,
-             long max_queries, const Lse& lse = Lse{}, const Fresh& fresh = Fresh{}) {
+             long max_queries, const Lse& lse = Lse{}, const Fresh& fresh = Fresh{}, const OutLse& out_lse = OutLse{}) {
   const long B = static_cast<long>(plan.device.extent(0));
   if constexpr (Fresh::writes)
     if (!readout_writes_window<ExecSpace, Traits>(cfg, max_queries))
@@ -784,9 +787,12 @@ void readout(const ExecSpace& exec, const MemoryConfig& cfg, const LayerWeightsR
           const long first = firsts[i];
           Kokkos::parallel_for(Kokkos::TeamThreadRange(team, blk.queries),
                                [&](int u) { blk.finish(u, &y(b, t.first_head + u % n, first + u / n - off, 0)); });
-          if (lse.data() != nullptr)
+          if (lse.data() != nullptr || out_lse.data() != nullptr)
             Kokkos::parallel_for(Kokkos::TeamThreadRange(team, blk.queries), [&](int u) {
-              lse(b, t.first_head + u % n, first + u / n - begin) = blk.max_logit[u] + Kokkos::log(blk.normalizer[u]);
+              const long hq = t.first_head + u % n, pos = first + u / n;
+              const float l = blk.max_logit[u] + Kokkos::log(blk.normalizer[u]);
+              if (lse.data() != nullptr) lse(b, hq, pos - begin) = l;
+              if (out_lse.data() != nullptr) out_lse(b, hq, pos - off) = l;
             });
         }
       });

@@ -24,6 +24,7 @@
 #include <type_traits>
 
 #include "../policy/merge/gradient_descent.hpp"
+#include "../token_checks.hpp"
 #include "../trellis_config.hpp"
 #include "step_launch.hpp"
 #include "team_size.hpp"
@@ -93,6 +94,14 @@ template <class Tokens, class Gates>
 struct TrellisInputs {
   Tokens q, k, v, alpha;
   Gates beta1, gamma1, beta2, gamma2;
+
+  /// Token t of every input ([B, H, 1, ...], the same strides, no copy; host only): the inputs of one
+  /// decode step out of a prompt's (kvmem::AttentionMemory).
+  [[nodiscard]] TrellisInputs token(long t) const {
+    using kvmem::detail::token_slice;
+    return {token_slice(q, t),     token_slice(k, t),      token_slice(v, t),     token_slice(alpha, t),
+            token_slice(beta1, t), token_slice(gamma1, t), token_slice(beta2, t), token_slice(gamma2, t)};
+  }
 };
 
 /// Pass 1 of a chunk, for local token r < L (input token t = first + r) of (b, h) and memory `pass`
