@@ -18,6 +18,7 @@
 #include "kernels/eviction_step.hpp"
 #include "kernels/zero_tail.hpp"
 #include "policy/score/eviction_scorer.hpp"
+#include "prompt_calls.hpp"
 #include "state/eviction_cache.hpp"
 #include "state/sequence_counts.hpp"
 #include "state/sequence_reset.hpp"
@@ -59,8 +60,13 @@ namespace kvmem {
 /// memory.decode(q1, k1, v1, y1);  // then one token at a time
 /// \endcode
 template <class ExecSpace, score::EvictionScorer Scorer, StorageType Storage = float>
-class EvictionMemory {
+class EvictionMemory : public detail::PromptCalls<EvictionMemory<ExecSpace, Scorer, Storage>> {
+  using Calls = detail::PromptCalls<EvictionMemory>;
+  friend Calls;
+
  public:
+  using Calls::extend;
+  using Calls::prefill;
   using execution_space = ExecSpace;
   using storage_type = Storage;
   using memory_space = typename ExecSpace::memory_space;
@@ -114,34 +120,8 @@ class EvictionMemory {
   /// set_strict_slots(true), a sequence with lengths[b] > 0 that holds tokens (extend() continues it).
   void prefill(const tokens_in& q, const tokens_in& k, const tokens_in& v, const tokens_out& y,
                std::span<const long> lengths = {}) {
-    prefill(inputs{q, k, v}, y, lengths, lse_out{});
+    run_prompt(inputs{q, k, v}, y, lengths, lse_out{}, state::SlotCall::prefill);
   }
-
-  /// prefill() above with the inputs bundled (the AttentionMemory contract).
-  void prefill(const inputs& in, const tokens_out& y, std::span<const long> lengths = {}) {
-    prefill(in, y, lengths, lse_out{});
-  }
-  /// prefill() that also writes the readout's log-sum-exp lse [B, Hq, T] (lse_out; -inf at t >= lengths[b];
-  /// not written when empty). Throws as prefill(), and for an lse of other extents than [B, Hq, T].
-  void prefill(const inputs& in, const tokens_out& y, std::span<const long> lengths, const lse_out& lse) {
-    run_prompt(in, y, lengths, lse, state::SlotCall::prefill);
-  }
-  /// prefill() that only continues prompts (chunked prefill): sequence b takes lengths[b] tokens after the
-  /// ones it holds. Throws as prefill(), and kvmem::invalid_argument naming the sequence when one with
-  /// lengths[b] > 0 holds no token (state::SlotCall::extend), before anything changes.
-  void extend(const inputs& in, const tokens_out& y, std::span<const long> lengths = {}) {
-    run_prompt(in, y, lengths, lse_out{}, state::SlotCall::extend);
-  }
-  /// extend() that also writes the readout's log-sum-exp, as prefill() with lse.
-  void extend(const inputs& in, const tokens_out& y, std::span<const long> lengths, const lse_out& lse) {
-    run_prompt(in, y, lengths, lse, state::SlotCall::extend);
-  }
-  /// The strict slot protocol (off by default; state/slot_protocol.hpp): prefill() then refuses a sequence
-  /// that holds tokens (a request in a busy slot) and decode() one that holds none (a step of a request
-  /// that never started), naming the sequence, before anything changes; extend() continues prompts.
-  /// decode_async() does not check (the host's counts may be behind a GPU's).
-  void set_strict_slots(bool on) { strict_slots_ = on; }
-  [[nodiscard]] bool strict_slots() const { return strict_slots_; }
 
  private:
   void run_prompt(const inputs& in, const tokens_out& y, std::span<const long> lengths, const lse_out& lse,
@@ -161,7 +141,7 @@ class EvictionMemory {
       ragged = ragged || n < T;
     }
     sync();
-    state::check_slots(call, strict_slots_, batch(), lengths, T, [&](long b) { return tokens_.host(b); });
+    state::check_slots(call, this->strict_slots_, batch(), lengths, T, [&](long b) { return tokens_.host(b); });
     for (long b = 0; b < batch(); ++b) lengths_.set(b, lengths.empty() ? T : lengths[b]);
     lengths_.upload(exec_);
     if (ragged) {
@@ -185,7 +165,7 @@ class EvictionMemory {
     check_decode(q, k, v, y);
     check_lse(lse, 1, "decode");
     sync();
-    state::check_slots(state::SlotCall::decode, strict_slots_, batch(), active, [&](long b) { return tokens_.host(b); });
+    state::check_slots(state::SlotCall::decode, this->strict_slots_, batch(), active, [&](long b) { return tokens_.host(b); });
     set_active(active);
     run(in, y, lse, active_, /*wait=*/true);
   }
@@ -369,7 +349,6 @@ class EvictionMemory {
   state::SequenceCounts<long, memory_space> lengths_;  ///< a prefill's tokens per sequence
   state::SequenceCounts<long, memory_space> active_;   ///< a decode step's tokens per sequence: 1 or 0
   state::EvictionCache<memory_space, Storage> cache_;
-  bool strict_slots_ = false;  ///< set_strict_slots()
 };
 
 }  // namespace kvmem

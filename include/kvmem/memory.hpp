@@ -24,6 +24,7 @@
 #include "policy/merge/concept.hpp"
 #include "policy/score/append_scorer.hpp"
 #include "policy/score/row_eviction.hpp"
+#include "prompt_calls.hpp"
 #include "state/schedule.hpp"
 #include "state/sequence_counts.hpp"
 #include "state/sequence_reset.hpp"
@@ -64,8 +65,13 @@ namespace kvmem {
 /// tokens of the block merge as usual), and the eviction takes the rows back to the cap.
 template <class ExecSpace, merge::MergePolicy Merge, budget::BudgetSchedule Budget, score::AppendScorer Scorer,
           score::RowEviction RowPolicy = score::KeepRows, StorageType Storage = float>
-class Memory {
+class Memory : public detail::PromptCalls<Memory<ExecSpace, Merge, Budget, Scorer, RowPolicy, Storage>> {
+  using Calls = detail::PromptCalls<Memory>;
+  friend Calls;
+
  public:
+  using Calls::extend;
+  using Calls::prefill;
   using execution_space = ExecSpace;
   using storage_type = Storage;
   using memory_space = typename ExecSpace::memory_space;
@@ -147,34 +153,8 @@ class Memory {
   /// set_strict_slots(true), a sequence with lengths[b] > 0 that holds tokens (extend() continues it).
   void prefill(const tokens_in& q, const tokens_in& k, const tokens_in& v, const gates_in& gate, const tokens_out& y,
                std::span<const long> lengths = {}) {
-    prefill(inputs{q, k, v, gate}, y, lengths, lse_out{});
+    run_prompt(inputs{q, k, v, gate}, y, lengths, lse_out{}, state::SlotCall::prefill);
   }
-
-  /// prefill() above with the inputs bundled (the AttentionMemory contract).
-  void prefill(const inputs& in, const tokens_out& y, std::span<const long> lengths = {}) {
-    prefill(in, y, lengths, lse_out{});
-  }
-  /// prefill() that also writes the readout's log-sum-exp lse [B, Hq, T] (lse_out; -inf at t >= lengths[b];
-  /// not written when empty). Throws as prefill(), and for an lse of other extents than [B, Hq, T].
-  void prefill(const inputs& in, const tokens_out& y, std::span<const long> lengths, const lse_out& lse) {
-    run_prompt(in, y, lengths, lse, state::SlotCall::prefill);
-  }
-  /// prefill() that only continues prompts (chunked prefill): sequence b takes lengths[b] tokens after the
-  /// ones it holds. Throws as prefill(), and kvmem::invalid_argument naming the sequence when one with
-  /// lengths[b] > 0 holds no token (state::SlotCall::extend), before anything changes.
-  void extend(const inputs& in, const tokens_out& y, std::span<const long> lengths = {}) {
-    run_prompt(in, y, lengths, lse_out{}, state::SlotCall::extend);
-  }
-  /// extend() that also writes the readout's log-sum-exp, as prefill() with lse.
-  void extend(const inputs& in, const tokens_out& y, std::span<const long> lengths, const lse_out& lse) {
-    run_prompt(in, y, lengths, lse, state::SlotCall::extend);
-  }
-  /// The strict slot protocol (off by default; state/slot_protocol.hpp): prefill() then refuses a sequence
-  /// that holds tokens (a request in a busy slot) and decode() one that holds none (a step of a request
-  /// that never started), naming the sequence, before anything changes; extend() continues prompts.
-  /// decode_async() does not check (the host's counts may be behind a GPU's).
-  void set_strict_slots(bool on) { strict_slots_ = on; }
-  [[nodiscard]] bool strict_slots() const { return strict_slots_; }
 
  private:
   void run_prompt(const inputs& in, const tokens_out& y, std::span<const long> lengths, const lse_out& lse,
@@ -195,7 +175,7 @@ class Memory {
       }
     }
     sync();
-    state::check_slots(call, strict_slots_, batch(), lengths, T, [&](long b) { return cursors_.host(b).tokens; });
+    state::check_slots(call, this->strict_slots_, batch(), lengths, T, [&](long b) { return cursors_.host(b).tokens; });
     // Sequences that hold tokens continue through the decode step; the others start chunk-parallel.
     std::vector<long> fresh(batch(), 0), continued(batch(), 0);
     for (long b = 0; b < batch(); ++b) {
@@ -222,7 +202,7 @@ class Memory {
     check_decode(q, k, v, gate, y);
     check_lse(lse, 1, "decode");
     sync();
-    state::check_slots(state::SlotCall::decode, strict_slots_, batch(), active,
+    state::check_slots(state::SlotCall::decode, this->strict_slots_, batch(), active,
                        [&](long b) { return cursors_.host(b).tokens; });
     set_active(active);
     for (long b = 0; b < batch(); ++b)
@@ -659,7 +639,6 @@ class Memory {
   kernels::UpdateScratch<memory_space> scratch_;
   kernels::StepPlan<memory_space> plan_;
   RowPolicy row_policy_{};
-  bool strict_slots_ = false;  ///< set_strict_slots()
   Kokkos::View<float***, Kokkos::LayoutRight, memory_space> lse_;  ///< [B, Hq, max(L, C)], row eviction only
 };
 
