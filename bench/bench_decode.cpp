@@ -82,12 +82,17 @@ struct Windows {
   }
 };
 
-void bm_exact(benchmark::State& st, Shape s, long pos, long steps) {
+/// Exact decode steps at position `pos`: `name` "exact" (DecodeSplits::automatic: split-KV where the step
+/// has fewer teams than threads) or "exact-unsplit" (DecodeSplits::never: one team per kv-head, the schedule
+/// before split-KV decode), in the same process.
+void bm_exact(benchmark::State& st, Shape s, long pos, long steps, const std::string& name = "exact",
+              kvmem::kernels::DecodeSplits splits = kvmem::kernels::DecodeSplits::automatic) {
   const exec_t exec = make_exec(s.threads);
   const long total_steps = kWindows * steps;
   Inputs in(s, total_steps);
   KvCache cache{view4(Kokkos::view_alloc(Kokkos::WithoutInitializing, "cache_k"), s.B, s.Hkv, pos + total_steps, s.D),
-                view4(Kokkos::view_alloc(Kokkos::WithoutInitializing, "cache_v"), s.B, s.Hkv, pos + total_steps, s.D)};
+                view4(Kokkos::view_alloc(Kokkos::WithoutInitializing, "cache_v"), s.B, s.Hkv, pos + total_steps, s.D),
+                {}};
   Kokkos::Random_XorShift64_Pool<exec_t> pool(777);
   fill_uniform(cache.k, pool, -1.0f, 1.0f);
   fill_uniform(cache.v, pool, -1.0f, 1.0f);
@@ -102,7 +107,7 @@ void bm_exact(benchmark::State& st, Shape s, long pos, long steps) {
     exec.fence();
     st.ResumeTiming();
     const auto t0 = clock_t_::now();
-    exact_decode_attention(exec, cache, token(in.q, i), token(in.y, i), pos + i, in.tau.data());
+    exact_decode_attention(exec, cache, token(in.q, i), token(in.y, i), pos + i, in.tau.data(), splits);
     exec.fence();
     win.add(i, seconds_since(t0));
     ++i;
@@ -110,9 +115,9 @@ void bm_exact(benchmark::State& st, Shape s, long pos, long steps) {
   Work w;
   for (long j = win.best() * steps; j < (win.best() + 1) * steps; ++j) w += attention_work(s.D, s.D, s.G, double(pos + j + 1));
   const double sec = win.step_seconds();
-  exact_step_seconds()[Key::of(s, pos)] = sec;
-  set_counters(st, "exact", s, pos, w, steps, sec,
-               KernelClock::seconds({"kvmem::exact_causal_attention"}) / i * sec / win.mean_step_seconds(), kv_cache_bytes(s, pos));
+  if (name == "exact") exact_step_seconds()[Key::of(s, pos)] = sec;
+  const double kernel_sec = KernelClock::seconds({"kvmem::exact_causal_attention", "kvmem::exact_decode"});
+  set_counters(st, name, s, pos, w, steps, sec, kernel_sec / i * sec / win.mean_step_seconds(), kv_cache_bytes(s, pos));
   st.counters["mean_step_us"] = win.mean_step_seconds() * 1e6;
 }
 
@@ -166,6 +171,10 @@ void add_position(Shape s, long pos, unsigned series) {
   const long exact_steps = std::min<long>(g_steps, 16);
   if (series & kExact)
     add("exact", s, pos, exact_steps, [s, pos, exact_steps](benchmark::State& st) { bm_exact(st, s, pos, exact_steps); });
+  if (series & kExactUnsplit)
+    add("exact-unsplit", s, pos, exact_steps, [s, pos, exact_steps](benchmark::State& st) {
+      bm_exact(st, s, pos, exact_steps, "exact-unsplit", kvmem::kernels::DecodeSplits::never);
+    });
   memory_series(
       [&](const std::string& name, auto make) {
         add(name, s, pos, g_steps, [name, s, pos, make](benchmark::State& st) { bm_memory(st, name, s, pos, make); });
@@ -185,7 +194,7 @@ void register_grid(const std::string& grid) {
   }
   if (grid == "gpu") {  // scripts/gpu-check: the engines' shape (Hq = 32, Hkv = 8, D = 128, B = 8) on one GPU
     for (long pos : {4096L, 16384L, 65536L, 131072L, 262144L})
-      add_position({0, 128, 4, 8, 8, all}, pos, kExact | kKvmFixed | (pos <= 16384 ? kEvictH2o : 0u));
+      add_position({0, 128, 4, 8, 8, all}, pos, kExact | kExactUnsplit | kKvmFixed | (pos <= 16384 ? kEvictH2o : 0u));
     return;
   }
   // standard (bench/README.md).
@@ -211,6 +220,10 @@ void register_grid(const std::string& grid) {
   // 3. one thread against all threads.
   if (all > 1)
     for (int threads : {1, all}) add_position({0, 128, 1, 1, 4, threads}, 4096, kExact | kKvmFixed);
+  // 4. split-KV decode: one kv-head, fewer teams than threads, so `exact` runs its keys split over the threads;
+  //    exact-unsplit is the one-team schedule in the same process.
+  if (all > 1)
+    for (long pos : {4096L, 16384L, 65536L, 262144L}) add_position({0, 128, 1, 1, 1, all}, pos, kExact | kExactUnsplit);
 }
 
 }  // namespace

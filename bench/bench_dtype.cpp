@@ -89,6 +89,7 @@ template <class S>
 struct Exact {
   static constexpr const char* name = "exact";
   tokens4<S> ck, cv;  // the full KV cache, [B, Hkv, capacity, D]
+  kvmem::kernels::DecodeSplitWork<space_t> split_work;  // split-KV decode's partials, kept between steps
   Exact(const Shape& s, long capacity, const exec_t&)
       : ck(Kokkos::view_alloc(Kokkos::WithoutInitializing, "cache_k"), s.B, s.Hkv, capacity, s.D),
         cv(Kokkos::view_alloc(Kokkos::WithoutInitializing, "cache_v"), s.B, s.Hkv, capacity, s.D) {}
@@ -102,8 +103,10 @@ struct Exact {
     Kokkos::deep_copy(exec, Kokkos::subview(cv, Kokkos::ALL, Kokkos::ALL, range(0, pos), Kokkos::ALL), in.v);
   }
   void decode(const exec_t& exec, const TypedInputs<S>& in, long i, long pos) {
-    exact_decode_step(exec, KvCacheOf<S>{ck, cv}, token(in.q, i), token(in.k, i), token(in.v, i), token(in.y, i),
-                      pos + i, in.weights.tau_window.data());
+    const KvCacheOf<S> cache{ck, cv, split_work};
+    exact_decode_step(exec, cache, token(in.q, i), token(in.k, i), token(in.v, i), token(in.y, i), pos + i,
+                      in.weights.tau_window.data());
+    split_work = cache.work;  // the partials it grew, for the next step
   }
   [[nodiscard]] double held(const Shape& s, long tokens) const { return kv_cache_bytes(s, tokens) * sizeof(S) / sizeof(float); }
 };

@@ -229,6 +229,7 @@ inline Work exact_prefill_work(const Shape& s, long T) {
 template <class S>
 struct KvCacheOf {
   Kokkos::View<S****, Kokkos::LayoutRight, space_t> k, v;  // [B, Hkv, capacity, D]
+  mutable kvmem::kernels::DecodeSplitWork<space_t> work;   // split-KV decode's partials, kept between steps
 };
 using KvCache = KvCacheOf<float>;
 
@@ -248,10 +249,13 @@ void append_token(const exec_t& exec, const KvCacheOf<S>& cache, const KV& k1, c
 
 /// The query of position `pos` (q1 [B, Hq, 1, D]) against the cache's positions [0, pos], into y1: the
 /// attention call of an exact decode step, what bench/torch_sdpa.py times of PyTorch's.
+/// `splits` schedules the step's key splits (kernels::DecodeSplits: split-KV where it has fewer teams than
+/// threads, by default).
 template <class S, class Q, class Y>
 void exact_decode_attention(const exec_t& exec, const KvCacheOf<S>& cache, const Q& q1, const Y& y1, long pos,
-                            const float* tau) {
-  kvmem::kernels::exact_causal_attention(exec, q1, cache.k, cache.v, y1, tau, pos);
+                            const float* tau,
+                            kvmem::kernels::DecodeSplits splits = kvmem::kernels::DecodeSplits::automatic) {
+  kvmem::kernels::exact_causal_attention(exec, q1, cache.k, cache.v, y1, tau, pos, splits, cache.work);
 }
 
 /// A whole exact decode step: append_token, then exact_decode_attention.

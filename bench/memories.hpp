@@ -54,6 +54,7 @@ enum Series : unsigned {
   kTrellis = 1u << 6,       // trellis-m64 (registered only where G = 1: Trellis has no GQA)
   kEvictH2o = 1u << 7,      // evict-h2o256
   kEvictOthers = 1u << 8,   // evict-streaming256, evict-knorm256, evict-tova256, evict-kvpop256
+  kExactUnsplit = 1u << 9,  // exact-unsplit (decode only): exact attention with DecodeSplits::never, one team per kv-head
 };
 constexpr unsigned kEvictAll = kEvictH2o | kEvictOthers;
 

@@ -8,6 +8,9 @@
 #   KVMEM_BENCH_GRID=quick bench/run.sh   # a smoke test (one to two minutes)
 #   bench/run.sh --benchmark_filter=kvm-fixed256   # extra arguments go to both programs
 #
+#   KVMEM_BENCH_BEFORE=/path/to/old/build bench/run.sh   # also runs an earlier build's prefill and decode
+#                                                       # programs (before-*.json) and writes before_after.md
+#
 # KVMEM_BUILD_DIR (default build/) is the build directory; KVMEM_BENCH_MIN_TIME (default 0.2s) is
 # Google Benchmark's --benchmark_min_time for prefill (decode runs a fixed number of steps).
 # OMP_WAIT_POLICY (default passive: idle OpenMP threads sleep instead of spinning, which keeps the
@@ -25,6 +28,11 @@ out=$repo/bench/results
 [ "$grid" = standard ] || out=$repo/bench/results-$grid
 mkdir -p "$out"
 
+before=${KVMEM_BENCH_BEFORE:-}
+if [ -n "$before" ]; then  # visible inside the build environment at the same path
+  before=$(cd "$before" && pwd)
+  export KVMEM_ENV_BINDS="$before${KVMEM_ENV_BINDS:+:$KVMEM_ENV_BINDS}"
+fi
 kvmem_env_ensure
 cd "$repo"
 if [ ! -f "$KVMEM_BUILD_DIR/build.ninja" ]; then
@@ -47,6 +55,15 @@ run "$KVMEM_BUILD_DIR/bench/kvmem_bench_prefill" --grid="$grid" --benchmark_min_
   --benchmark_out="$out/prefill.json" --benchmark_out_format=json "$@"
 run "$KVMEM_BUILD_DIR/bench/kvmem_bench_decode" --grid="$grid" \
   --benchmark_out="$out/decode.json" --benchmark_out_format=json "$@"
+# Before/after in one run: an earlier build's programs (KVMEM_BENCH_BEFORE, built with the benchmarks, e.g. from a
+# git worktree of the earlier commit) on the same grid and filters, right after this build's.
+if [ -n "$before" ]; then
+  run "$before/bench/kvmem_bench_prefill" --grid="$grid" --benchmark_min_time="$min_time" \
+    --benchmark_out="$out/before-prefill.json" --benchmark_out_format=json "$@"
+  run "$before/bench/kvmem_bench_decode" --grid="$grid" \
+    --benchmark_out="$out/before-decode.json" --benchmark_out_format=json "$@"
+  kvmem_in_env python3 bench/compare.py "$out" >"$out/before_after.md"
+fi
 # float32 against bfloat16 and float16 storage (B = 8, Hkv = 8, D = 128): its own names, so "$@"'s filters
 # are not passed on.
 run "$KVMEM_BUILD_DIR/bench/kvmem_bench_dtype" --grid="$grid" \

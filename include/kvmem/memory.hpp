@@ -312,8 +312,18 @@ class Memory : public detail::PromptCalls<Memory<ExecSpace, Merge, Budget, Score
     if constexpr (RowPolicy::evicts)  // a verbatim first chunk holds C rows before any eviction
       rows = std::min(rows, std::max(row_policy_.max_rows, Merge::first_chunk_verbatim ? C : 0L) + C);
     rows_.grow(std::max({rows, C, 1L}));
+    // A split-KV decode step's partials, whatever set_decode_splits says now, so that no replay allocates.
+    const long splits = kernels::readout_max_splits(rows_.capacity(), ring_.slots());
+    if (splits > 1) split_work_.reserve(exec_, batch() * cfg_.query_heads, splits, cfg_.value_dim);
     horizon_ = tokens;
   }
+
+  /// How decode steps whose keys span several splits of kernels::readout_split_keys keys are scheduled
+  /// (kernels::DecodeSplits: split-KV decode where the step has fewer teams than the backend has threads, or
+  /// forced either way). Every choice gives the same bits; a GPU graph captured before a change replays the
+  /// schedule it captured.
+  void set_decode_splits(kernels::DecodeSplits mode) { decode_splits_ = mode; }
+  [[nodiscard]] kernels::DecodeSplits decode_splits() const { return decode_splits_; }
 
   /// Brings the host's counts (cursor(), window_tokens(), held_bytes()) up to the device's after
   /// decode_async steps on a GPU and their replays: one fence and two copies; nothing on a host memory
@@ -580,7 +590,11 @@ class Memory : public detail::PromptCalls<Memory<ExecSpace, Merge, Budget, Score
     // Where a kv-head's window has one readout team (a decode step, a short prefill step), that team writes
     // the token itself, unless a lazy fold runs before the readout: the fold may read the new token (a sink,
     // a verbatim first chunk), so the token is written before it.
-    const bool fused = kernels::readout_writes_window<ExecSpace>(cfg_, bd.tokens) && !(update_first && bd.block > 0);
+    // A decode step whose keys may span several splits, with fewer teams than threads, runs them split-KV
+    // (kernels::DecodeSplits): its window has several readout teams then.
+    prepare_split_work(bd.tokens);
+    const bool fused = split_work_.splits == 1 && kernels::readout_writes_window<ExecSpace>(cfg_, bd.tokens) &&
+                       !(update_first && bd.block > 0);
     if (!fused) kernels::write_window<Merge>(exec_, cfg_, ring_, plan_, k, v, gate, bd.tokens);
     if (update_first) update();
     if (fused)
@@ -588,10 +602,23 @@ class Memory : public detail::PromptCalls<Memory<ExecSpace, Merge, Budget, Score
                               kernels::WindowTokens<tokens_in, gates_in>{k, v, gate}, lse);
     else
       kernels::readout<Merge>(exec_, cfg_, w, rows_, ring_, plan_, q, y, bd.tokens, lse_, kernels::NoWindowTokens{},
-                              lse);
+                              lse, split_work_);
     if constexpr (RowPolicy::needs_probabilities)
       kernels::accumulate_row_attention<Merge>(exec_, cfg_, w, rows_, plan_, q, lse_, row_policy_, bd.most_read);
     if (!update_first) update();
+  }
+  /// Sets split_work_ for a step of `tokens` tokens per sequence: the bound of key splits over the state's
+  /// capacity and the window ring (kernels::readout_max_splits) where the step is a decode step that
+  /// kernels::splits_decode runs split-KV under decode_splits_, else 1; the partials grow (an allocation)
+  /// only when the bound passes their extent, which reserve() fixes for decode_async.
+  void prepare_split_work(long tokens) {
+    split_work_.splits = 1;
+    if (tokens != 1) return;
+    const long bound = kernels::readout_max_splits(rows_.capacity(), ring_.slots());
+    const kernels::GroupLanes gl(cfg_.group(), 1, 1);
+    if (!kernels::splits_decode(exec_, decode_splits_, bound, gl.league(batch(), cfg_.kv_heads))) return;
+    split_work_.reserve(exec_, batch() * cfg_.query_heads, bound, cfg_.value_dim);
+    split_work_.splits = bound;
   }
   /// A prefill step planned in plan_.host: the state grown to the plan's rows, the plan sent, the kernels
   /// launched.
@@ -640,6 +667,8 @@ class Memory : public detail::PromptCalls<Memory<ExecSpace, Merge, Budget, Score
   kernels::StepPlan<memory_space> plan_;
   RowPolicy row_policy_{};
   Kokkos::View<float***, Kokkos::LayoutRight, memory_space> lse_;  ///< [B, Hq, max(L, C)], row eviction only
+  kernels::DecodeSplits decode_splits_ = kernels::DecodeSplits::automatic;
+  kernels::DecodeSplitWork<memory_space> split_work_;  ///< split-KV decode's partials (prepare_split_work)
 };
 
 }  // namespace kvmem

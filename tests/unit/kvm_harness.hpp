@@ -24,6 +24,8 @@ struct KvmCase {
   unsigned seed = 1;
   bool zero_value_rows = false;   // some tokens get all-zero values
   bool duplicate_tokens = false;  // some tokens repeat an earlier key/value (novelty and argmax ties)
+  kvmem::kernels::DecodeSplits decode_splits = kvmem::kernels::DecodeSplits::automatic;  // Memory::set_decode_splits
+  bool decode_async = false;  // decode as a GPU does: plan_on_device(), reserve(T), decode_async, sync()
   std::vector<float> q, k, v, gate, ln_weight, ln_bias, tau_state, tau_bswa;
 
   long length(long b) const { return lengths.empty() ? T : lengths[b]; }
@@ -203,6 +205,7 @@ KvmOutput run_kvm(const KvmCase& c, Mode mode, long split = 0, const ExecSpace& 
     kvmem::Memory<ExecSpace, Merge, budget_t, kvmem::score::Novelty, RowPolicy, S> mem(c.config(), budget, w,
                                                                                        static_cast<int>(c.B), row_policy, exec);
     using memory_t = decltype(mem);
+    mem.set_decode_splits(c.decode_splits);
     long first_decoded = 0;
     if (mode != Mode::decode) {
       std::vector<long> pre(c.B);
@@ -211,13 +214,24 @@ KvmOutput run_kvm(const KvmCase& c, Mode mode, long split = 0, const ExecSpace& 
       first_decoded = mode == Mode::prefill ? c.T : split;
     }
     std::vector<unsigned char> active(c.B);
+    if (c.decode_async) {
+      mem.plan_on_device();
+      mem.reserve(c.T);
+    }
     for (long t = first_decoded; t < c.T; ++t) {
       for (long b = 0; b < c.B; ++b) active[b] = t < len[b];
       const auto at = std::make_pair(t, t + 1);
       auto s4 = [&](const view4& x) { return Kokkos::subview(x, Kokkos::ALL, Kokkos::ALL, at, Kokkos::ALL); };
       auto s3 = [&](const auto& x) { return Kokkos::subview(x, Kokkos::ALL, Kokkos::ALL, at); };
-      mem.decode(typename memory_t::inputs{s4(q), s4(k), s4(v), s3(gate)}, s4(y), active, s3(lse));
+      const typename memory_t::inputs in{s4(q), s4(k), s4(v), s3(gate)};
+      if (c.decode_async) {
+        mem.set_active(active);
+        mem.decode_async(in, s4(y), s3(lse));
+      } else {
+        mem.decode(in, s4(y), active, s3(lse));
+      }
     }
+    if (c.decode_async) mem.sync();
     read_state(mem, c, out);
   });
   auto yh = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), y);

@@ -58,13 +58,26 @@ struct Case {
   }
 };
 
-/// y [B, Hq, n, Dv] of the queries of positions [p0, p0 + n) against the case's whole KV cache.
-view4 attend(const Case& c, long p0, long n) {
+/// y [B, Hq, n, Dv] of the queries of positions [p0, p0 + n) against the case's whole KV cache, on `Exec`
+/// (a decode step, n = 1, scheduled as `splits` says).
+template <class Exec = exec>
+view4 attend(const Case& c, long p0, long n, kvmem::kernels::DecodeSplits splits = kvmem::kernels::DecodeSplits::automatic) {
   const auto qs = c.queries(p0, n);
   view4 y("y", c.B, c.Hq, n, c.Dv);
-  kvmem::kernels::exact_causal_attention(exec(), cview4(qs.data(), c.B, c.Hq, n, c.D), c.keys(), c.values(), y,
-                                         c.tau.data(), p0);
+  kvmem::kernels::exact_causal_attention(Exec(), cview4(qs.data(), c.B, c.Hq, n, c.D), c.keys(), c.values(), y,
+                                         c.tau.data(), p0, splits);
   return y;
+}
+
+/// Elements of y [B, Hq, n, Dv] whose bits differ from rows [p0, p0 + n) of `prompt`.
+long differing(const view4& y, const view4& prompt, long p0) {
+  long differ = 0;
+  for (long b = 0; b < long(y.extent(0)); ++b)
+    for (long hq = 0; hq < long(y.extent(1)); ++hq)
+      for (long u = 0; u < long(y.extent(2)); ++u)
+        for (long x = 0; x < long(y.extent(3)); ++x)
+          differ += !kvmem_test::same_bits(y(b, hq, u, x), prompt(b, hq, p0 + u, x));
+  return differ;
 }
 }  // namespace
 
@@ -95,15 +108,48 @@ TEST_CASE("a decode step and a chunk at first_position give the prompt's rows bi
     const view4 prompt = attend(c, 0, c.T);
     for (auto [p0, n] : {std::pair{0L, 1L}, {31L, 1L}, {32L, 1L}, {74L, 1L}, {33L, 20L}, {5L, 70L}}) {
       INFO("Hq=" << Hq << " Hkv=" << Hkv << " first_position=" << p0 << " queries=" << n);
-      const view4 y = attend(c, p0, n);
-      long differ = 0;
-      for (long b = 0; b < c.B; ++b)
-        for (long hq = 0; hq < c.Hq; ++hq)
-          for (long u = 0; u < n; ++u)
-            for (long x = 0; x < c.Dv; ++x) differ += !kvmem_test::same_bits(y(b, hq, u, x), prompt(b, hq, p0 + u, x));
-      CHECK(differ == 0);
+      CHECK(differing(attend(c, p0, n), prompt, p0) == 0);
     }
   }
+}
+
+TEST_CASE("split-KV decode gives the prompt's rows at every split boundary, in either schedule and on every host backend",
+          "[exact][gqa][splits]") {
+  // A query reads its keys in splits of S = readout_split_keys, merged by log-sum-exp in order; a decode step
+  // may run the splits in parallel teams (DecodeSplits::always) or in one team (never). Positions: one key,
+  // the last position of one split, one key past it (a split of one key), two whole splits and one past,
+  // and the prompt's last position; T = 2S + 34 ends inside a key tile.
+  namespace kk = kvmem::kernels;
+  constexpr long S = kk::readout_split_keys;
+  for (auto [Hq, Hkv] : {std::pair{1L, 1L}, {4L, 2L}}) {
+    const Case c(1, Hq, Hkv, 2 * S + 34, 20, 24);
+    const view4 prompt = attend(c, 0, c.T);
+    double worst = 0.0;
+    for (long p0 : {0L, S - 1, S, S + 1, 2 * S - 1, 2 * S, 2 * S + 1, c.T - 1}) {
+      INFO("Hq=" << Hq << " Hkv=" << Hkv << " position=" << p0);
+      for (auto mode : {kk::DecodeSplits::always, kk::DecodeSplits::never, kk::DecodeSplits::automatic})
+        CHECK(differing(attend(c, p0, 1, mode), prompt, p0) == 0);
+#if defined(KOKKOS_ENABLE_SERIAL)
+      CHECK(differing(attend<Kokkos::Serial>(c, p0, 1, kk::DecodeSplits::always), prompt, p0) == 0);
+#endif
+      for (long b = 0; b < c.B; ++b)
+        for (long hq = 0; hq < c.Hq; ++hq) {
+          const auto ref = c.reference(b, hq, p0);
+          for (long x = 0; x < c.Dv; ++x) worst = std::max(worst, std::abs(double(prompt(b, hq, p0, x)) - ref[x]));
+        }
+    }
+    // The merge of the splits is a softmax over all keys: the float64 softmax within float32 rounding
+    // (above; more keys, each a few u).
+    CHECK(worst < 1e-5);
+  }
+  // A chunk whose queries straddle a split boundary (some lanes close a split, some do not).
+  const Case c(1, 4, 2, S + 70, 20, 24);
+  const view4 prompt = attend(c, 0, c.T);
+  CHECK(differing(attend(c, S - 40, 100), prompt, S - 40) == 0);
+  // Serial and the default host space compute the prompt in the same splits.
+#if defined(KOKKOS_ENABLE_SERIAL)
+  CHECK(differing(attend<Kokkos::Serial>(c, 0, c.T), prompt, 0) == 0);
+#endif
 }
 
 TEST_CASE("exact attention names a bad first_position or a cache too short for it", "[exact][errors]") {

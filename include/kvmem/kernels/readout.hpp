@@ -24,6 +24,56 @@ namespace kvmem::kernels {
 inline constexpr int readout_key_tile = 32;
 /// Queries handled by one team (the lanes of a query block).
 inline constexpr int readout_query_block = 32;
+/// Keys per split of a segment of the key list (tokens for a window or a KV cache, rows for the state): a
+/// query's softmax over a segment of more keys is the log-sum-exp merge, in split order, of the softmaxes of
+/// its splits [0, S), [S, 2S), ... (QueryBlock::close_split, merge_softmax). The splits sit at these fixed
+/// positions in prefill and decode alike, so a decode step may compute its splits in parallel teams (split-KV
+/// decode, flash-decoding: exact_causal_attention) and still give the prompt's bits. A multiple of
+/// readout_key_tile; the same on every backend.
+inline constexpr long readout_split_keys = 1024;
+static_assert(readout_split_keys % readout_key_tile == 0, "splits start on a key tile");
+
+/// How a decode step (one query position) whose keys span more than one split of readout_split_keys keys
+/// is scheduled: `automatic` runs its splits in parallel teams (split-KV decode, flash-decoding) where the
+/// step has fewer (sequence, kv-head) teams than the backend has threads (a GPU: always; 2 CPU threads:
+/// B x Hkv = 1), `always` and `never` force either schedule. The splits sit at the fixed positions that a
+/// prefill takes too, so every choice gives the same bits (tests/unit/test_exact_attention.cpp,
+/// test_decode_splits.cpp).
+enum class DecodeSplits { automatic, always, never };
+
+/// Whether a decode step of `teams` (sequence, kv-head, head group) teams over at most `splits` key splits
+/// runs them in parallel teams, as `mode` says (DecodeSplits).
+template <class ExecSpace>
+[[nodiscard]] bool splits_decode(const ExecSpace& exec, DecodeSplits mode, long splits, long teams) {
+  if (splits <= 1 || mode == DecodeSplits::never) return false;
+  return mode == DecodeSplits::always || teams < static_cast<long>(exec.concurrency());
+}
+
+/// The log-sum-exp merge of two online-softmax states (max logit, normalizer, un-normalized output [dim]):
+/// state a (not empty) absorbs state b. M = max(m_a, m_b), c_a = exp(m_a - M), c_b = exp(m_b - M); the
+/// normalizer becomes l_a c_a + l_b c_b and the output acc_a c_a + acc_b c_b, channel by channel. Prefill
+/// (QueryBlock::close_split, settle_splits) and split-KV decode (exact_causal_attention) call this one
+/// function in the same split order, so they give the same bits.
+KOKKOS_INLINE_FUNCTION void merge_softmax(float& max_a, float& norm_a, float* acc_a, float max_b, float norm_b,
+                                          const float* acc_b, int dim) {
+  const float m = max_b > max_a ? max_b : max_a;
+  const float ca = softmax_exp(max_a - m), cb = softmax_exp(max_b - m);
+  norm_a = mul_add(norm_a, ca, norm_b * cb);
+  for (int c = 0; c < dim; ++c) acc_a[c] = mul_add(acc_a[c], ca, acc_b[c] * cb);
+  max_a = m;
+}
+
+/// Channel c of a query's output from the partials of its splits [0, count) (part(row, s, ...) as
+/// QueryBlock::store_partial wrote them, value_dim dv): merged in split order by merge_softmax from split 0,
+/// then divided by the normalizer as QueryBlock::finish does (the bits of the unsplit readout). `lse`
+/// receives max + log(normalizer) when not null.
+template <class Part>
+KOKKOS_INLINE_FUNCTION float merge_partials(const Part& part, long row, long count, int c, int dv, float* lse) {
+  float m = part(row, 0, dv), l = part(row, 0, dv + 1), a = part(row, 0, c);
+  for (long s = 1; s < count; ++s) merge_softmax(m, l, &a, part(row, s, dv), part(row, s, dv + 1), &part(row, s, c), 1);
+  if (lse != nullptr) *lse = m + Kokkos::log(l);
+  return a * (1.0f / l);
+}
 
 /// Running online-softmax state of one query: max logit, normalizer and the un-normalized output
 /// (acc [Dv], in scratch). `add_tile` folds a tile of logits and values in; the tiles' order and
@@ -77,8 +127,8 @@ struct NoBias {
 
 /// Folds keys [0, count) into `sm` tile by tile: logit_j = q · key_of(j) * scale + bias_of(j) over `dim`
 /// channels, values value_of(j). `logits` is scratch of readout_key_tile floats. Tiles start at 0, so two
-/// calls over the same keys give the same bits whatever else the caller does (and the same bits as
-/// attend_block for that query).
+/// calls over the same keys give the same bits whatever else the caller does (and, for count <=
+/// readout_split_keys, the same bits as attend_block for that query: attend has no splits).
 template <class KeyOf, class ValueOf, class BiasOf = NoBias>
 KOKKOS_INLINE_FUNCTION void attend(OnlineSoftmax& sm, const float* q, int dim, long count, float scale, float* logits,
                                    KeyOf key_of, ValueOf value_of, BiasOf bias_of = {}) {
@@ -118,25 +168,39 @@ struct QueryBlock {
   float* probs = nullptr;       ///< [tile][lanes]
   float* tile_keys = nullptr;   ///< [tile][dim] a key tile widened to float32, or null (not packed)
   float* tile_values = nullptr; ///< [tile][value_dim] its values widened to float32, or null
+  float* split_max = nullptr;   ///< [lanes] the merged softmax of the lane's closed splits, or null (no room)
+  float* split_norm = nullptr;  ///< [lanes] its normalizer; 0: no split closed yet (a closed split's
+                                ///< normalizer is >= 1: its largest logit adds exp(0) = 1, later terms add >= 0)
+  float* split_acc = nullptr;   ///< [lanes][value_dim] its un-normalized output
 
   /// Scratch floats of one block; `packed`: with room for a key tile and its values widened to float32
-  /// (attend_block packs the tiles of keys stored in 16 bits when a block has more than one query).
-  KOKKOS_INLINE_FUNCTION static constexpr long scratch_floats(int d, int dv, bool packed = false) {
+  /// (attend_block packs the tiles of keys stored in 16 bits when a block has more than one query);
+  /// `split`: with room for the merged softmax of closed splits (needed where a segment may hold more than
+  /// readout_split_keys keys: needs_split_room).
+  KOKKOS_INLINE_FUNCTION static constexpr long scratch_floats(int d, int dv, bool packed = false, bool split = false) {
     return long(d) * lanes + 4L * lanes + long(lanes) * dv + 2L * lanes * tile + lanes +
-           (packed ? long(tile) * (d + dv) : 0L);
+           (packed ? long(tile) * (d + dv) : 0L) + (split ? long(lanes) * (dv + 2) : 0L);
   }
   /// Scratch floats of a team's nb query blocks (attend_blocks): the first with room for the packed tile.
-  KOKKOS_INLINE_FUNCTION static constexpr long team_floats(int nb, int d, int dv, bool packed = false) {
-    return scratch_floats(d, dv, packed) + (nb - 1) * scratch_floats(d, dv, false);
+  KOKKOS_INLINE_FUNCTION static constexpr long team_floats(int nb, int d, int dv, bool packed = false,
+                                                           bool split = false) {
+    return scratch_floats(d, dv, packed, split) + (nb - 1) * scratch_floats(d, dv, false, split);
+  }
+  /// Whether a block must hold the merged softmax of closed splits: a segment of its key list (state rows,
+  /// window, KV cache) may hold more than readout_split_keys keys.
+  KOKKOS_INLINE_FUNCTION static constexpr bool needs_split_room(long max_segment_keys) {
+    return max_segment_keys > readout_split_keys;
   }
   /// Lays out block i of a team's blocks in `team_scratch` (team_floats floats), after the blocks before
   /// it, for `n` live queries; block 0 holds the packed tile that the team's blocks share.
-  KOKKOS_INLINE_FUNCTION void carve_in_team(float* team_scratch, int i, int n, int d, int dv, bool packed = false) {
-    const long offset = i == 0 ? 0L : scratch_floats(d, dv, packed) + (i - 1) * scratch_floats(d, dv, false);
-    carve(team_scratch + offset, n, d, dv, packed && i == 0);
+  KOKKOS_INLINE_FUNCTION void carve_in_team(float* team_scratch, int i, int n, int d, int dv, bool packed = false,
+                                            bool split = false) {
+    const long offset =
+        i == 0 ? 0L : scratch_floats(d, dv, packed, split) + (i - 1) * scratch_floats(d, dv, false, split);
+    carve(team_scratch + offset, n, d, dv, packed && i == 0, split);
   }
-  /// Lays the block out in `scratch` (scratch_floats(d, dv, packed) floats) for `n` live queries.
-  KOKKOS_INLINE_FUNCTION void carve(float* scratch, int n, int d, int dv, bool packed = false) {
+  /// Lays the block out in `scratch` (scratch_floats(d, dv, packed, split) floats) for `n` live queries.
+  KOKKOS_INLINE_FUNCTION void carve(float* scratch, int n, int d, int dv, bool packed = false, bool split = false) {
     queries = n, dim = d, value_dim = dv;
     qt = scratch;
     scales = qt + long(d) * lanes;
@@ -145,8 +209,13 @@ struct QueryBlock {
     acc = normalizer + lanes;
     logits = acc + long(lanes) * dv;
     probs = logits + lanes * tile;
-    tile_keys = packed ? probs + lanes * tile + lanes : nullptr;  // after the corrections [lanes]
+    float* rest = probs + lanes * tile + lanes;  // after the corrections [lanes]
+    tile_keys = packed ? rest : nullptr;
     tile_values = packed ? tile_keys + long(tile) * d : nullptr;
+    rest += packed ? long(tile) * (d + dv) : 0L;
+    split_max = split ? rest : nullptr;
+    split_norm = split ? rest + lanes : nullptr;
+    split_acc = split ? rest + 2 * lanes : nullptr;
   }
   /// The lanes that attend_block reads, to be load()ed: lane 0 alone for a block of one live query (the
   /// decode form: logits_one, add_tile on lane 0), every lane otherwise (the register tiles read the padding
@@ -167,6 +236,43 @@ struct QueryBlock {
     max_logit[u] = neg_inf();
     normalizer[u] = 0.0f;
     for (int c = 0; c < value_dim; ++c) acc[long(u) * value_dim + c] = 0.0f;
+    if (split_norm != nullptr) split_norm[u] = 0.0f;
+  }
+  /// Closes lane u's running split (it has folded at least one key): its softmax moves into the merged
+  /// softmax of the closed splits (the first one) or is merged into it (merge_softmax), and the running
+  /// softmax starts empty for the next split. Needs split room (carve's `split`).
+  KOKKOS_INLINE_FUNCTION void close_split(int u) const {
+    float* a = acc + long(u) * value_dim;
+    float* m = split_acc + long(u) * value_dim;
+    if (split_norm[u] == 0.0f) {
+      split_max[u] = max_logit[u];
+      split_norm[u] = normalizer[u];
+      for (int c = 0; c < value_dim; ++c) m[c] = a[c];
+    } else {
+      merge_softmax(split_max[u], split_norm[u], m, max_logit[u], normalizer[u], a, value_dim);
+    }
+    max_logit[u] = neg_inf();
+    normalizer[u] = 0.0f;
+    for (int c = 0; c < value_dim; ++c) a[c] = 0.0f;
+  }
+  /// Lane u's softmax as a split's partial into out [value_dim + 2]: the un-normalized output, then the max
+  /// logit and the normalizer (merged by merge_partials).
+  KOKKOS_INLINE_FUNCTION void store_partial(int u, float* out) const {
+    const float* a = acc + long(u) * value_dim;
+    for (int c = 0; c < value_dim; ++c) out[c] = a[c];
+    out[value_dim] = max_logit[u];
+    out[value_dim + 1] = normalizer[u];
+  }
+  /// After lane u's last key: where splits were closed, the running split is merged into them and the result
+  /// becomes the lane's softmax (max_logit, normalizer, acc), which finish() and the log-sum-exp read.
+  KOKKOS_INLINE_FUNCTION void settle(int u) const {
+    if (split_norm == nullptr || split_norm[u] == 0.0f) return;
+    float* a = acc + long(u) * value_dim;
+    float* m = split_acc + long(u) * value_dim;
+    merge_softmax(split_max[u], split_norm[u], m, max_logit[u], normalizer[u], a, value_dim);
+    max_logit[u] = split_max[u];
+    normalizer[u] = split_norm[u];
+    for (int c = 0; c < value_dim; ++c) a[c] = m[c];
   }
   /// y_u = acc_u / normalizer_u into out [value_dim], rounded to out's storage type.
   template <class Out>
@@ -562,6 +668,9 @@ KOKKOS_INLINE_FUNCTION void attend_tile_spread(const Member& team, const QueryBl
 /// type (float, bfloat16 or float16), widened to float32 in registers, or first into blks[0]'s packed tile
 /// (QueryBlock::packs) once for all the blocks. Each tile is read once for the nb blocks while it is in the
 /// nearest cache; every lane runs the operations it runs alone (attend_block), so nb changes no bit.
+/// At every readout_split_keys keys a lane that reads on closes its split (QueryBlock::close_split; the
+/// blocks need split room where max_count > readout_split_keys): a lane's softmax over the segment is the
+/// merge of its splits in order once settle_splits has run, the bits a split-KV decode step gives.
 /// Collective over `team`; ends with a team barrier.
 /// `Spread` (TileTraits<ExecSpace>::spread) picks how the team covers a tile, not a bit of the result.
 template <bool Spread = false, int NB = 1, class Member, class ScaleOf, class CountOf, class KeyOf, class ValueOf,
@@ -572,7 +681,7 @@ KOKKOS_INLINE_FUNCTION void attend_blocks(const Member& team, const QueryBlock* 
   constexpr int KT = readout_key_tile, L = QueryBlock::lanes;
   using key_type = std::remove_pointer_t<decltype(key_of(0L))>;
   long lane_count[NB][L];  // count_of once per lane, not once per tile
-  long block_count[NB];    // the most keys a lane of the block reads
+  long block_count[NB] = {};  // the most keys a lane of the block reads (zeroed: GCC -O1 cannot see nb <= NB)
   for (int i = 0; i < nb; ++i) {
     block_count[i] = 0;
     for (int u = 0; u < L; ++u) {
@@ -583,6 +692,19 @@ KOKKOS_INLINE_FUNCTION void attend_blocks(const Member& team, const QueryBlock* 
   const bool packed = !Spread && blks[0].packs<key_type>();
   for (long j0 = 0; j0 < max_count; j0 += KT) {
     const int n = static_cast<int>(max_count - j0 < KT ? max_count - j0 : KT);
+    if (j0 > 0 && j0 % readout_split_keys == 0) {  // a split ends: close it in every lane that reads on
+      if (blks[0].split_norm == nullptr)
+        Kokkos::abort("kvmem::kernels::attend_blocks: a segment past readout_split_keys without split room");
+      for (int i = 0; i < nb; ++i)
+        if (block_count[i] > j0) {
+          const long* counts = lane_count[i];
+          const QueryBlock& blk = blks[i];
+          Kokkos::parallel_for(Kokkos::TeamThreadRange(team, blk.queries), [&](int u) {
+            if (counts[u] > j0) blk.close_split(u);
+          });
+        }
+      team.team_barrier();
+    }
     auto key_at = [&](int j) { return key_of(j0 + j); };
     auto values = [&](int j) { return value_of(j0 + j); };
     if (packed) {
@@ -611,6 +733,20 @@ KOKKOS_INLINE_FUNCTION void attend_blocks(const Member& team, const QueryBlock* 
       }
     }
   }
+}
+
+/// QueryBlock::settle for every live lane of the nb blocks, after their last attend_blocks and before
+/// finish() and the log-sum-exp: where no split was closed (no split room, or no segment past
+/// readout_split_keys keys) nothing changes. Collective over `team`; ends with a team barrier where the
+/// blocks have split room.
+template <class Member>
+KOKKOS_INLINE_FUNCTION void settle_splits(const Member& team, const QueryBlock* blks, int nb) {
+  if (blks[0].split_norm == nullptr) return;
+  for (int i = 0; i < nb; ++i) {
+    const QueryBlock& blk = blks[i];
+    Kokkos::parallel_for(Kokkos::TeamThreadRange(team, blk.queries), [&](int u) { blk.settle(u); });
+  }
+  team.team_barrier();
 }
 
 /// attend_blocks for one block: keys [0, count_of(u)) into lane u of `blk` with logit scales scale[u];
@@ -684,6 +820,151 @@ template <class ExecSpace, class Traits = TileTraits<ExecSpace>>
   return gl.head_groups == 1 && gl.team_blocks == 1;
 }
 
+/// The workspace of a split-KV decode step's readout (DecodeSplits): at most `splits` key splits per
+/// (sequence, kv-head) (readout_max_splits), and `partials` [B x Hq, >= splits, Dv + 2] float32, each split's
+/// un-normalized output [Dv], max logit and normalizer. splits = 1 (the default): the readout runs unsplit.
+template <class MemorySpace>
+struct DecodeSplitWork {
+  long splits = 1;
+  Kokkos::View<float***, Kokkos::LayoutRight, MemorySpace> partials;
+
+  /// Whether the partials hold `rows` (B x Hq) x `max_splits` splits of value_dim `dv`.
+  [[nodiscard]] bool holds(long rows, long max_splits, int dv) const {
+    return static_cast<long>(partials.extent(0)) >= rows && static_cast<long>(partials.extent(1)) >= max_splits &&
+           static_cast<long>(partials.extent(2)) >= dv + 2L;
+  }
+  /// Grows the partials (one allocation on `exec`, contents undefined) unless they hold() already.
+  template <class ExecSpace>
+  void reserve(const ExecSpace& exec, long rows, long max_splits, int dv) {
+    if (holds(rows, max_splits, dv)) return;
+    partials = decltype(partials)(Kokkos::view_alloc(exec, Kokkos::WithoutInitializing, "kvmem::decode_split_partials"),
+                                  rows, max_splits, dv + 2L);
+  }
+};
+
+/// One split of a (sequence, kv-head)'s key list of m state rows and nw window tokens, as attend_blocks
+/// splits it: the state at every readout_split_keys rows, the window at every readout_split_keys tokens, the
+/// window's first split joined to the state's last (split J = max(ceil(m / S), 1) - 1). Split s reads state
+/// rows [row_begin, row_end) then window offsets [window_begin, window_end) (offsets from the window's first
+/// position; a split of the window alone has row_begin = row_end = m).
+struct KeySplit {
+  long row_begin = 0, row_end = 0, window_begin = 0, window_end = 0;
+
+  /// Splits of the key list: J + 1 + max(ceil(nw / S) - 1, 0).
+  KOKKOS_INLINE_FUNCTION static long count(long m, long nw) {
+    constexpr long S = readout_split_keys;
+    const long a = (m + S - 1) / S, c = (nw + S - 1) / S;
+    return (a > 1 ? a : 1) + (c > 1 ? c - 1 : 0);
+  }
+  /// Split s in [0, count(m, nw)).
+  KOKKOS_INLINE_FUNCTION static KeySplit of(long s, long m, long nw) {
+    constexpr long S = readout_split_keys;
+    const long a = (m + S - 1) / S, joined = a > 0 ? a - 1 : 0;
+    KeySplit k;
+    if (s < joined) {
+      k.row_begin = s * S, k.row_end = (s + 1) * S;
+    } else if (s == joined) {
+      k.row_begin = joined * S, k.row_end = m, k.window_end = nw < S ? nw : S;
+    } else {
+      const long w = s - joined;
+      k.row_begin = k.row_end = m;
+      k.window_begin = w * S, k.window_end = nw < (w + 1) * S ? nw : (w + 1) * S;
+    }
+    return k;
+  }
+};
+
+/// The most key splits of a decode step's readout over state rows that fit `row_capacity` rows and a
+/// window that fits `window_slots` tokens (KeySplit::count at both).
+[[nodiscard]] inline long readout_max_splits(long row_capacity, long window_slots) {
+  return KeySplit::count(row_capacity, window_slots);
+}
+
+namespace detail {
+
+/// The split-KV form of a decode step's readout (readout() with a DecodeSplitWork of splits > 1): one team
+/// per (sequence, kv-head, head group, split) folds its split's keys (KeySplit) into an empty softmax and
+/// writes its partial to work.partials; splits past a sequence's KeySplit::count do nothing. Then one thread
+/// per (sequence, query head, channel) merges the sequence's splits in order (merge_softmax), writes y and,
+/// where asked, the log-sum-exp (lse, out_lse as readout()). A split's softmax starts empty at its first key,
+/// as after a prefill's close_split, so the step gives the bits of the unsplit readout.
+template <class Merge, class ExecSpace, StorageType T, class QueriesIn, class Out, class Lse, class Traits, class OutLse>
+void readout_split_kv(const ExecSpace& exec, const MemoryConfig& cfg, const LayerWeightsRef& w,
+                      const state::StateRows<typename ExecSpace::memory_space, T>& rows,
+                      const state::WindowRing<typename ExecSpace::memory_space, T>& ring,
+                      const StepPlan<typename ExecSpace::memory_space>& plan, const QueriesIn& q, const Out& y,
+                      const DecodeSplitWork<typename ExecSpace::memory_space>& work, const Lse& lse,
+                      const OutLse& out_lse) {
+  const long B = static_cast<long>(plan.device.extent(0));
+  const long Hq = cfg.query_heads, Hkv = cfg.kv_heads;
+  const int D = cfg.head_dim, Dv = cfg.value_dim;
+  constexpr int QB = readout_query_block;
+  const GroupLanes gl(cfg.group(), 1, 1);
+  const long splits = work.splits;
+  const auto part = work.partials;
+  const auto p = plan.device;
+  using policy_t = Kokkos::TeamPolicy<ExecSpace, step_launch>;
+  using member_t = typename policy_t::member_type;
+  using scratch_t = Kokkos::View<float*, typename ExecSpace::scratch_memory_space, Kokkos::MemoryUnmanaged>;
+  constexpr bool packed = !std::is_same_v<T, float>;
+  const long floats = QueryBlock::scratch_floats(D, Dv, packed);
+  policy_t policy(exec, gl.league(B, Hkv) * splits, Kokkos::AUTO);
+  const int level = scratch_level(policy, scratch_t::shmem_size(floats));
+  policy = policy.set_scratch_size(level, Kokkos::PerTeam(scratch_t::shmem_size(floats)));
+  Kokkos::parallel_for(
+      "kvmem::readout_split", policy, KOKKOS_LAMBDA(const member_t& team) {
+        const long s = team.league_rank() % splits;
+        const auto t = gl.team(team.league_rank() / splits, Hkv);
+        const long b = t.b, h = t.h, n = t.heads;
+        const long pos = p(b, query_begin);
+        if (p(b, query_end) <= pos) return;  // an inactive sequence
+        const long m = p(b, read_rows), wb = p(b, window_begin_pos), off = p(b, input_offset);
+        const long nw = pos + 1 - wb;
+        if (s >= KeySplit::count(m, nw)) return;
+        const KeySplit ks = KeySplit::of(s, m, nw);
+        scratch_t scratch(team.team_scratch(level), floats);
+        QueryBlock blk;
+        blk.carve(scratch.data(), static_cast<int>(n), D, Dv, packed);
+        Kokkos::parallel_for(Kokkos::TeamThreadRange(team, blk.read_lanes()), [&](int u) {
+          const long hq = t.first_head + u % n;
+          const typename QueriesIn::value_type* qu = u < blk.queries ? &q(b, hq, pos - off, 0) : nullptr;
+          blk.load(u, qu);
+          blk.scales[u] = qu ? Merge::logit_scale(w.tau_state[hq], qu, D) : 0.0f;
+          blk.scales[QB + u] = qu ? Merge::logit_scale(w.tau_window[hq], qu, D) : 0.0f;
+        });
+        team.team_barrier();
+        const long r0 = ks.row_begin, rows_read = ks.row_end - ks.row_begin;
+        attend_block<Traits::spread>(
+            team, blk, blk.scales, rows_read, [&](int) { return rows_read; },
+            [&](long i) { return &rows.read_keys(b, h, r0 + i, 0); },
+            [&](long i) { return &rows.read_values(b, h, r0 + i, 0); },
+            [&](long i) { return Merge::row_bias(rows.row(b, h, r0 + i)); });
+        const long first_slot = ring.slot_after(ring.slot(wb), ks.window_begin);
+        const long window_read = ks.window_end - ks.window_begin;
+        attend_block<Traits::spread>(
+            team, blk, blk.scales + QB, window_read, [&](int) { return window_read; },
+            [&](long j) { return &ring.keys(b, h, ring.slot_after(first_slot, j), 0); },
+            [&](long j) { return &ring.values(b, h, ring.slot_after(first_slot, j), 0); }, NoBias{});
+        Kokkos::parallel_for(Kokkos::TeamThreadRange(team, blk.queries),
+                             [&](int u) { blk.store_partial(u, &part(b * Hq + t.first_head + u, s, 0)); });
+      });
+  using out_type = std::remove_cv_t<typename Out::value_type>;
+  Kokkos::parallel_for(
+      "kvmem::readout_split_merge", Kokkos::RangePolicy<ExecSpace>(exec, 0, B * Hq * Dv), KOKKOS_LAMBDA(const long e) {
+        const long bh = e / Dv, b = bh / Hq, hq = bh % Hq;
+        const int c = static_cast<int>(e % Dv);
+        const long pos = p(b, query_begin), u = pos - p(b, input_offset);
+        if (p(b, query_end) <= pos) return;
+        const long count = KeySplit::count(p(b, read_rows), pos + 1 - p(b, window_begin_pos));
+        float lse_u = 0.0f;
+        y(b, hq, u, c) = from_float<out_type>(merge_partials(part, bh, count, c, Dv, c == 0 ? &lse_u : nullptr));
+        if (c == 0 && lse.data() != nullptr) lse(b, hq, 0) = lse_u;
+        if (c == 0 && out_lse.data() != nullptr) out_lse(b, hq, u) = lse_u;
+      });
+}
+
+}  // namespace detail
+
 /// Attention output for the queries of every (sequence b, query head hq) at positions
 /// [query_begin, query_end) of plan row b (spec KVM.md §3, OVQ.md §4):
 ///   logit(u, i) = q_u · read_keys_i * Merge::logit_scale(tau_state[hq], q_u) + Merge::row_bias(row i)
@@ -695,6 +976,9 @@ template <class ExecSpace, class Traits = TileTraits<ExecSpace>>
 /// stride; their element type, that of the state's read caches and of the window (the storage type T) may
 /// be float, bfloat16 or float16, read as float32, with float32 logits, softmax and sums (docs/numerics.md).
 /// Query head hq reads kv-head hq / G (GQA). `max_queries` bounds query_end - query_begin.
+/// The state rows and the window are two segments of the key list, each split every readout_split_keys
+/// keys (attend_blocks); the window's first split continues the state's last one, so a query that reads at
+/// most readout_split_keys rows and window tokens reads them in one online softmax.
 /// A team computes Traits::blocks_per_team consecutive blocks of readout_query_block queries of one kv-head's
 /// group (GroupLanes: the query heads that share the kv-head, at consecutive positions; QueryBlock,
 /// attend_blocks: one pass over the keys for all of them), in a fixed order: the same bits on every run of
@@ -704,6 +988,8 @@ template <class ExecSpace, class Traits = TileTraits<ExecSpace>>
 /// When `out_lse` [B, Hq, T] (float32, any layout) is not empty, out_lse(b, hq, u - input_offset) receives the
 /// same log-sum-exp, indexed as y (the readout's log-sum-exp an engine asked for: AttentionMemory).
 /// `Traits` (TileTraits<ExecSpace>) picks how a team covers a key tile; it changes no bit.
+/// With `split_work` of splits > 1 (a decode step: max_queries = 1, and no `fresh`; std::logic_error
+/// otherwise) the step runs split-KV (detail::readout_split_kv) with the same bits.
 /// With `fresh` a WindowTokens (only where readout_writes_window(cfg, max_queries); std::logic_error
 /// otherwise), each team first writes the tokens [write_begin, write_end) of its (sequence, kv-head) into
 /// the window ring (write_window_token, the bits write_window stores), then reads them: a decode step
@@ -716,12 +1002,20 @@ void readout(const ExecSpace& exec, const MemoryConfig& cfg, const LayerWeightsR
              const state::StateRows<typename ExecSpace::memory_space, T>& rows,
              const state::WindowRing<typename ExecSpace::memory_space, T>& ring,
              const StepPlan<typename ExecSpace::memory_space>& plan, const QueriesIn& q, const Out& y,
-             long max_queries, const Lse& lse = Lse{}, const Fresh& fresh = Fresh{}, const OutLse& out_lse = OutLse{}) {
+             long max_queries, const Lse& lse = Lse{}, const Fresh& fresh = Fresh{}, const OutLse& out_lse = OutLse{},
+             const DecodeSplitWork<typename ExecSpace::memory_space>& split_work = {}) {
   const long B = static_cast<long>(plan.device.extent(0));
   if constexpr (Fresh::writes)
-    if (!readout_writes_window<ExecSpace, Traits>(cfg, max_queries))
+    if (!readout_writes_window<ExecSpace, Traits>(cfg, max_queries) || split_work.splits > 1)
       throw std::logic_error("kvmem::kernels::readout: WindowTokens where a kv-head's window has several teams");
   if (max_queries <= 0 || B == 0) return;
+  if (split_work.splits > 1) {
+    if (max_queries != 1 || !split_work.holds(B * cfg.query_heads, split_work.splits, cfg.value_dim))
+      throw std::logic_error("kvmem::kernels::readout: split-KV outside a decode step, or partials too small");
+    detail::readout_split_kv<Merge, ExecSpace, T, QueriesIn, Out, Lse, Traits, OutLse>(exec, cfg, w, rows, ring, plan, q, y,
+                                                                                  split_work, lse, out_lse);
+    return;
+  }
   constexpr int QB = readout_query_block, NB = Traits::blocks_per_team;
   const int Hkv = cfg.kv_heads, D = cfg.head_dim, Dv = cfg.value_dim;
   const GroupLanes gl(cfg.group(), max_queries, NB);
@@ -733,7 +1027,10 @@ void readout(const ExecSpace& exec, const MemoryConfig& cfg, const LayerWeightsR
   using member_t = typename policy_t::member_type;
   using scratch_t = Kokkos::View<float*, typename ExecSpace::scratch_memory_space, Kokkos::MemoryUnmanaged>;
   constexpr bool packed = !std::is_same_v<T, float>;  // room for a widened key tile (QueryBlock::packs)
-  const long floats = QueryBlock::team_floats(NB, D, Dv, packed);
+  // Room for closed splits where the state rows or the window (positions that fit the ring) may pass
+  // readout_split_keys.
+  const bool split = QueryBlock::needs_split_room(rows.capacity() > ring.slots() ? rows.capacity() : ring.slots());
+  const long floats = QueryBlock::team_floats(NB, D, Dv, packed, split);
   policy_t policy(exec, gl.league(B, Hkv), Kokkos::AUTO);
   const int level = scratch_level(policy, scratch_t::shmem_size(floats));
   policy = policy.set_scratch_size(level, Kokkos::PerTeam(scratch_t::shmem_size(floats)));
@@ -757,7 +1054,7 @@ void readout(const ExecSpace& exec, const MemoryConfig& cfg, const LayerWeightsR
         for (; nb < NB && begin + (t.block + nb) * gl.positions < end; ++nb) {
           const long first = begin + (t.block + nb) * gl.positions, last = Kokkos::min(end, first + gl.positions);
           firsts[nb] = first;
-          blks[nb].carve_in_team(scratch.data(), nb, static_cast<int>((last - first) * n), D, Dv, packed);
+          blks[nb].carve_in_team(scratch.data(), nb, static_cast<int>((last - first) * n), D, Dv, packed, split);
         }
         if (nb == 0) return;
         const long m = p(b, read_rows), wb = p(b, window_begin_pos), off = p(b, input_offset);
@@ -782,6 +1079,7 @@ void readout(const ExecSpace& exec, const MemoryConfig& cfg, const LayerWeightsR
             [&](int i, int u) { return firsts[i] + u / n + 1 - wb; },
             [&](long j) { return &ring.keys(b, h, ring.slot_after(wb_slot, j), 0); },
             [&](long j) { return &ring.values(b, h, ring.slot_after(wb_slot, j), 0); }, NoBias{});
+        settle_splits(team, blks, nb);
         for (int i = 0; i < nb; ++i) {
           const QueryBlock& blk = blks[i];
           const long first = firsts[i];
