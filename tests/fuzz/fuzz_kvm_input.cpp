@@ -27,7 +27,7 @@
 #include <string>
 #include <vector>
 
-#include "kvmem_run/kvm_command.hpp"
+#include "kvmem_run/commands.hpp"  // run_kvm, compiled in the library kvmem_run_kvm
 
 namespace {
 std::string g_input;  // the input is handed to run_kvm as a file, as kvmem-run gets it

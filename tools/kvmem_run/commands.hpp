@@ -1,10 +1,11 @@
 #pragma once
 /// \file commands.hpp
-/// The four subcommands of kvmem-run and their explicit instantiations, one storage type per translation
-/// unit: run_f32.cpp, run_bf16.cpp and run_f16.cpp each instantiate every command for their storage type
-/// (KVMEM_RUN_COMMANDS), and main.cpp, which includes this header, only declares them (extern template).
-/// A build with two or more cores compiles the three in parallel; one translation unit with all of them
-/// would take three times as long as kvmem-run did with float32 alone.
+/// The four subcommands of kvmem-run and their explicit instantiations, which every includer sees declared
+/// (extern template) and six translation units define, so that two or more cores compile them in parallel:
+///  - run_kvm_f32.cpp, run_kvm_bf16.cpp, run_kvm_f16.cpp: `kvm` for one storage type each; they form the
+///    library kvmem_run_kvm (run_kvm.cmake), which kvmem-run and the kvm_input fuzz target both link, so
+///    a build compiles them once;
+///  - run_f32.cpp, run_bf16.cpp, run_f16.cpp: `ovq`, `trellis` and `evict` for one storage type each.
 
 #include <string>
 
@@ -18,18 +19,22 @@
 #include "tensors.hpp"
 #include "trellis_command.hpp"
 
-/// Explicit instantiations (`prefix` empty) or their declarations (`prefix` extern) of every command for the
-/// storage type `Storage`; used inside namespace kvmem::tools.
-#define KVMEM_RUN_COMMANDS(prefix, Storage)                                                                    \
-  prefix template void run_kvm<Storage>(const KvmOptions&, const io::SafetensorsFile&, const TokenDtype&);     \
-  prefix template void run_ovq<Storage>(const OvqOptions&, const io::SafetensorsFile&, const TokenDtype&);     \
-  prefix template void run_trellis<Storage>(const TrellisOptions&, const io::SafetensorsFile&, const TokenDtype&); \
-  prefix template void run_evict<Storage>(const EvictOptions&, const io::SafetensorsFile&, const TokenDtype&);
+/// Explicit instantiation (`prefix` empty) or its declaration (`prefix` extern) of the command function
+/// `command` (options type `Options`) for the storage type `Storage`; used inside namespace kvmem::tools.
+#define KVMEM_RUN_COMMAND(prefix, command, Options, Storage) \
+  prefix template void command<Storage>(const Options&, const io::SafetensorsFile&, const TokenDtype&);
+
+/// The same for every storage type of the tokens (float, bfloat16, float16).
+#define KVMEM_RUN_COMMAND_EVERY_STORAGE(prefix, command, Options) \
+  KVMEM_RUN_COMMAND(prefix, command, Options, float)              \
+  KVMEM_RUN_COMMAND(prefix, command, Options, bfloat16)           \
+  KVMEM_RUN_COMMAND(prefix, command, Options, float16)
 
 namespace kvmem::tools {
 
-KVMEM_RUN_COMMANDS(extern, float)
-KVMEM_RUN_COMMANDS(extern, bfloat16)
-KVMEM_RUN_COMMANDS(extern, float16)
+KVMEM_RUN_COMMAND_EVERY_STORAGE(extern, run_kvm, KvmOptions)
+KVMEM_RUN_COMMAND_EVERY_STORAGE(extern, run_ovq, OvqOptions)
+KVMEM_RUN_COMMAND_EVERY_STORAGE(extern, run_trellis, TrellisOptions)
+KVMEM_RUN_COMMAND_EVERY_STORAGE(extern, run_evict, EvictOptions)
 
 }  // namespace kvmem::tools

@@ -1,8 +1,11 @@
 /// \file run_bf16.cpp
-/// kvmem-run's commands with bfloat16 tokens (the BF16 runs); see commands.hpp.
+/// kvmem-run's `ovq`, `trellis` and `evict` commands with bfloat16 tokens (`kvm`: run_kvm_bf16.cpp); see
+/// commands.hpp.
 
 #include "commands.hpp"
 
 namespace kvmem::tools {
-KVMEM_RUN_COMMANDS(, bfloat16)
+KVMEM_RUN_COMMAND(, run_ovq, OvqOptions, bfloat16)
+KVMEM_RUN_COMMAND(, run_trellis, TrellisOptions, bfloat16)
+KVMEM_RUN_COMMAND(, run_evict, EvictOptions, bfloat16)
 }  // namespace kvmem::tools
