@@ -27,6 +27,7 @@ memories (with or without merging).
 from __future__ import annotations
 
 import math
+import os
 import threading
 from collections.abc import Callable
 
@@ -36,6 +37,7 @@ from transformers.masking_utils import AttentionMaskInterface
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from . import memories, ops
+from . import weights as weights_io
 
 #: Builds a layer's memory: factory(layer_idx, *, head_dim, query_heads, kv_heads, value_dim, batch, dtype) -> Memory.
 MemoryFactory = Callable[..., memories.Memory]
@@ -43,17 +45,62 @@ MemoryFactory = Callable[..., memories.Memory]
 _current = threading.local()  # the KvmemCache whose update() ran last on this thread
 
 
-def kvm(**kwargs) -> MemoryFactory:
+def kvm(weights: weights_io.MemoryWeights | str | os.PathLike | None = None, **kwargs) -> MemoryFactory:
     """A factory of KvmMemory with the given keyword arguments (KvmMemory's names: chunk, window_chunks,
-    sinks, max_rows, budget, evict_rows_above, ...), the same for every layer."""
-    return lambda layer_idx, **shape: memories.KvmMemory(**shape, **kwargs)
+    sinks, max_rows, budget, evict_rows_above, ...), the same for every layer.
+
+    ``weights``: trained KVM weights (a kvmem.weights.MemoryWeights or the path of its file, written by
+    kvmem.train): layer i's memory takes layer i's ln_weight, ln_bias, tau_state and tau_window, and its
+    merge gate z = x . gate_weight from the layer's attention input x (KvmemCache hooks the attention
+    modules to see x). Raises ValueError naming the file, the tensor and the shape expected for a file
+    that is not KVM weights (kvmem.weights.load), and KvmemCache raises it for weights of other sizes than
+    the model's."""
+    if weights is None:
+        return lambda layer_idx, **shape: memories.KvmMemory(**shape, **kwargs)
+    return _Trained("kvm", weights, kwargs)
 
 
-def ovq(**kwargs) -> MemoryFactory:
+def ovq(weights: weights_io.MemoryWeights | str | os.PathLike | None = None, **kwargs) -> MemoryFactory:
     """A factory of OvqMemory (OvqMemory's names: chunk, max_centroids, budget, beta, ...). OVQ reads unit
     queries and keys (spec OVQ.md §2: logits beta * sqrt(D) * q^ . k^), so on a model not trained with it
-    the attention changes even where every token has its own centroid."""
-    return lambda layer_idx, **shape: memories.OvqMemory(**shape, **kwargs)
+    the attention changes even where every token has its own centroid. ``weights``: trained OVQ weights (a
+    kvmem.weights.MemoryWeights or its file): layer i's memory takes layer i's beta; errors as kvm()'s."""
+    if weights is None:
+        return lambda layer_idx, **shape: memories.OvqMemory(**shape, **kwargs)
+    return _Trained("ovq", weights, kwargs)
+
+
+class _Trained:
+    """A memory factory with trained per-layer weights (kvm() and ovq() given ``weights``)."""
+
+    def __init__(self, memory: str, weights, kwargs: dict):
+        if not isinstance(weights, weights_io.MemoryWeights):
+            weights = weights_io.load(weights, memory=memory)
+        elif weights.memory != memory:
+            raise ValueError(f"weights: hold {weights.memory!r} weights, expected {memory!r}")
+        self.memory, self.weights, self.kwargs = memory, weights, kwargs
+
+    def check(self, model) -> None:
+        """Raises ValueError when the weights were made for other sizes than ``model``'s."""
+        c = model.config.get_text_config()
+        sizes = {"layers": c.num_hidden_layers, "hidden": c.hidden_size, "query_heads": c.num_attention_heads,
+                 "kv_heads": c.num_key_value_heads}
+        for key, value in sizes.items():
+            if self.weights.shape.get(key) != value:
+                raise ValueError(f"weights ({self.memory}, model {self.weights.model!r}): {key} = "
+                                 f"{self.weights.shape.get(key)!r}, but the model has {value}")
+
+    def gate_weight(self, layer_idx: int) -> torch.Tensor | None:
+        """W_g [hidden, Hkv] of the layer (KVM), None for OVQ."""
+        return self.weights.layer(layer_idx)["gate_weight"] if self.memory == "kvm" else None
+
+    def __call__(self, layer_idx: int, **shape) -> memories.Memory:
+        w = self.weights.layer(layer_idx)
+        dev = memories.device()
+        if self.memory == "ovq":
+            return memories.OvqMemory(**shape, **self.kwargs, beta=w["beta"].to(dev))
+        return memories.KvmMemory(**shape, **self.kwargs, ln_weight=w["ln_weight"].to(dev), ln_bias=w["ln_bias"].to(dev),
+                                  tau_state=w["tau_state"].to(dev), tau_window=w["tau_window"].to(dev))
 
 
 def proportional(**kwargs) -> MemoryFactory:
@@ -79,6 +126,8 @@ class KvmemLayer(CacheLayerMixin):
         super().__init__()
         self.factory, self.layer_idx = factory, layer_idx
         self.memory: memories.Memory | None = None
+        #: W_g [hidden, Hkv] of a trained KVM factory: the merge gate is x . W_g of the layer's input x
+        self.gate_weight = factory.gate_weight(layer_idx) if hasattr(factory, "gate_weight") else None
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.device, self.dtype = key_states.device, key_states.dtype
@@ -128,11 +177,22 @@ class KvmemLayer(CacheLayerMixin):
             query = query * (scaling * math.sqrt(D))
         out = torch.empty(B, T, Hq, Dv, dtype=query.dtype, device=query.device)
         y = out.transpose(1, 2)  # [B, Hq, T, Dv] view: the memory writes the output in transformers' layout
+        extras = () if self.gate_weight is None else (self._gate(module, query),)
         if T == 1 and self.memory.tokens(0) > 0:
-            self.memory.decode(query, key, value, y=y)
+            self.memory.decode(query, key, value, *extras, y=y)
         else:  # a prompt, or a chunk of one (a prefill continues what the memory holds)
-            self.memory.prefill(query, key, value, y=y)
+            self.memory.prefill(query, key, value, *extras, y=y)
         return out
+
+    def _gate(self, module, query: torch.Tensor) -> torch.Tensor:
+        """The merge gate z [B, Hkv, T] = x . W_g of the attention input x that the hook saw for ``module``."""
+        seen = getattr(_current, "hidden", None)
+        if seen is None or seen[0] is not module:
+            raise ValueError(f"layer {self.layer_idx}: no attention input seen for the merge gate (KvmemCache "
+                             f"hooks the modules with a layer_idx and a q_proj; this model's attention has none)")
+        x = seen[1]
+        w = self.gate_weight.to(device=x.device, dtype=torch.float32)
+        return (x.to(torch.float32) @ w).to(query.dtype).transpose(1, 2).contiguous()
 
 
 class KvmemCache(Cache):
@@ -147,9 +207,13 @@ class KvmemCache(Cache):
         if not hasattr(model, "set_attn_implementation"):
             raise TypeError(f"model = {type(model).__name__}: must be a transformers PreTrainedModel")
         register()
+        if hasattr(factory, "check"):
+            factory.check(model)
         model.set_attn_implementation("kvmem")
         layers = model.config.get_text_config().num_hidden_layers
         super().__init__(layers=[KvmemLayer(factory, i) for i in range(layers)])
+        if any(layer.gate_weight is not None for layer in self.layers):
+            _hook_attention_inputs(model)
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         _current.cache = self
@@ -185,6 +249,26 @@ def mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_function
         raise ValueError("attention_mask: has padded tokens, which the kvmem backend does not take (left padding); "
                          "generate one prompt or prompts of equal length")
     return None
+
+
+def _save_attention_input(module, args, kwargs):
+    """Forward pre-hook of an attention module: keeps its input x [B, T, hidden] for the merge gate."""
+    _current.hidden = (module, kwargs["hidden_states"] if "hidden_states" in kwargs else args[0])
+
+
+def _hook_attention_inputs(model) -> None:
+    """Hooks every attention module of ``model`` (a module with a layer_idx and a q_proj) once, so that a
+    trained KVM layer sees its attention input. Raises ValueError when the model has no such module."""
+    hooked = 0
+    for module in model.modules():
+        if hasattr(module, "layer_idx") and hasattr(module, "q_proj"):
+            if not getattr(module, "_kvmem_input_hook", False):
+                module.register_forward_pre_hook(_save_attention_input, with_kwargs=True)
+                module._kvmem_input_hook = True
+            hooked += 1
+    if not hooked:
+        raise ValueError(f"model = {type(model).__name__}: no attention module with a layer_idx and a q_proj to "
+                         f"hook, so a trained KVM's merge gate cannot see the layer's input")
 
 
 def register() -> None:

@@ -1,0 +1,130 @@
+"""Per-layer distillation of a memory's own parameters into a pretrained model whose weights stay frozen
+(issue 45, stage 1): for each attention layer, the memory's attention output on the layer's captured
+queries, keys and values (kvmem.train.capture) is fitted to exact causal attention with Adam.
+
+KVM's parameters per layer (spec KVM.md §1-§3): the merge-gate projection W_g [hidden, Hkv] (z = x . W_g of
+the layer's attention input x; starts at 0, the neutral gate g = 1), the state-key LayerNorm's affine
+[D] (starts at 1, 0) and the inverse temperatures tau_state, tau_window [Hq] (trained as their logarithms,
+so they stay positive; start at 1). The loss is the relative squared error of the attention output,
+sum |y - y_exact|^2 / sum |y_exact|^2 over the batch's queries, heads and channels; the routing decisions
+of the memory are arg-max (kvm-paper Sec. 4: trained through the folded sums, not through the routing)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from .. import budget as budgets
+from .capture import LayerInputs, exact_attention
+from .kvm import kvm_prefill
+
+
+@dataclass(frozen=True)
+class KvmSetup:
+    """The KVM memory the weights are trained in (kvmem.KvmMemory's arguments): chunk and window_chunks *
+    chunk in tokens, sinks and max_rows in rows, a kvmem.budget schedule; rope_dims key channels zeroed."""
+
+    chunk: int
+    window_chunks: int
+    sinks: int
+    max_rows: int
+    budget: budgets.Schedule
+    rope_dims: int = 0
+
+    def memory_args(self) -> dict:
+        """The keyword arguments of kvmem.KvmMemory / kvmem.transformers.kvm for this memory."""
+        return {"chunk": self.chunk, "window_chunks": self.window_chunks, "sinks": self.sinks,
+                "max_rows": self.max_rows, "budget": self.budget, "rope_dims": self.rope_dims}
+
+
+class KvmParameters(torch.nn.Module):
+    """One layer's trainable KVM parameters (module docstring), float32."""
+
+    def __init__(self, hidden: int, query_heads: int, kv_heads: int, head_dim: int):
+        super().__init__()
+        self.gate_weight = torch.nn.Parameter(torch.zeros(hidden, kv_heads))
+        self.ln_weight = torch.nn.Parameter(torch.ones(head_dim))
+        self.ln_bias = torch.nn.Parameter(torch.zeros(head_dim))
+        self.log_tau_state = torch.nn.Parameter(torch.zeros(query_heads))
+        self.log_tau_window = torch.nn.Parameter(torch.zeros(query_heads))
+
+    def forward(self, inputs: LayerInputs, setup: KvmSetup) -> torch.Tensor:
+        """The memory's attention output [B, Hq, T, Dv] on one layer's captured inputs."""
+        gate = (inputs.x @ self.gate_weight).transpose(1, 2)
+        return kvm_prefill(inputs.q, inputs.k, inputs.v, gate, self.ln_weight, self.ln_bias, self.log_tau_state.exp(),
+                           self.log_tau_window.exp(), **setup.memory_args()).y
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """The layer's tensors as kvmem.weights names them (float32, detached)."""
+        return {"gate_weight": self.gate_weight.detach().clone(), "ln_weight": self.ln_weight.detach().clone(),
+                "ln_bias": self.ln_bias.detach().clone(), "tau_state": self.log_tau_state.detach().exp(),
+                "tau_window": self.log_tau_window.detach().exp()}
+
+
+def relative_error(y: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """sum |y - target|^2 / sum |target|^2 (a scalar tensor)."""
+    return (y - target).square().sum() / target.square().sum()
+
+
+@dataclass
+class LayerFit:
+    """What fit_kvm_layer returns: the layer's tensors (kvmem.weights names) and the loss before each step
+    and after the last (``curve``, steps + 1 values: curve[0] is the neutral parameters' loss)."""
+
+    tensors: dict
+    curve: list
+
+
+def fit_kvm_layer(batches: list[LayerInputs], setup: KvmSetup, *, steps: int, lr: float = 0.02,
+                  gate_lr: float = 1e-3, on_step: Callable[[int, float], None] | None = None) -> LayerFit:
+    """Fits one layer's KVM parameters to exact attention on ``batches`` (each a LayerInputs of some
+    sequences), ``steps`` Adam steps over all of them (gradients summed over the batches); ``lr`` for the
+    LayerNorm affine and the log-temperatures, ``gate_lr`` for W_g. ``on_step(step, loss)`` is called after
+    each step. Raises ValueError for steps < 0 or no batch."""
+    if steps < 0:
+        raise ValueError(f"steps = {steps}: must be >= 0")
+    if not batches:
+        raise ValueError("batches: no captured inputs to fit")
+    first = batches[0]
+    params = KvmParameters(first.x.shape[-1], first.q.shape[1], first.k.shape[1], first.q.shape[-1])
+    targets = [exact_attention(b.q, b.k, b.v) for b in batches]
+    opt = torch.optim.Adam([{"params": [params.gate_weight], "lr": gate_lr},
+                            {"params": [params.ln_weight, params.ln_bias, params.log_tau_state,
+                                        params.log_tau_window], "lr": lr}])
+    curve = []
+    for step in range(steps + 1):
+        opt.zero_grad()
+        total = 0.0
+        with torch.set_grad_enabled(step < steps):  # the last pass only measures
+            for b, target in zip(batches, targets):
+                loss = relative_error(params(b, setup), target) / len(batches)
+                if step < steps:
+                    loss.backward()
+                total += loss.item()
+        curve.append(total)
+        if step < steps:
+            opt.step()
+            if on_step is not None:
+                on_step(step, total)
+    return LayerFit(params.tensors(), curve)
+
+
+def model_shape(model) -> dict:
+    """The sizes kvmem.weights records of a transformers model: layers, hidden, query_heads, kv_heads,
+    head_dim and adapter_rank (0)."""
+    c = model.config.get_text_config()
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    return {"layers": c.num_hidden_layers, "hidden": c.hidden_size, "query_heads": c.num_attention_heads,
+            "kv_heads": c.num_key_value_heads, "head_dim": head_dim, "adapter_rank": 0}
+
+
+def memory_weights(memory: str, model_name: str, model, layers: list[dict], metadata: dict | None = None):
+    """kvmem.weights.MemoryWeights of ``memory`` ("kvm" or "ovq") for ``model`` (named ``model_name`` in the
+    file) from one dict of tensors per layer, in layer order. Raises ValueError as MemoryWeights.check."""
+    from ..weights import MemoryWeights
+
+    w = MemoryWeights(memory, model_name, model_shape(model), dict(enumerate(layers)), dict(metadata or {}))
+    w.check(f"{memory} weights for {model_name}")
+    return w

@@ -1,0 +1,169 @@
+"""Distillation's pieces on a tiny Llama built here: the capture sees what the model computes, a model with
+the training form in every layer computes what KvmemCache computes with the C++ memories on the same
+trained weights (file written and read back), a per-layer fit lowers its error, and a weights file that
+does not fit is a clear error."""
+
+import os
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+import kvmem  # noqa: E402
+import kvmem.transformers as kt  # noqa: E402
+from kvmem import weights as kw  # noqa: E402
+from kvmem.train.capture import LayerInputs, capture, exact_attention  # noqa: E402
+from kvmem.train.distill import KvmParameters, KvmSetup, fit_kvm_layer, memory_weights  # noqa: E402
+from kvmem.train.model import memories_in_every_layer  # noqa: E402
+
+T = 48
+SETUP = KvmSetup(chunk=8, window_chunks=1, sinks=1, max_rows=24, budget=kvmem.budget.Fixed(16))
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                                   pad_token_id=0, eos_token_id=1, bos_token_id=2)
+    return transformers.LlamaForCausalLM(cfg).eval()
+
+
+@pytest.fixture(scope="module")
+def ids():
+    return torch.randint(3, 96, (2, T), generator=torch.Generator().manual_seed(7))
+
+
+def logits(model, ids, **kwargs):
+    with torch.no_grad():
+        return model(ids, use_cache="past_key_values" in kwargs, **kwargs).logits
+
+
+class Exact(torch.nn.Module):
+    def forward(self, inputs, setup):
+        return exact_attention(inputs.q, inputs.k, inputs.v)
+
+
+def trained_layers(seed=1, layers=3, hidden=64, hq=4, hkv=2, d=16):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(layers):
+        p = KvmParameters(hidden, hq, hkv, d)
+        with torch.no_grad():
+            p.gate_weight.copy_(0.3 * torch.randn(hidden, hkv, generator=g))
+            p.ln_weight.copy_(1 + 0.3 * torch.randn(d, generator=g))
+            p.ln_bias.copy_(0.3 * torch.randn(d, generator=g))
+            p.log_tau_state.copy_(0.3 * torch.randn(hq, generator=g))
+            p.log_tau_window.copy_(0.3 * torch.randn(hq, generator=g))
+        out.append(p)
+    return out
+
+
+def test_capture_and_exact_attention_reproduce_the_model(model, ids):
+    model.set_attn_implementation("sdpa")
+    want = logits(model, ids)
+    layers = capture(model, ids)
+    assert len(layers) == 3 and model.config._attn_implementation == "sdpa"
+    assert layers[0].x.shape == (2, T, 64) and layers[0].q.shape == (2, 4, T, 16) and layers[0].k.shape == (2, 2, T, 16)
+    with memories_in_every_layer(model, [Exact()] * 3, SETUP):
+        got = logits(model, ids)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_trained_weights_run_in_kvmem_as_in_training(model, ids, tmp_path):
+    """The training form in every layer (differentiable, PyTorch) and KvmemCache with the C++ KVM memories on
+    the weights file give the same logits: what is trained is what kvmem runs, merge gate from x included."""
+    layers = trained_layers()
+    with memories_in_every_layer(model, layers, SETUP):
+        trained = logits(model, ids)
+    path = tmp_path / "kvm.safetensors"
+    kw.save(path, memory_weights("kvm", "tiny-llama", model, [p.tensors() for p in layers], {"recipe": "test"}))
+    assert os.listdir(tmp_path) == ["kvm.safetensors"]
+    cache = kt.KvmemCache(model, kt.kvm(weights=path, **SETUP.memory_args()))
+    ran = logits(model, ids, past_key_values=cache)
+    torch.testing.assert_close(ran, trained, rtol=1e-4, atol=1e-4)
+    model.set_attn_implementation("sdpa")
+    neutral = logits(model, ids, past_key_values=kt.KvmemCache(model, kt.kvm(**SETUP.memory_args())))
+    assert (neutral - ran).abs().max() > 1e-3  # the weights matter
+
+
+def test_decode_with_trained_weights_continues_the_prefill(model, ids, tmp_path):
+    """Prefill then token-by-token decode through KvmemCache with trained weights (the gate computed from the
+    hooked x at every step) gives the logits of one pass."""
+    path = tmp_path / "kvm.safetensors"
+    kw.save(path, memory_weights("kvm", "tiny-llama", model, [p.tensors() for p in trained_layers(2)]))
+    factory = kt.kvm(weights=path, **SETUP.memory_args())
+    whole = logits(model, ids, past_key_values=kt.KvmemCache(model, factory))
+    cache = kt.KvmemCache(model, factory)
+    steps = [logits(model, ids[:, :20], past_key_values=cache)]
+    for t in range(20, T):
+        steps.append(logits(model, ids[:, t:t + 1], past_key_values=cache))
+    torch.testing.assert_close(torch.cat(steps, dim=1), whole, rtol=1e-4, atol=1e-4)
+
+
+def test_fit_lowers_the_layer_error(model, ids):
+    layers = capture(model, ids)
+    fit = fit_kvm_layer([layers[1]], SETUP, steps=8, lr=0.05)
+    assert len(fit.curve) == 9 and fit.curve[-1] < 0.9 * fit.curve[0]
+    assert set(fit.tensors) == set(kw.TENSORS["kvm"])
+
+
+def test_fit_refuses_bad_arguments(model, ids):
+    layers = capture(model, ids)
+    with pytest.raises(ValueError, match="steps = -1"):
+        fit_kvm_layer([layers[0]], SETUP, steps=-1)
+    with pytest.raises(ValueError, match="batches"):
+        fit_kvm_layer([], SETUP, steps=1)
+    with pytest.raises(ValueError, match="layers: 2 given"):
+        with memories_in_every_layer(model, [Exact()] * 2, SETUP):
+            pass
+
+
+def weights_file(tmp_path, model, change=None, memory="kvm", name="tiny-llama"):
+    layers = [p.tensors() for p in trained_layers()]
+    w = kw.MemoryWeights(memory, name, dict(kvmem.train.distill.model_shape(model)), dict(enumerate(layers)))
+    if change:
+        change(w)
+    path = tmp_path / "w.safetensors"
+    from safetensors.torch import save_file
+    save_file({f"layers.{i}.{n}": t for i, ts in w.layers.items() for n, t in ts.items()}, str(path),
+              metadata={"format": kw.FORMAT, "memory": w.memory, "model": w.model, "shape": __import__("json").dumps(w.shape)})
+    return path
+
+
+@pytest.mark.parametrize("change, load_args, message", [
+    (lambda w: w.layers[1].pop("tau_state"), {}, r"tensor layers.1.tau_state is missing \(expected shape \[4\]\)"),
+    (lambda w: w.layers[2].update(ln_bias=torch.zeros(15)), {}, r"tensor layers.2.ln_bias has shape \[15\]"),
+    (lambda w: w.layers[0].update(beta=torch.ones(4)), {}, r"layers.0.beta is not a kvm tensor"),
+    (None, {"model": "SmolLM2"}, r"trained for model 'tiny-llama', expected 'SmolLM2'"),
+    (None, {"memory": "ovq"}, r"holds 'kvm' weights, expected 'ovq'"),
+    (None, {"shape": {"hidden": 576}}, r"hidden = 64, expected 576"),
+])
+def test_bad_weights_file_names_file_tensor_and_shape(model, tmp_path, change, load_args, message):
+    path = weights_file(tmp_path, model, change)
+    with pytest.raises(ValueError, match=message) as e:
+        kw.load(path, **load_args)
+    assert str(path) in str(e.value)
+
+
+def test_weights_for_another_model_size_are_refused_by_the_cache(model, tmp_path):
+    path = weights_file(tmp_path, model, lambda w: w.shape.update(layers=2) or w.layers.pop(2))
+    with pytest.raises(ValueError, match="layers = 2, but the model has 3"):
+        kt.KvmemCache(model, kt.kvm(weights=path, **SETUP.memory_args()))
+    with pytest.raises(FileNotFoundError, match="not found"):
+        kt.kvm(weights=tmp_path / "missing.safetensors")
+    (tmp_path / "junk.safetensors").write_bytes(b"not a safetensors file")
+    with pytest.raises(ValueError, match="not a safetensors file"):
+        kt.kvm(weights=tmp_path / "junk.safetensors")
+
+
+def test_save_refuses_bad_weights_and_leaves_no_file(model, tmp_path):
+    layers = [p.tensors() for p in trained_layers()]
+    layers[0]["gate_weight"] = torch.zeros(64, 3)
+    with pytest.raises(ValueError, match=r"layers.0.gate_weight has shape \[64, 3\]"):
+        memory_weights("kvm", "tiny-llama", model, layers)
+    w = kw.MemoryWeights("kvm", "tiny-llama", kvmem.train.distill.model_shape(model), dict(enumerate(layers)))
+    with pytest.raises(ValueError, match="gate_weight"):
+        kw.save(tmp_path / "w.safetensors", w)
+    assert os.listdir(tmp_path) == []
