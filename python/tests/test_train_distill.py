@@ -14,7 +14,8 @@ import kvmem  # noqa: E402
 import kvmem.transformers as kt  # noqa: E402
 from kvmem import weights as kw  # noqa: E402
 from kvmem.train.capture import LayerInputs, capture, exact_attention  # noqa: E402
-from kvmem.train.distill import KvmParameters, KvmSetup, fit_kvm_layer, memory_weights  # noqa: E402
+from kvmem.train.distill import (KvmParameters, KvmSetup, OvqParameters, OvqSetup, fit_kvm_layer, fit_ovq_layer,  # noqa: E402
+                                 memory_weights)
 from kvmem.train.model import memories_in_every_layer  # noqa: E402
 
 T = 48
@@ -107,6 +108,31 @@ def test_fit_lowers_the_layer_error(model, ids):
     fit = fit_kvm_layer([layers[1]], SETUP, steps=8, lr=0.05)
     assert len(fit.curve) == 9 and fit.curve[-1] < 0.9 * fit.curve[0]
     assert set(fit.tensors) == set(kw.TENSORS["kvm"])
+
+
+def test_trained_ovq_weights_run_in_kvmem_as_in_training(model, ids, tmp_path):
+    setup = OvqSetup(chunk=8, max_centroids=16)
+    g = torch.Generator().manual_seed(5)
+    layers = [OvqParameters(0.5 + torch.rand(4, generator=g)) for _ in range(3)]
+    with memories_in_every_layer(model, layers, setup):
+        trained = logits(model, ids)
+    path = tmp_path / "ovq.safetensors"
+    kw.save(path, memory_weights("ovq", "tiny-llama", model, [p.tensors() for p in layers]))
+    ran = logits(model, ids, past_key_values=kt.KvmemCache(model, kt.ovq(weights=path, **setup.memory_args())))
+    torch.testing.assert_close(ran, trained, rtol=1e-4, atol=1e-4)
+    with pytest.raises(ValueError, match="holds 'ovq' weights, expected 'kvm'"):
+        kt.kvm(weights=path)
+
+
+def test_ovq_fit_starts_at_the_closed_form_and_lowers_the_error(model, ids):
+    layer = capture(model, ids)[1]
+    setup = OvqSetup(chunk=8, max_centroids=16)
+    fit = fit_ovq_layer([layer], setup, steps=8, lr=0.1)
+    start = OvqParameters(OvqParameters.closed_form(layer))
+    with torch.no_grad():
+        first = kvmem.train.distill.relative_error(start(layer, setup), exact_attention(layer.q, layer.k, layer.v))
+    assert fit.curve[0] == pytest.approx(first.item(), rel=1e-6)
+    assert fit.curve[-1] < fit.curve[0] and set(fit.tensors) == {"beta"}
 
 
 def test_fit_refuses_bad_arguments(model, ids):

@@ -17,6 +17,7 @@ sys.dont_write_bytecode = True
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(ROOT, "tools", "capture"))
 sys.path.insert(0, os.path.join(ROOT, "tools", "fidelity"))
+sys.path.insert(0, os.path.join(ROOT, "tools", "distill"))
 import calibrate  # noqa: E402
 import causal_lm  # noqa: E402
 import end_to_end  # noqa: E402
@@ -290,10 +291,11 @@ def e2e_cli(tiny, tmp_path, monkeypatch):
     import types
 
     monkeypatch.setitem(sys.modules, "smollm2", types.SimpleNamespace(load=lambda: (tiny, CharTokenizer())))
+    monkeypatch.setattr(causal_lm, "load_model", lambda name: (tiny, CharTokenizer(), "tiny"))
     calls = []
     real = end_to_end.kvmem_run
-    monkeypatch.setattr(end_to_end, "kvmem_run", lambda model, ids, memory, f, cal:
-                        calls.append((memory, ids.shape[1])) or real(model, ids, memory, f, cal))
+    monkeypatch.setattr(end_to_end, "kvmem_run", lambda model, ids, memory, f, cal, weights=None:
+                        calls.append((memory, ids.shape[1])) or real(model, ids, memory, f, cal, weights))
     (tmp_path / "ppl.txt").write_text(HAYSTACK)
     (tmp_path / "h1.txt").write_text(HAYSTACK)
     (tmp_path / "h2.txt").write_text(HAYSTACK[::-1])
@@ -344,6 +346,48 @@ def test_end_to_end_cli_errors(e2e_cli, tmp_path, capsys):
         assert run("--output", out, *args) == 2
         assert message in capsys.readouterr().err
     assert calls == [] and not os.path.exists(out)
+
+
+def test_distill_then_end_to_end_with_the_weights(e2e_cli, tmp_path, capsys):
+    """tools/distill/distill.py on the tiny Llama writes weights that end_to_end.py --weights runs as a distilled
+    row of the memory and fraction the file names; bad arguments exit 2 with the problem named."""
+    import json
+
+    import distill
+    from kvmem import weights as kw
+
+    run, calls = e2e_cli
+    texts = []
+    for i, text in enumerate((HAYSTACK * 3, HAYSTACK[::-1] * 3)):
+        texts += ["--text", str(tmp_path / f"train{i}.txt")]
+        (tmp_path / f"train{i}.txt").write_text(text)
+    w, report = tmp_path / "kvm.safetensors", tmp_path / "curves.json"
+    assert distill.main(["--memory", "kvm-fixed", "--fraction", "1/2", "--tokens", "64", "--steps", "3",
+                         "--output", str(w), "--report", str(report), *texts]) == 0
+    weights = kw.load(w, memory="kvm", model="tiny")
+    assert weights.metadata["memory_id"] == "kvm-fixed" and weights.metadata["fraction"] == "1/2"
+    assert len(json.loads(weights.metadata["training_texts"])) == 2
+    curves = json.loads(report.read_text())["curves"]
+    assert len(curves) == 2 and all(len(c) == 4 and all(map(math.isfinite, c)) for c in curves)
+    out = tmp_path / "e2e.json"
+    assert run("--output", str(out), "--memories", "h2o", "--weights", str(w)) == 0
+    rows = json.loads(out.read_text())["results"]
+    assert [(r["memory"], bool(r["distilled"])) for r in rows] == [("h2o", False), ("kvm-fixed", True)]
+    assert calls.count(("kvm-fixed", 64)) == 1
+    capsys.readouterr()
+    for args, message in [(["--memory", "h2o"], "--memory 'h2o': not trainable"),
+                          (["--memory", "ovq", "--fraction", "1/512"], "fraction = 0.001953125"),
+                          (["--memory", "ovq", "--text", str(tmp_path / "none.txt")], "none.txt"),
+                          (["--memory", "ovq", "--fraction", "1/2", "--text", str(tmp_path / "short.txt")],
+                           "has 3 tokens, fewer than the memory's chunk of 8")]:
+        (tmp_path / "short.txt").write_text("abc")
+        assert distill.main(["--output", str(tmp_path / "bad.safetensors"), "--tokens", "64", *args]) == 2
+        assert message in capsys.readouterr().err
+    assert not os.path.exists(tmp_path / "bad.safetensors")
+    kw.save(tmp_path / "other.safetensors", kw.MemoryWeights("kvm", "another-model", weights.shape, weights.layers,
+                                                             weights.metadata))
+    assert run("--output", str(out), "--weights", str(tmp_path / "other.safetensors")) == 2
+    assert "trained for model 'another-model', expected 'tiny'" in capsys.readouterr().err
 
 
 def test_report_counts_needle_cases():

@@ -5,7 +5,7 @@
   end_to_end.py --output e2e.json --ppl-text FILE --haystack FILE [--haystack2 FILE] [--calibration cal.json]
                 [--fractions 1/4,1/8,1/16] [--memories kvm-fixed,...] [--ppl-tokens 2048]
                 [--needle-tokens 512] [--depths 0.1,0.5,0.9] [--facts 5] [--dtype float32|bfloat16|float16]
-                [--reuse old-e2e.json]
+                [--reuse old-e2e.json] [--weights kvm-fixed-8.safetensors ...]
 
 Reported for every memory (lm_memories.py) at every fraction, with the neutral stand-ins for KVM's and
 OVQ's learned scalars and, given --calibration, with the calibrated ones:
@@ -21,6 +21,10 @@ OVQ's learned scalars and, given --calibration, with the calibrated ones:
   answer ("The colour of Anna's car is") forced. A case is found when the greedy prediction of every token
   of the answer is right (what greedy decoding would write); its log-probability is the sum over the
   answer's tokens (natural log). Memories are sized for each prompt's tokens.
+
+--weights FILE (repeatable) adds a "distilled" row per file: the memory and fraction its metadata names
+(tools/distill/distill.py writes memory_id and fraction), with the file's trained weights in every layer; a
+file for another model or memory kind is an error naming it.
 
 --dtype runs the model (weights and activations) in that dtype, the full-cache baseline included, and every
 kvmem memory stores its keys and values in it (kvmem.transformers builds each layer's memory in the
@@ -191,12 +195,13 @@ def score_needle(logits: torch.Tensor, case: dict) -> dict:
             "retrieved": bool((logits[pos].argmax(-1) == ans).all()), "logprob": lp}
 
 
-def kvmem_run(model, ids: torch.Tensor, memory: str, fraction: float, calibration) -> tuple[torch.Tensor, dict]:
-    """Logits with a fresh KvmemCache of `memory` at `fraction` of ids' tokens, and the bytes it held."""
+def kvmem_run(model, ids: torch.Tensor, memory: str, fraction: float, calibration, weights=None) -> tuple[torch.Tensor, dict]:
+    """Logits with a fresh KvmemCache of `memory` at `fraction` of ids' tokens (with the calibrated scalars
+    `calibration` or the trained `weights`), and the bytes it held."""
     import kvmem.transformers as kt
 
     T = ids.shape[1]
-    cache = kt.KvmemCache(model, lm_memories.factory(memory, T, fraction, calibration))
+    cache = kt.KvmemCache(model, lm_memories.factory(memory, T, fraction, calibration, weights))
     logits = forward(model, ids, cache)
     return logits, {"held_bytes": cache.held_bytes(), "allocated_bytes": cache.allocated_bytes(),
                     "held_tokens": lm_memories.held_tokens(memory, T, fraction)}
@@ -228,9 +233,10 @@ SETTING_FLAGS = {"dtype": "--dtype", "ppl_tokens": "--ppl-tokens", "ppl_sha256":
 
 
 def reusable(path: str, settings: dict) -> dict[tuple, dict]:
-    """{(memory, fraction_label, calibrated): row} of a previous report made with the same settings (the
-    calibrated rows only when the calibration file is the same too); raises ValueError naming --reuse, the
-    file and the first setting that differs."""
+    """{(memory, fraction_label, calibrated, distilled): row} of a previous report made with the same
+    settings (the calibrated rows only when the calibration file is the same too; distilled rows are keyed by
+    their weights file's SHA-256); raises ValueError naming --reuse, the file and the first setting that
+    differs."""
     try:
         with open(path) as f:
             old = json.load(f)
@@ -243,8 +249,25 @@ def reusable(path: str, settings: dict) -> dict[tuple, dict]:
             raise ValueError(f"--reuse {path!r}: made with a different {flag} ({key} {old['settings'].get(key)!r}, "
                              f"this run {settings[key]!r})")
     same_cal = old["settings"].get("calibration_sha256") == settings["calibration_sha256"]
-    return {(r["memory"], r["fraction_label"], r["calibrated"]): r for r in old["results"]
+    return {(r["memory"], r["fraction_label"], r["calibrated"], r.get("distilled")): r for r in old["results"]
             if same_cal or not r["calibrated"]}
+
+
+def load_weights(paths: list[str], model_name: str) -> list[tuple[str, str, float, str, object]]:
+    """(memory id, fraction label, fraction, weights SHA-256, MemoryWeights) of each --weights file; raises
+    ValueError naming the file when it is for another model or names no trainable memory or fraction."""
+    from kvmem import weights as kw
+
+    out = []
+    for path in paths:
+        w = kw.load(path, model=model_name)
+        memory, label = w.metadata.get("memory_id"), w.metadata.get("fraction")
+        if memory not in lm_memories.TRAINABLE or not label:
+            raise ValueError(f"--weights {path!r}: metadata memory_id = {memory!r}, fraction = {label!r} (not "
+                             f"written by tools/distill/distill.py?)")
+        with open(path, "rb") as f:
+            out.append((memory, label, parse_fraction(label), digest(f.read()), w))
+    return out
 
 
 def main(argv=None) -> int:
@@ -263,10 +286,11 @@ def main(argv=None) -> int:
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                     help="the model's dtype and the memories' storage type")
     ap.add_argument("--reuse", default=None, help="a previous report whose matching rows are kept, not recomputed")
+    ap.add_argument("--weights", action="append", default=[], help="trained weights (distill.py) adding a distilled row")
     args = ap.parse_args(argv)
     dtype = getattr(torch, args.dtype)
     try:
-        import smollm2
+        import causal_lm
         import kvmem
 
         fractions = [(s, parse_fraction(s)) for s in args.fractions.split(",")]
@@ -278,7 +302,8 @@ def main(argv=None) -> int:
         if args.needle_tokens < 1:
             raise ValueError(f"--needle-tokens {args.needle_tokens}: must be at least 1")
         calibration = load_calibration(args.calibration) if args.calibration else None
-        model, tok = smollm2.load()
+        model, tok, model_name = causal_lm.load_model("smollm2")
+        trained = load_weights(args.weights, model_name)
         model = model.to(dtype)
         limit = model.config.max_position_embeddings
         ppl_ids = torch.tensor([text_tokens(args.ppl_text, tok, args.ppl_tokens, "--ppl-text")])
@@ -298,9 +323,10 @@ def main(argv=None) -> int:
         print(f"end_to_end: error: {e}", file=sys.stderr)
         return 2
 
-    runs = [(m, fl, f, cal) for m in memories for fl, f in fractions
+    runs = [(m, fl, f, cal, None, None) for m in memories for fl, f in fractions
             for cal in ([False, True] if calibration is not None and m in lm_memories.CALIBRATED else [False])]
-    progress = Progress(1 + sum((m, fl, cal) not in kept for m, fl, _, cal in runs))
+    runs += [(m, fl, f, False, sha, w) for m, fl, f, sha, w in trained]
+    progress = Progress(1 + sum((m, fl, cal, sha) not in kept for m, fl, _, cal, sha, _ in runs))
     progress.step(f"full KV cache ({len(cases)} needle cases)")
     model.set_attn_implementation("sdpa")
     full_logits = forward(model, ppl_ids)
@@ -310,18 +336,18 @@ def main(argv=None) -> int:
     full["kv_bytes"] = 2 * ppl_ids.shape[1] * model.config.num_key_value_heads * \
         (model.config.hidden_size // model.config.num_attention_heads) * dtype.itemsize * model.config.num_hidden_layers
     results, reused = [], 0
-    for memory, label, f, calibrated in runs:
-        if (memory, label, calibrated) in kept:
-            results.append(kept[(memory, label, calibrated)])
+    for memory, label, f, calibrated, sha, weights in runs:
+        if (memory, label, calibrated, sha) in kept:
+            results.append(kept[(memory, label, calibrated, sha)])
             reused += 1
             continue
-        progress.step(f"{memory} at {label}{' calibrated' if calibrated else ''}")
+        progress.step(f"{memory} at {label}{' calibrated' if calibrated else ''}{' distilled' if sha else ''}")
         cal = calibration if calibrated else None
         t0 = time.time()
-        logits, sizes = kvmem_run(model, ppl_ids, memory, f, cal)
+        logits, sizes = kvmem_run(model, ppl_ids, memory, f, cal, weights)
         r = {"memory": memory, "label": lm_memories.LABELS[memory], "fraction_label": label, "fraction": f,
-             "calibrated": calibrated, **score_text(logits, ppl_ids, full_argmax), **sizes}
-        r["needle"] = [score_needle(kvmem_run(model, c["ids"], memory, f, cal)[0], c) for c in cases]
+             "calibrated": calibrated, "distilled": sha, **score_text(logits, ppl_ids, full_argmax), **sizes}
+        r["needle"] = [score_needle(kvmem_run(model, c["ids"], memory, f, cal, weights)[0], c) for c in cases]
         r["retrieval"] = sum(n["retrieved"] for n in r["needle"]) / len(cases)
         r["seconds"] = time.time() - t0
         results.append(r)

@@ -16,7 +16,8 @@ one sink) so the per-layer and end-to-end tables read the same memories:
               most similar kept row (merge_evicted)
 
 KVM and OVQ take a layer's calibrated scalars (tools/fidelity/calibrate.py) when `calibration` is given
-({layer: {"ln_weight", "ln_bias", "tau_state", "beta"}}), the neutral stand-ins otherwise. KVPOP is not
+({layer: {"ln_weight", "ln_bias", "tau_state", "beta"}}), trained weights (kvmem.weights.MemoryWeights, written
+by tools/distill/distill.py) when `weights` is given, the neutral stand-ins otherwise. KVPOP is not
 here (its mLSTM scorer needs trained weights, which no public checkpoint has); Trellis neither (it needs
 per-token targets and gates that a pretrained transformer does not have, see kvmem.transformers).
 """
@@ -28,6 +29,7 @@ import torch
 
 import kvmem
 import kvmem.transformers as kt
+from kvmem.train.distill import KvmSetup, OvqSetup
 
 WINDOW_SHARE = 0.25
 KVM_SINKS = 1
@@ -66,11 +68,37 @@ def _layer_weights(calibration, layer_idx: int, kind: str) -> dict:
     return {name: torch.tensor(c[name], dtype=torch.float32) for name in ("ln_weight", "ln_bias", "tau_state")}
 
 
-def factory(memory: str, T: int, fraction: float, calibration=None):
-    """A KvmemCache factory of `memory` (an id of LABELS) at `fraction` of a T-token cache. Raises ValueError
-    for an unknown id or a fraction too small (budget_split)."""
+def setup(memory: str, T: int, fraction: float) -> KvmSetup | OvqSetup:
+    """The KVM or OVQ memory `memory` ("kvm-fixed", "kvm-sqrt" or "ovq") at `fraction` of a T-token cache, as
+    kvmem.train's setups (what tools/distill/distill.py trains and factory() runs). Raises ValueError for
+    another id or a fraction too small (budget_split)."""
+    C, R = budget_split(T, fraction)
+    if memory == "ovq":
+        return OvqSetup(chunk=C, max_centroids=R)
+    if memory == "kvm-fixed":
+        return KvmSetup(chunk=C, window_chunks=1, sinks=KVM_SINKS, max_rows=R + C, budget=kvmem.budget.Fixed(R))
+    if memory == "kvm-sqrt":
+        return KvmSetup(chunk=C, window_chunks=1, sinks=KVM_SINKS, max_rows=R + C,
+                        budget=kvmem.budget.PowerLaw(growth_factor=R / math.sqrt(T)))
+    raise ValueError(f"memory = {memory!r}: has no trained form (trainable: {', '.join(TRAINABLE)})")
+
+
+TRAINABLE = ("kvm-fixed", "kvm-sqrt", "ovq")  # the memories setup() and tools/distill/distill.py know
+
+
+def factory(memory: str, T: int, fraction: float, calibration=None, weights=None):
+    """A KvmemCache factory of `memory` (an id of LABELS) at `fraction` of a T-token cache, with the calibrated
+    scalars `calibration` or the trained weights `weights` (kvmem.weights.MemoryWeights; TRAINABLE memories
+    only). Raises ValueError for an unknown id, weights for another memory, or a fraction too small
+    (budget_split)."""
     if memory not in LABELS:
         raise ValueError(f"memory = {memory!r}: unknown (known: {', '.join(LABELS)})")
+    if weights is not None:
+        if memory not in TRAINABLE:
+            raise ValueError(f"memory = {memory!r}: takes no trained weights (trainable: {', '.join(TRAINABLE)})")
+        s = setup(memory, T, fraction)
+        make = kt.ovq if memory == "ovq" else kt.kvm
+        return make(weights=weights, **s.memory_args())
     C, R = budget_split(T, fraction)
     scorer = memory.removesuffix("-merge")
     if scorer in EVICTIONS:
@@ -83,15 +111,13 @@ def factory(memory: str, T: int, fraction: float, calibration=None):
         return kt.proportional(chunk=C, window_chunks=1, sinks=min(EVICTION_SINKS, C - 1), max_rows=R + C,
                                budget=kvmem.budget.Fixed(R))
     if memory == "ovq":
-        return lambda layer_idx, **shape: kvmem.OvqMemory(**shape, chunk=C, max_centroids=R,
-                                                          **_layer_weights(calibration, layer_idx, "ovq"))
-    kvm_args = {"chunk": C, "window_chunks": 1, "sinks": KVM_SINKS}
-    if memory == "kvm-fixed":
-        kvm_args.update(max_rows=R + C, budget=kvmem.budget.Fixed(R))
-    elif memory == "kvm-sqrt":
-        kvm_args.update(max_rows=R + C, budget=kvmem.budget.PowerLaw(growth_factor=R / math.sqrt(T)))
+        args = setup(memory, T, fraction).memory_args()
+        return lambda layer_idx, **shape: kvmem.OvqMemory(**shape, **args, **_layer_weights(calibration, layer_idx, "ovq"))
+    if memory in TRAINABLE:
+        kvm_args = setup(memory, T, fraction).memory_args()
     else:  # kvm-h2o
-        kvm_args.update(max_rows=T + C, budget=kvmem.budget.PowerLaw(growth_factor=16.0), evict_rows_above=R)
+        kvm_args = {"chunk": C, "window_chunks": 1, "sinks": KVM_SINKS, "max_rows": T + C,
+                    "budget": kvmem.budget.PowerLaw(growth_factor=16.0), "evict_rows_above": R}
     return lambda layer_idx, **shape: kvmem.KvmMemory(**shape, **kvm_args,
                                                       **_layer_weights(calibration, layer_idx, "kvm"))
 

@@ -5,9 +5,12 @@ queries, keys and values (kvmem.train.capture) is fitted to exact causal attenti
 KVM's parameters per layer (spec KVM.md §1-§3): the merge-gate projection W_g [hidden, Hkv] (z = x . W_g of
 the layer's attention input x; starts at 0, the neutral gate g = 1), the state-key LayerNorm's affine
 [D] (starts at 1, 0) and the inverse temperatures tau_state, tau_window [Hq] (trained as their logarithms,
-so they stay positive; start at 1). The loss is the relative squared error of the attention output,
-sum |y - y_exact|^2 / sum |y_exact|^2 over the batch's queries, heads and channels; the routing decisions
-of the memory are arg-max (kvm-paper Sec. 4: trained through the folded sums, not through the routing)."""
+so they stay positive; start at 1). OVQ's (spec OVQ.md §2): the logit scale beta [Hq] (trained as its
+logarithm; starts at the closed form mean|q| * mean|k| / D per head, which makes beta * sqrt(D) * cos(q, k)
+the model's q . k / sqrt(D) for keys and queries of mean norm). The loss is the relative squared error of
+the attention output, sum |y - y_exact|^2 / sum |y_exact|^2 over the batch's queries, heads and channels;
+the memories' routing decisions are arg-max (kvm-paper Sec. 4, ovq-paper Sec. 3.2: trained through the
+folded sums and centroid means, not through the routing)."""
 
 from __future__ import annotations
 
@@ -19,6 +22,7 @@ import torch
 from .. import budget as budgets
 from .capture import LayerInputs, exact_attention
 from .kvm import kvm_prefill
+from .ovq import ovq_prefill
 
 
 @dataclass(frozen=True)
@@ -63,6 +67,47 @@ class KvmParameters(torch.nn.Module):
                 "tau_window": self.log_tau_window.detach().exp()}
 
 
+@dataclass(frozen=True)
+class OvqSetup:
+    """The OVQ memory the weights are trained in (kvmem.OvqMemory's arguments): chunk in tokens,
+    max_centroids in rows, a kvmem.budget schedule (None: Plateau(max_centroids))."""
+
+    chunk: int
+    max_centroids: int
+    budget: budgets.Schedule | None = None
+
+    def memory_args(self) -> dict:
+        """The keyword arguments of kvmem.OvqMemory / kvmem.transformers.ovq for this memory."""
+        args = {"chunk": self.chunk, "max_centroids": self.max_centroids}
+        if self.budget is not None:
+            args["budget"] = self.budget
+        return args
+
+
+class OvqParameters(torch.nn.Module):
+    """One layer's trainable OVQ parameter, beta [Hq] as its logarithm (module docstring), float32."""
+
+    def __init__(self, beta: torch.Tensor):
+        super().__init__()
+        self.log_beta = torch.nn.Parameter(beta.detach().float().log())
+
+    @staticmethod
+    def closed_form(inputs: LayerInputs) -> torch.Tensor:
+        """beta0 [Hq] = mean|q| * mean|k| / D per query head (its kv-head's keys), from captured inputs."""
+        G = inputs.q.shape[1] // inputs.k.shape[1]
+        qn = inputs.q.norm(dim=-1).mean(dim=(0, 2))
+        kn = inputs.k.norm(dim=-1).mean(dim=(0, 2)).repeat_interleave(G)
+        return qn * kn / inputs.q.shape[-1]
+
+    def forward(self, inputs: LayerInputs, setup: OvqSetup) -> torch.Tensor:
+        """The memory's attention output [B, Hq, T, Dv] on one layer's captured inputs."""
+        return ovq_prefill(inputs.q, inputs.k, inputs.v, self.log_beta.exp(), **setup.memory_args()).y
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """The layer's tensors as kvmem.weights names them (float32, detached)."""
+        return {"beta": self.log_beta.detach().exp()}
+
+
 def relative_error(y: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     """sum |y - target|^2 / sum |target|^2 (a scalar tensor)."""
     return (y - target).square().sum() / target.square().sum()
@@ -77,22 +122,18 @@ class LayerFit:
     curve: list
 
 
-def fit_kvm_layer(batches: list[LayerInputs], setup: KvmSetup, *, steps: int, lr: float = 0.02,
-                  gate_lr: float = 1e-3, on_step: Callable[[int, float], None] | None = None) -> LayerFit:
-    """Fits one layer's KVM parameters to exact attention on ``batches`` (each a LayerInputs of some
-    sequences), ``steps`` Adam steps over all of them (gradients summed over the batches); ``lr`` for the
-    LayerNorm affine and the log-temperatures, ``gate_lr`` for W_g. ``on_step(step, loss)`` is called after
-    each step. Raises ValueError for steps < 0 or no batch."""
+def fit_layer(params: torch.nn.Module, batches: list[LayerInputs], setup, *, steps: int, groups: list[dict],
+              on_step: Callable[[int, float], None] | None = None) -> LayerFit:
+    """Fits one layer's parameters ``params`` (KvmParameters or OvqParameters, run with ``setup``) to exact
+    attention on ``batches`` (each a LayerInputs of some sequences): ``steps`` Adam steps over all of them
+    (gradients summed over the batches), with the parameter groups ``groups`` (torch.optim's, each with its
+    lr). ``on_step(step, loss)`` is called after each step. Raises ValueError for steps < 0 or no batch."""
     if steps < 0:
         raise ValueError(f"steps = {steps}: must be >= 0")
     if not batches:
         raise ValueError("batches: no captured inputs to fit")
-    first = batches[0]
-    params = KvmParameters(first.x.shape[-1], first.q.shape[1], first.k.shape[1], first.q.shape[-1])
     targets = [exact_attention(b.q, b.k, b.v) for b in batches]
-    opt = torch.optim.Adam([{"params": [params.gate_weight], "lr": gate_lr},
-                            {"params": [params.ln_weight, params.ln_bias, params.log_tau_state,
-                                        params.log_tau_window], "lr": lr}])
+    opt = torch.optim.Adam(groups)
     curve = []
     for step in range(steps + 1):
         opt.zero_grad()
@@ -109,6 +150,30 @@ def fit_kvm_layer(batches: list[LayerInputs], setup: KvmSetup, *, steps: int, lr
             if on_step is not None:
                 on_step(step, total)
     return LayerFit(params.tensors(), curve)
+
+
+def fit_kvm_layer(batches: list[LayerInputs], setup: KvmSetup, *, steps: int, lr: float = 0.02,
+                  gate_lr: float = 1e-3, on_step: Callable[[int, float], None] | None = None) -> LayerFit:
+    """fit_layer for KVM from the neutral parameters: ``lr`` for the LayerNorm affine and the
+    log-temperatures, ``gate_lr`` for W_g. Raises ValueError as fit_layer."""
+    if not batches:
+        raise ValueError("batches: no captured inputs to fit")
+    first = batches[0]
+    p = KvmParameters(first.x.shape[-1], first.q.shape[1], first.k.shape[1], first.q.shape[-1])
+    groups = [{"params": [p.gate_weight], "lr": gate_lr},
+              {"params": [p.ln_weight, p.ln_bias, p.log_tau_state, p.log_tau_window], "lr": lr}]
+    return fit_layer(p, batches, setup, steps=steps, groups=groups, on_step=on_step)
+
+
+def fit_ovq_layer(batches: list[LayerInputs], setup: OvqSetup, *, steps: int, lr: float = 0.05,
+                  on_step: Callable[[int, float], None] | None = None) -> LayerFit:
+    """fit_layer for OVQ from beta's closed form (OvqParameters.closed_form over the batches); ``lr`` for
+    log beta. Raises ValueError as fit_layer."""
+    if not batches:
+        raise ValueError("batches: no captured inputs to fit")
+    beta0 = torch.stack([OvqParameters.closed_form(b) for b in batches]).mean(0)
+    p = OvqParameters(beta0)
+    return fit_layer(p, batches, setup, steps=steps, groups=[{"params": [p.log_beta], "lr": lr}], on_step=on_step)
 
 
 def model_shape(model) -> dict:

@@ -1,0 +1,154 @@
+#!/usr/bin/env python3
+"""Distills a memory's own parameters into a pretrained causal LM, its weights frozen (issue 45, stage 1):
+every attention layer's KVM or OVQ parameters are fitted to the layer's exact attention on training texts,
+through the memory's training form (kvmem.train), and written as one weights file (kvmem.weights) that
+kvmem.transformers.kvm/ovq(weights=...) and tools/fidelity/end_to_end.py --weights load.
+
+  distill.py --memory kvm-fixed --fraction 1/8 --output kvm-fixed-8.safetensors [--report curves.json]
+             [--model smollm2 | --model HF_DIR] [--text FILE ...] [--tokens 2048] [--steps 40] [--quick]
+
+- The memory is sized as tools/fidelity/lm_memories.py sizes it for --tokens tokens at --fraction of the cache
+  (kvm-fixed, kvm-sqrt or ovq): what the weights are trained in is what the evaluation runs.
+- Training texts (default TRAINING_TEXTS: Debian's licences and Python sources that no evaluation of
+  docs/fidelity.md reads) are read as plain text, the first --tokens tokens of each one sequence; a text
+  shorter than the memory's chunk is refused. Each is recorded in the weights file with its SHA-256.
+- One forward pass of the model per text captures every layer's attention input and queries, keys and
+  values; then layer by layer, --steps Adam steps over all texts (kvmem.train.distill.fit_kvm_layer /
+  fit_ovq_layer), one line of progress per layer on stderr with the loss before and after.
+- --report writes the per-layer loss curves (JSON); --quick is the whole pipeline small (256 tokens, 2 texts,
+  3 steps) for tests.
+
+The training runs torch and kvmem on one thread each (faster here than two threads that contend for the
+same OpenMP runtime). Errors (an unknown memory, a fraction too small, a text not found or shorter than one
+chunk, a model whose attention cannot be hooked) print one line naming the problem and exit with status 2.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import sys
+import time
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")  # before torch and kvmem start their OpenMP threads
+os.environ.setdefault("KVMEM_NUM_THREADS", "1")
+import torch  # noqa: E402
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "capture"))
+sys.path.insert(0, os.path.join(HERE, "..", "fidelity"))
+import causal_lm  # noqa: E402
+import lm_memories  # noqa: E402
+from calibrate import CalibrationError, parse_fraction  # noqa: E402
+from capture import CaptureError  # noqa: E402
+
+#: Default training texts: none of them is read by an evaluation of docs/fidelity.md (which reads GPL-2,
+#: GPL-3, LGPL-2.1, Apache-2.0, MPL-2.0, Artistic and the KVM paper). Paths inside the build environment.
+TRAINING_TEXTS = ("/usr/share/common-licenses/CC-BY-SA-4.0", "/usr/share/common-licenses/GFDL-1.3",
+                  "/usr/share/common-licenses/Artistic-2.0", "/usr/lib/python3.14/argparse.py",
+                  "/usr/lib/python3.14/difflib.py", "/usr/lib/python3.14/textwrap.py")
+
+
+class DistillError(Exception):
+    """Bad input of distill.py; main() prints it and exits with status 2."""
+
+
+def training_texts(paths: list[str], tok, tokens: int, chunk: int) -> tuple[list[list[int]], list[dict]]:
+    """The first ``tokens`` token ids of each text and its record (path, sha256, tokens used). Raises
+    DistillError naming a text that is missing or shorter than ``chunk`` tokens."""
+    seqs, records = [], []
+    for path in paths:
+        try:
+            ids, info = causal_lm.read_text(path, tok, tokens)
+        except CaptureError as e:
+            raise DistillError(str(e)) from None
+        if len(ids) < chunk:
+            raise DistillError(f"--text {path!r}: has {len(ids)} tokens, fewer than the memory's chunk of {chunk}")
+        seqs.append(ids)
+        records.append({"path": path, "sha256": info["sha256"], "tokens": len(ids)})
+    return seqs, records
+
+
+def distill(model, model_name: str, seqs: list[list[int]], memory: str, setup, steps: int, log=print) -> tuple:
+    """Captures every layer on ``seqs`` and fits each layer's parameters; returns (one dict of tensors per
+    layer, one loss curve per layer, seconds per layer)."""
+    from kvmem.train.capture import capture
+    from kvmem.train.distill import fit_kvm_layer, fit_ovq_layer
+
+    t0 = time.time()
+    captured = [capture(model, torch.tensor([ids])) for ids in seqs]  # [text][layer]
+    log(f"distill: captured {len(captured[0])} layers of {len(seqs)} texts in {time.time() - t0:.0f} s")
+    fit = fit_ovq_layer if memory == "ovq" else fit_kvm_layer
+    tensors, curves, seconds = [], [], []
+    for layer in range(len(captured[0])):
+        t = time.time()
+        result = fit([c[layer] for c in captured], setup, steps=steps)
+        tensors.append(result.tensors)
+        curves.append(result.curve)
+        seconds.append(time.time() - t)
+        left = (len(captured[0]) - layer - 1) * sum(seconds) / len(seconds)
+        log(f"distill: layer {layer + 1}/{len(captured[0])}: relative error {result.curve[0]:.3f} -> "
+            f"{result.curve[-1]:.3f} ({seconds[-1]:.0f} s; about {left / 60:.0f} min left)")
+    return tensors, curves, seconds
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--memory", required=True, help=f"one of {', '.join(lm_memories.TRAINABLE)}")
+    ap.add_argument("--fraction", default="1/8", help="the memory's share of a --tokens-token KV cache")
+    ap.add_argument("--output", required=True, help="the weights file (safetensors)")
+    ap.add_argument("--report", default=None, help="JSON with each layer's loss curve")
+    ap.add_argument("--model", default="smollm2", help="'smollm2' or a Hugging Face model directory")
+    ap.add_argument("--text", action="append", default=None, help="a training text (repeat; default: TRAINING_TEXTS)")
+    ap.add_argument("--tokens", type=int, default=2048, help="tokens of each training text and the memory's sizing")
+    ap.add_argument("--steps", type=int, default=40, help="Adam steps per layer")
+    ap.add_argument("--quick", action="store_true", help="small: 256 tokens, the first 2 texts, 3 steps")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.tokens, args.steps = 256, 3
+        args.text = (args.text or list(TRAINING_TEXTS))[:2]
+    torch.set_num_threads(1)
+    try:
+        if args.memory not in lm_memories.TRAINABLE:
+            raise DistillError(f"--memory {args.memory!r}: not trainable here (choose {', '.join(lm_memories.TRAINABLE)})")
+        if args.tokens < 1 or args.steps < 0:
+            raise DistillError(f"--tokens {args.tokens} / --steps {args.steps}: need tokens >= 1 and steps >= 0")
+        fraction = parse_fraction(args.fraction)
+        setup = lm_memories.setup(args.memory, args.tokens, fraction)
+        model, tok, model_name = causal_lm.load_model(args.model)
+        if args.tokens > causal_lm.context_limit(model):
+            raise DistillError(f"--tokens {args.tokens}: beyond the model's context of {causal_lm.context_limit(model)}")
+        seqs, records = training_texts(args.text or list(TRAINING_TEXTS), tok, args.tokens, setup.chunk)
+        from kvmem import weights as kw
+        from kvmem.train.capture import attention_modules
+        from kvmem.train.distill import memory_weights
+
+        attention_modules(model)  # a model whose attention cannot be hooked fails here, before any work
+    except (DistillError, CalibrationError, CaptureError, ValueError) as e:
+        print(f"distill: error: {e}", file=sys.stderr)
+        return 2
+
+    t0 = time.time()
+    tensors, curves, seconds = distill(model, model_name, seqs, args.memory, setup, args.steps,
+                                       log=lambda s: print(s, file=sys.stderr, flush=True))
+    recipe = {"tool": "tools/distill/distill.py", "stage": "per-layer", "steps": args.steps, "tokens": args.tokens,
+              "loss": "relative squared error of the attention output against exact attention", "optimizer": "Adam",
+              "quick": args.quick}
+    meta = {"memory_id": args.memory, "fraction": args.fraction, "setup": repr(setup), "recipe": recipe,
+            "training_texts": records}
+    kw.save(args.output, memory_weights("ovq" if args.memory == "ovq" else "kvm", model_name, model, tensors, meta))
+    if args.report:
+        with open(args.report, "w") as f:
+            json.dump({**meta, "model": model_name, "seconds": time.time() - t0, "layer_seconds": seconds,
+                       "curves": curves, "weights": args.output,
+                       "weights_sha256": hashlib.sha256(open(args.output, "rb").read()).hexdigest()}, f, indent=1)
+    before = sum(c[0] for c in curves) / len(curves)
+    after = sum(c[-1] for c in curves) / len(curves)
+    print(f"distill: {args.memory} at {args.fraction}: mean relative error over {len(curves)} layers {before:.3f} -> "
+          f"{after:.3f} in {(time.time() - t0) / 60:.1f} min -> {args.output}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
