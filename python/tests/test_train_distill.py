@@ -14,8 +14,8 @@ import kvmem  # noqa: E402
 import kvmem.transformers as kt  # noqa: E402
 from kvmem import weights as kw  # noqa: E402
 from kvmem.train.capture import LayerInputs, capture, exact_attention  # noqa: E402
-from kvmem.train.distill import (KvmParameters, KvmSetup, OvqParameters, OvqSetup, fit_kvm_layer, fit_ovq_layer,  # noqa: E402
-                                 memory_weights)
+from kvmem.train.distill import (KvmParameters, KvmSetup, OvqParameters, OvqSetup, fit_end_to_end,  # noqa: E402
+                                 fit_kvm_layer, fit_ovq_layer, memory_weights, parameters_of)
 from kvmem.train.model import memories_in_every_layer  # noqa: E402
 
 T = 48
@@ -133,6 +133,28 @@ def test_ovq_fit_starts_at_the_closed_form_and_lowers_the_error(model, ids):
         first = kvmem.train.distill.relative_error(start(layer, setup), exact_attention(layer.q, layer.k, layer.v))
     assert fit.curve[0] == pytest.approx(first.item(), rel=1e-6)
     assert fit.curve[-1] < fit.curve[0] and set(fit.tensors) == {"beta"}
+
+
+def test_end_to_end_fit_lowers_the_kl_and_leaves_the_model(model, ids):
+    """Stage 2 from stage-1-like parameters: the KL divergence to the full-cache model falls, the model's own
+    weights do not change, and its attention implementation is restored."""
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    layers = [parameters_of("kvm", p.tensors()) for p in trained_layers(4)]
+    curve = fit_end_to_end(model, layers, SETUP, [ids[:1], ids[1:]], steps=6, lr=0.05)
+    assert len(curve) == 7 and curve[-1] < curve[0]
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+    assert model.config._attn_implementation != "kvmem_train"
+    with pytest.raises(ValueError, match="steps = -1"):
+        fit_end_to_end(model, layers, SETUP, [ids[:1]], steps=-1)
+
+
+def test_parameters_round_trip_through_their_tensors():
+    p = trained_layers(6, layers=1)[0]
+    q = parameters_of("kvm", p.tensors())
+    for name, t in p.tensors().items():
+        torch.testing.assert_close(q.tensors()[name], t, rtol=1e-6, atol=0)
+    beta = torch.tensor([0.5, 1.0, 2.0, 4.0])
+    torch.testing.assert_close(parameters_of("ovq", {"beta": beta}).tensors()["beta"], beta)
 
 
 def test_fit_refuses_bad_arguments(model, ids):

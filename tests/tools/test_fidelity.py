@@ -362,12 +362,13 @@ def test_distill_then_end_to_end_with_the_weights(e2e_cli, tmp_path, capsys):
         texts += ["--text", str(tmp_path / f"train{i}.txt")]
         (tmp_path / f"train{i}.txt").write_text(text)
     w, report = tmp_path / "kvm.safetensors", tmp_path / "curves.json"
-    assert distill.main(["--memory", "kvm-fixed", "--fraction", "1/2", "--tokens", "64", "--steps", "3",
+    assert distill.main(["--memory", "kvm-fixed", "--fraction", "1/2", "--tokens", "64", "--steps", "3", "--e2e-steps", "2",
                          "--output", str(w), "--report", str(report), *texts]) == 0
     weights = kw.load(w, memory="kvm", model="tiny")
     assert weights.metadata["memory_id"] == "kvm-fixed" and weights.metadata["fraction"] == "1/2"
     assert len(json.loads(weights.metadata["training_texts"])) == 2
-    curves = json.loads(report.read_text())["curves"]
+    curves, e2e = json.loads(report.read_text())["curves"], json.loads(report.read_text())["e2e_curve"]
+    assert len(e2e) == 3 and all(map(math.isfinite, e2e))
     assert len(curves) == 2 and all(len(c) == 4 and all(map(math.isfinite, c)) for c in curves)
     out = tmp_path / "e2e.json"
     assert run("--output", str(out), "--memories", "h2o", "--weights", str(w)) == 0

@@ -1,11 +1,13 @@
 #!/usr/bin/env python3
-"""Distills a memory's own parameters into a pretrained causal LM, its weights frozen (issue 45, stage 1):
-every attention layer's KVM or OVQ parameters are fitted to the layer's exact attention on training texts,
-through the memory's training form (kvmem.train), and written as one weights file (kvmem.weights) that
-kvmem.transformers.kvm/ovq(weights=...) and tools/fidelity/end_to_end.py --weights load.
+"""Distills a memory's own parameters into a pretrained causal LM, its weights frozen (issue 45): every
+attention layer's KVM or OVQ parameters are fitted, through the memory's training form (kvmem.train), first
+layer by layer to the layer's exact attention (stage 1), then all together to the full-cache model's
+next-token distributions (stage 2, KL divergence), on training texts, and written as one weights file
+(kvmem.weights) that kvmem.transformers.kvm/ovq(weights=...) and tools/fidelity/end_to_end.py --weights load.
 
   distill.py --memory kvm-fixed --fraction 1/8 --output kvm-fixed-8.safetensors [--report curves.json]
-             [--model smollm2 | --model HF_DIR] [--text FILE ...] [--tokens 2048] [--steps 40] [--quick]
+             [--model smollm2 | --model HF_DIR] [--text FILE ...] [--tokens 2048] [--steps 40]
+             [--e2e-steps 0] [--e2e-texts 2] [--quick]
 
 - The memory is sized as tools/fidelity/lm_memories.py sizes it for --tokens tokens at --fraction of the cache
   (kvm-fixed, kvm-sqrt or ovq): what the weights are trained in is what the evaluation runs.
@@ -15,8 +17,11 @@ kvmem.transformers.kvm/ovq(weights=...) and tools/fidelity/end_to_end.py --weigh
 - One forward pass of the model per text captures every layer's attention input and queries, keys and
   values; then layer by layer, --steps Adam steps over all texts (kvmem.train.distill.fit_kvm_layer /
   fit_ovq_layer), one line of progress per layer on stderr with the loss before and after.
-- --report writes the per-layer loss curves (JSON); --quick is the whole pipeline small (256 tokens, 2 texts,
-  3 steps) for tests.
+- Stage 2 (--e2e-steps > 0): Adam steps on every layer's parameters at once, from stage 1's, on the KL
+  divergence of the model with the training form in every layer to the model with its full cache, over the
+  first --e2e-texts texts (kvmem.train.distill.fit_end_to_end); one line of progress per step.
+- --report writes the loss curves (JSON); --quick is the whole pipeline small (256 tokens, 2 texts, 3 steps
+  per layer, 2 end-to-end steps on one text) for tests.
 
 The training runs torch and kvmem on one thread each (faster here than two threads that contend for the
 same OpenMP runtime). Errors (an unknown memory, a fraction too small, a text not found or shorter than one
@@ -71,8 +76,8 @@ def training_texts(paths: list[str], tok, tokens: int, chunk: int) -> tuple[list
 
 
 def distill(model, model_name: str, seqs: list[list[int]], memory: str, setup, steps: int, log=print) -> tuple:
-    """Captures every layer on ``seqs`` and fits each layer's parameters; returns (one dict of tensors per
-    layer, one loss curve per layer, seconds per layer)."""
+    """Stage 1: captures every layer on ``seqs`` and fits each layer's parameters; returns (one dict of
+    tensors per layer, one loss curve per layer, seconds per layer)."""
     from kvmem.train.capture import capture
     from kvmem.train.distill import fit_kvm_layer, fit_ovq_layer
 
@@ -93,6 +98,22 @@ def distill(model, model_name: str, seqs: list[list[int]], memory: str, setup, s
     return tensors, curves, seconds
 
 
+def end_to_end(model, seqs: list[list[int]], memory: str, setup, tensors: list[dict], steps: int, log=print) -> tuple:
+    """Stage 2 from stage 1's ``tensors`` on ``seqs``; returns (one dict of tensors per layer, the KL curve)."""
+    from kvmem.train.distill import fit_end_to_end, parameters_of
+
+    layers = [parameters_of("ovq" if memory == "ovq" else "kvm", t) for t in tensors]
+    t0 = time.time()
+
+    def progress(step, loss):
+        left = (steps - step - 1) * (time.time() - t0) / (step + 1)
+        log(f"distill: end-to-end step {step + 1}/{steps}: KL {loss:.4f} ({left / 60:.0f} min left)")
+
+    curve = fit_end_to_end(model, layers, setup, [torch.tensor([ids]) for ids in seqs], steps=steps, on_step=progress)
+    log(f"distill: end to end: KL {curve[0]:.4f} -> {curve[-1]:.4f} in {(time.time() - t0) / 60:.1f} min")
+    return [p.tensors() for p in layers], curve
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--memory", required=True, help=f"one of {', '.join(lm_memories.TRAINABLE)}")
@@ -103,17 +124,20 @@ def main(argv=None) -> int:
     ap.add_argument("--text", action="append", default=None, help="a training text (repeat; default: TRAINING_TEXTS)")
     ap.add_argument("--tokens", type=int, default=2048, help="tokens of each training text and the memory's sizing")
     ap.add_argument("--steps", type=int, default=40, help="Adam steps per layer")
-    ap.add_argument("--quick", action="store_true", help="small: 256 tokens, the first 2 texts, 3 steps")
+    ap.add_argument("--e2e-steps", type=int, default=0, help="stage 2: end-to-end Adam steps (0: none)")
+    ap.add_argument("--e2e-texts", type=int, default=2, help="stage 2: the first N training texts")
+    ap.add_argument("--quick", action="store_true", help="small: 256 tokens, the first 2 texts, 3 steps, 2 end-to-end steps")
     args = ap.parse_args(argv)
     if args.quick:
-        args.tokens, args.steps = 256, 3
+        args.tokens, args.steps, args.e2e_steps, args.e2e_texts = 256, 3, 2, 1
         args.text = (args.text or list(TRAINING_TEXTS))[:2]
     torch.set_num_threads(1)
     try:
         if args.memory not in lm_memories.TRAINABLE:
             raise DistillError(f"--memory {args.memory!r}: not trainable here (choose {', '.join(lm_memories.TRAINABLE)})")
-        if args.tokens < 1 or args.steps < 0:
-            raise DistillError(f"--tokens {args.tokens} / --steps {args.steps}: need tokens >= 1 and steps >= 0")
+        if args.tokens < 1 or args.steps < 0 or args.e2e_steps < 0 or args.e2e_texts < 1:
+            raise DistillError(f"--tokens {args.tokens}, --steps {args.steps}, --e2e-steps {args.e2e_steps}, --e2e-texts "
+                               f"{args.e2e_texts}: need tokens >= 1, steps >= 0, e2e-steps >= 0 and e2e-texts >= 1")
         fraction = parse_fraction(args.fraction)
         setup = lm_memories.setup(args.memory, args.tokens, fraction)
         model, tok, model_name = causal_lm.load_model(args.model)
@@ -132,8 +156,14 @@ def main(argv=None) -> int:
     t0 = time.time()
     tensors, curves, seconds = distill(model, model_name, seqs, args.memory, setup, args.steps,
                                        log=lambda s: print(s, file=sys.stderr, flush=True))
-    recipe = {"tool": "tools/distill/distill.py", "stage": "per-layer", "steps": args.steps, "tokens": args.tokens,
-              "loss": "relative squared error of the attention output against exact attention", "optimizer": "Adam",
+    e2e_curve = []
+    if args.e2e_steps:
+        tensors, e2e_curve = end_to_end(model, seqs[:args.e2e_texts], args.memory, setup, tensors, args.e2e_steps,
+                                        log=lambda s: print(s, file=sys.stderr, flush=True))
+    recipe = {"tool": "tools/distill/distill.py", "steps": args.steps, "tokens": args.tokens,
+              "loss": "stage 1: relative squared error of each layer's attention output against exact attention; "
+                      "stage 2: KL(full-cache model || model with the memory in every layer) per next token",
+              "optimizer": "Adam", "e2e_steps": args.e2e_steps, "e2e_texts": min(args.e2e_texts, len(seqs)),
               "quick": args.quick}
     meta = {"memory_id": args.memory, "fraction": args.fraction, "setup": repr(setup), "recipe": recipe,
             "training_texts": records}
@@ -141,7 +171,7 @@ def main(argv=None) -> int:
     if args.report:
         with open(args.report, "w") as f:
             json.dump({**meta, "model": model_name, "seconds": time.time() - t0, "layer_seconds": seconds,
-                       "curves": curves, "weights": args.output,
+                       "curves": curves, "e2e_curve": e2e_curve, "weights": args.output,
                        "weights_sha256": hashlib.sha256(open(args.output, "rb").read()).hexdigest()}, f, indent=1)
     before = sum(c[0] for c in curves) / len(curves)
     after = sum(c[-1] for c in curves) / len(curves)

@@ -60,6 +60,19 @@ class KvmParameters(torch.nn.Module):
         return kvm_prefill(inputs.q, inputs.k, inputs.v, gate, self.ln_weight, self.ln_bias, self.log_tau_state.exp(),
                            self.log_tau_window.exp(), **setup.memory_args()).y
 
+    @classmethod
+    def from_tensors(cls, tensors: dict[str, torch.Tensor]) -> "KvmParameters":
+        """The parameters of a layer's tensors (kvmem.weights names, as tensors() gives them)."""
+        hidden, kv_heads = tensors["gate_weight"].shape
+        p = cls(hidden, tensors["tau_state"].shape[0], kv_heads, tensors["ln_weight"].shape[0])
+        with torch.no_grad():
+            p.gate_weight.copy_(tensors["gate_weight"])
+            p.ln_weight.copy_(tensors["ln_weight"])
+            p.ln_bias.copy_(tensors["ln_bias"])
+            p.log_tau_state.copy_(tensors["tau_state"].log())
+            p.log_tau_window.copy_(tensors["tau_window"].log())
+        return p
+
     def tensors(self) -> dict[str, torch.Tensor]:
         """The layer's tensors as kvmem.weights names them (float32, detached)."""
         return {"gate_weight": self.gate_weight.detach().clone(), "ln_weight": self.ln_weight.detach().clone(),
@@ -193,3 +206,52 @@ def memory_weights(memory: str, model_name: str, model, layers: list[dict], meta
     w = MemoryWeights(memory, model_name, model_shape(model), dict(enumerate(layers)), dict(metadata or {}))
     w.check(f"{memory} weights for {model_name}")
     return w
+
+
+def parameters_of(memory: str, tensors: dict[str, torch.Tensor]) -> torch.nn.Module:
+    """KvmParameters or OvqParameters (``memory`` "kvm" or "ovq") holding one layer's tensors."""
+    return OvqParameters(tensors["beta"]) if memory == "ovq" else KvmParameters.from_tensors(tensors)
+
+
+def fit_end_to_end(model, layers: list[torch.nn.Module], setup, sequences: list[torch.Tensor], *, steps: int,
+                   lr: float = 0.005, on_step: Callable[[int, float], None] | None = None) -> list[float]:
+    """Stage 2: the memories' parameters of every layer (``layers``, one module per attention layer, updated in
+    place) trained end to end, ``model`` frozen: Adam on the KL divergence KL(p_full || p_memory) of the
+    next-token distributions, mean over the positions of ``sequences`` (token ids [1, T] each), the full-cache
+    model's distributions computed once. Returns the loss before each step and after the last (steps + 1
+    values). Raises ValueError for steps < 0 or no sequence, or as model.memories_in_every_layer."""
+    from .model import memories_in_every_layer
+
+    if steps < 0:
+        raise ValueError(f"steps = {steps}: must be >= 0")
+    if not sequences:
+        raise ValueError("sequences: no text to train on")
+    for p in model.parameters():
+        p.requires_grad_(False)
+    before = model.config._attn_implementation
+    model.set_attn_implementation("sdpa")  # the teacher: the model with its full cache (exact attention)
+    try:
+        with torch.no_grad():
+            teachers = [torch.log_softmax(model(ids, use_cache=False).logits.float(), -1) for ids in sequences]
+    finally:
+        model.set_attn_implementation(before)
+    opt = torch.optim.Adam([p for layer in layers for p in layer.parameters()], lr=lr)
+    curve = []
+    with memories_in_every_layer(model, layers, setup):
+        for step in range(steps + 1):
+            opt.zero_grad()
+            total = 0.0
+            with torch.set_grad_enabled(step < steps):
+                for ids, teacher in zip(sequences, teachers):
+                    student = torch.log_softmax(model(ids, use_cache=False).logits.float(), -1)
+                    loss = torch.nn.functional.kl_div(student, teacher, log_target=True, reduction="none").sum(-1).mean()
+                    loss = loss / len(sequences)
+                    if step < steps:
+                        loss.backward()
+                    total += loss.item()
+            curve.append(total)
+            if step < steps:
+                opt.step()
+                if on_step is not None:
+                    on_step(step, total)
+    return curve
