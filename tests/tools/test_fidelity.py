@@ -375,6 +375,11 @@ def test_distill_then_end_to_end_with_the_weights(e2e_cli, tmp_path, capsys):
     rows = json.loads(out.read_text())["results"]
     assert [(r["memory"], bool(r["distilled"])) for r in rows] == [("h2o", False), ("kvm-fixed", True)]
     assert calls.count(("kvm-fixed", 64)) == 1
+    import report_lm
+    table = report_lm.distilled_table(json.loads(out.read_text()), [json.loads(report.read_text())]).splitlines()
+    ppl = json.loads(out.read_text())["results"][1]["perplexity"]
+    assert len(table) == 3 and table[2].startswith(f"| KVM fixed | 1/2 | — | — | **{ppl:.2f}** | ")
+    assert f"{math.sqrt(curves[0][0]) / 2 + math.sqrt(curves[1][0]) / 2:.3f} -> " in table[2]
     capsys.readouterr()
     for args, message in [(["--memory", "h2o"], "--memory 'h2o': not trainable"),
                           (["--memory", "ovq", "--fraction", "1/512"], "fraction = 0.001953125"),

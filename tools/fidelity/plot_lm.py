@@ -90,7 +90,8 @@ def main() -> None:
                                   f"needle: mean log-probability of the answer ({n} cases)")):
         for mid in SHOWN:
             for cal in (False, True):
-                runs = sorted((r for r in e2e["results"] if r["memory"] == mid and r["calibrated"] == cal),
+                runs = sorted((r for r in e2e["results"] if r["memory"] == mid and r["calibrated"] == cal
+                               and not r.get("distilled")),
                               key=lambda r: r["fraction"])
                 if runs:
                     label = f"{mid}{' calibrated' if cal else ''}"

@@ -1,15 +1,17 @@
 #!/usr/bin/env python3
 """Fill the causal-LM blocks of docs/fidelity.md (lm-headline, lm-e2e-table, lm-layers-calibrated,
-lm-calibration-table, and lm-kvm-whole with --whole) from the reports of end_to_end.py, calibrate.py fit and kvmem-eval, with
-tools/kvmem_eval/report.py's block filler (a block missing from the document is an error, exit 2).
+lm-calibration-table, lm-kvm-whole with --whole, lm-distilled with --distilled) from the reports of
+end_to_end.py, calibrate.py fit, kvmem-eval and tools/distill/distill.py, with tools/kvmem_eval/report.py's
+block filler (a block missing from the document is an error, exit 2).
 
   report_lm.py --doc docs/fidelity.md --e2e e2e.json --calibration calibration.json \
                --layers layer0.json ... --calibrated layer0-kvm-calibrated.json layer0-ovq-calibrated.json ... \
-               [--whole layer0-kvm-whole.json layer0-kvm-whole-calibrated.json ...]
+               [--whole layer0-kvm-whole.json layer0-kvm-whole-calibrated.json ...] [--distilled kvm-fixed-8.json ...]
 """
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 from statistics import mean
@@ -25,11 +27,45 @@ def layer_mean(reports: list[dict], memory: str, fraction_label: str) -> float |
     return mean(vals) if vals else None
 
 
-def e2e_row(e2e: dict, memory: str, label: str, calibrated: bool) -> dict | None:
+def e2e_row(e2e: dict, memory: str, label: str, calibrated: bool, distilled: bool = False) -> dict | None:
     for r in e2e["results"]:
-        if r["memory"] == memory and r["fraction_label"] == label and r["calibrated"] == calibrated:
+        if (r["memory"] == memory and r["fraction_label"] == label and r["calibrated"] == calibrated
+                and bool(r.get("distilled")) == distilled):
             return r
     return None
+
+
+def scalars(r: dict) -> str:
+    """How a row's learned parameters were set: neutral, calibrated or distilled."""
+    return "distilled" if r.get("distilled") else "calibrated" if r["calibrated"] else "neutral"
+
+
+def distilled_table(e2e: dict, reports: list[dict]) -> str:
+    """Per distill.py report: end-to-end perplexity, agreement and needles of the distilled memory beside the
+    same memory neutral and calibrated and H2O at the same budget, and its training (stage 1: the mean over
+    layers of the relative L2 error of the attention output on the training texts, the root of the layer's
+    loss, before and after; stage 2: the KL divergence per token)."""
+    n = len(e2e["full"]["needle"])
+    lines = ["| memory | budget | perplexity: neutral | calibrated | **distilled** | H2O | agreement: distilled | H2O "
+             f"| needles found (of {n}): distilled | H2O | stage 1: relative L2 error before -> after "
+             "| stage 2: KL before -> after "
+             "| training minutes |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---|---:|"]
+    for d in reports:
+        m, f = d["memory_id"], d["fraction"]
+        row = e2e_row(e2e, m, f, False, True)
+        if row is None:
+            continue
+        base, cal, h2o = e2e_row(e2e, m, f, False), e2e_row(e2e, m, f, True), e2e_row(e2e, "h2o", f, False)
+        ppl = lambda r: f"{r['perplexity']:.2f}" if r else "—"  # noqa: E731
+        agreement = lambda r: f"{r['agreement']:.3f}" if r else "—"  # noqa: E731
+        found = lambda r: str(needle_found(r)) if r else "—"  # noqa: E731
+        before, after = mean(math.sqrt(c[0]) for c in d["curves"]), mean(math.sqrt(c[-1]) for c in d["curves"])
+        kl = f"{d['e2e_curve'][0]:.3f} -> {d['e2e_curve'][-1]:.3f}" if d.get("e2e_curve") else "not run"
+        lines.append(f"| {row['label']} | {f} | {ppl(base)} | {ppl(cal)} | **{ppl(row)}** | {ppl(h2o)} | "
+                     f"{agreement(row)} | {agreement(h2o)} | {found(row)} | {found(h2o)} | {before:.3f} -> {after:.3f} | "
+                     f"{kl} | {d['seconds'] / 60:.0f} |")
+    return "\n".join(lines)
 
 
 def needle_logprob(run: dict) -> float:
@@ -51,7 +87,7 @@ def e2e_table(e2e: dict) -> str:
              f"| full KV cache | 1 | | {e2e['ppl_tokens']} | {full['kv_bytes'] / 1048576:.1f} | "
              f"{full['perplexity']:.2f} | 1.000 | {needle_found(full)} | {needle_logprob(full):.1f} |"]
     for r in e2e["results"]:
-        lines.append(f"| {r['label']} | {r['fraction_label']} | {'calibrated' if r['calibrated'] else 'neutral'} | "
+        lines.append(f"| {r['label']} | {r['fraction_label']} | {scalars(r)} | "
                      f"{r['held_tokens']} | {r['held_bytes'] / 1048576:.1f} | {r['perplexity']:.2f} | "
                      f"{r['agreement']:.3f} | {needle_found(r)} | {needle_logprob(r):.1f} |")
     return "\n".join(lines)
@@ -123,7 +159,7 @@ def headline(e2e: dict, layers: list[dict], calibrated: list[dict]) -> str:
     best = sorted((r for r in e2e["results"] if r["fraction_label"] == f), key=lambda r: r["perplexity"])
     if best:
         out.append(f"- At {f} of the cache, end to end, by perplexity: " + "; ".join(
-            f"{r['label']}{' (calibrated)' if r['calibrated'] else ''} {r['perplexity']:.2f} "
+            f"{r['label']}{'' if scalars(r) == 'neutral' else f' ({scalars(r)})'} {r['perplexity']:.2f} "
             f"(agreement {r['agreement']:.2f}, needle {needle_found(r)} of {len(r['needle'])}, "
             f"log-prob {needle_logprob(r):.1f})"
             for r in best) + ".")
@@ -145,6 +181,7 @@ def main() -> None:
     ap.add_argument("--layers", nargs="+", required=True)
     ap.add_argument("--calibrated", nargs="+", required=True)
     ap.add_argument("--whole", nargs="*", default=[], help="kvmem-eval reports of KVM fixed at fraction 1")
+    ap.add_argument("--distilled", nargs="*", default=[], help="tools/distill/distill.py reports (--report)")
     a = ap.parse_args()
     e2e, cal = load(a.e2e), load(a.calibration)
     layers, calibrated = [load(p) for p in a.layers], [load(p) for p in a.calibrated]
@@ -153,6 +190,8 @@ def main() -> None:
               "lm-calibration-table": calibration_table(cal)}
     if a.whole:
         blocks["lm-kvm-whole"] = whole_table([load(p) for p in a.whole], layers, calibrated)
+    if a.distilled:
+        blocks["lm-distilled"] = distilled_table(e2e, [load(p) for p in a.distilled])
     fill(a.doc, blocks)
 
 
