@@ -380,8 +380,16 @@ def test_distill_then_end_to_end_with_the_weights(e2e_cli, tmp_path, capsys):
     ppl = json.loads(out.read_text())["results"][1]["perplexity"]
     assert len(table) == 3 and table[2].startswith(f"| KVM fixed | 1/2 | — | — | **{ppl:.2f}** | ")
     assert f"{math.sqrt(curves[0][0]) / 2 + math.sqrt(curves[1][0]) / 2:.3f} -> " in table[2]
+    w2, report2 = tmp_path / "kvm-e2e.safetensors", tmp_path / "curves-e2e.json"
+    assert distill.main(["--memory", "kvm-fixed", "--fraction", "1/2", "--tokens", "64", "--e2e-steps", "1",
+                         "--init", str(w), "--output", str(w2), "--report", str(report2), *texts]) == 0
+    again = kw.load(w2, memory="kvm", model="tiny")
+    assert json.loads(again.metadata["init"])["sha256"] and json.loads(report2.read_text())["curves"] == []
+    assert "its --init weights'" in report_lm.distilled_table(json.loads(out.read_text()) | {"results": [
+        dict(rows[1], distilled="x")]}, [json.loads(report2.read_text())])
     capsys.readouterr()
     for args, message in [(["--memory", "h2o"], "--memory 'h2o': not trainable"),
+                          (["--memory", "ovq", "--init", str(w)], "holds 'kvm' weights, expected 'ovq'"),
                           (["--memory", "ovq", "--fraction", "1/512"], "fraction = 0.001953125"),
                           (["--memory", "ovq", "--text", str(tmp_path / "none.txt")], "none.txt"),
                           (["--memory", "ovq", "--fraction", "1/2", "--text", str(tmp_path / "short.txt")],

@@ -7,7 +7,7 @@ next-token distributions (stage 2, KL divergence), on training texts, and writte
 
   distill.py --memory kvm-fixed --fraction 1/8 --output kvm-fixed-8.safetensors [--report curves.json]
              [--model smollm2 | --model HF_DIR] [--text FILE ...] [--tokens 2048] [--steps 40]
-             [--e2e-steps 0] [--e2e-texts 2] [--quick]
+             [--e2e-steps 0] [--e2e-texts 2] [--init WEIGHTS] [--quick]
 
 - The memory is sized as tools/fidelity/lm_memories.py sizes it for --tokens tokens at --fraction of the cache
   (kvm-fixed, kvm-sqrt or ovq): what the weights are trained in is what the evaluation runs.
@@ -20,6 +20,8 @@ next-token distributions (stage 2, KL divergence), on training texts, and writte
 - Stage 2 (--e2e-steps > 0): Adam steps on every layer's parameters at once, from stage 1's, on the KL
   divergence of the model with the training form in every layer to the model with its full cache, over the
   first --e2e-texts texts (kvmem.train.distill.fit_end_to_end); one line of progress per step.
+- --init WEIGHTS starts from a weights file of this memory and model (an earlier run's) instead of stage 1,
+  which it skips: stage 2 alone.
 - --report writes the loss curves (JSON); --quick is the whole pipeline small (256 tokens, 2 texts, 3 steps
   per layer, 2 end-to-end steps on one text) for tests.
 
@@ -126,6 +128,7 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=40, help="Adam steps per layer")
     ap.add_argument("--e2e-steps", type=int, default=0, help="stage 2: end-to-end Adam steps (0: none)")
     ap.add_argument("--e2e-texts", type=int, default=2, help="stage 2: the first N training texts")
+    ap.add_argument("--init", default=None, help="start from this weights file and skip stage 1")
     ap.add_argument("--quick", action="store_true", help="small: 256 tokens, the first 2 texts, 3 steps, 2 end-to-end steps")
     args = ap.parse_args(argv)
     if args.quick:
@@ -149,13 +152,18 @@ def main(argv=None) -> int:
         from kvmem.train.distill import memory_weights
 
         attention_modules(model)  # a model whose attention cannot be hooked fails here, before any work
-    except (DistillError, CalibrationError, CaptureError, ValueError) as e:
+        kind = "ovq" if args.memory == "ovq" else "kvm"
+        init = kw.load(args.init, memory=kind, model=model_name) if args.init else None
+    except (DistillError, CalibrationError, CaptureError, ValueError, FileNotFoundError) as e:
         print(f"distill: error: {e}", file=sys.stderr)
         return 2
 
     t0 = time.time()
-    tensors, curves, seconds = distill(model, model_name, seqs, args.memory, setup, args.steps,
-                                       log=lambda s: print(s, file=sys.stderr, flush=True))
+    if init is None:
+        tensors, curves, seconds = distill(model, model_name, seqs, args.memory, setup, args.steps,
+                                           log=lambda s: print(s, file=sys.stderr, flush=True))
+    else:  # stage 2 from an earlier run: its stage-1 curves stay in its own report
+        tensors, curves, seconds = [init.layer(i) for i in range(init.shape["layers"])], [], []
     e2e_curve = []
     if args.e2e_steps:
         tensors, e2e_curve = end_to_end(model, seqs[:args.e2e_texts], args.memory, setup, tensors, args.e2e_steps,
@@ -167,16 +175,20 @@ def main(argv=None) -> int:
               "quick": args.quick}
     meta = {"memory_id": args.memory, "fraction": args.fraction, "setup": repr(setup), "recipe": recipe,
             "training_texts": records}
+    if init is not None:
+        meta["init"] = {"path": args.init, "sha256": hashlib.sha256(open(args.init, "rb").read()).hexdigest(),
+                        "recipe": init.metadata.get("recipe"), "training_texts": init.metadata.get("training_texts")}
     kw.save(args.output, memory_weights("ovq" if args.memory == "ovq" else "kvm", model_name, model, tensors, meta))
     if args.report:
         with open(args.report, "w") as f:
             json.dump({**meta, "model": model_name, "seconds": time.time() - t0, "layer_seconds": seconds,
                        "curves": curves, "e2e_curve": e2e_curve, "weights": args.output,
                        "weights_sha256": hashlib.sha256(open(args.output, "rb").read()).hexdigest()}, f, indent=1)
-    before = sum(c[0] for c in curves) / len(curves)
-    after = sum(c[-1] for c in curves) / len(curves)
-    print(f"distill: {args.memory} at {args.fraction}: mean relative error over {len(curves)} layers {before:.3f} -> "
-          f"{after:.3f} in {(time.time() - t0) / 60:.1f} min -> {args.output}")
+    summary = [f"mean relative error over {len(curves)} layers {sum(c[0] for c in curves) / len(curves):.3f} -> "
+               f"{sum(c[-1] for c in curves) / len(curves):.3f}"] if curves else []
+    summary += [f"KL {e2e_curve[0]:.4f} -> {e2e_curve[-1]:.4f}"] if e2e_curve else []
+    print(f"distill: {args.memory} at {args.fraction}: {', '.join(summary) or 'nothing trained'} in "
+          f"{(time.time() - t0) / 60:.1f} min -> {args.output}")
     return 0
 
 

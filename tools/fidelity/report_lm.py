@@ -60,10 +60,11 @@ def distilled_table(e2e: dict, reports: list[dict]) -> str:
         ppl = lambda r: f"{r['perplexity']:.2f}" if r else "—"  # noqa: E731
         agreement = lambda r: f"{r['agreement']:.3f}" if r else "—"  # noqa: E731
         found = lambda r: str(needle_found(r)) if r else "—"  # noqa: E731
-        before, after = mean(math.sqrt(c[0]) for c in d["curves"]), mean(math.sqrt(c[-1]) for c in d["curves"])
+        stage1 = (f"{mean(math.sqrt(c[0]) for c in d['curves']):.3f} -> {mean(math.sqrt(c[-1]) for c in d['curves']):.3f}"
+                  if d["curves"] else "its --init weights'")
         kl = f"{d['e2e_curve'][0]:.3f} -> {d['e2e_curve'][-1]:.3f}" if d.get("e2e_curve") else "not run"
         lines.append(f"| {row['label']} | {f} | {ppl(base)} | {ppl(cal)} | **{ppl(row)}** | {ppl(h2o)} | "
-                     f"{agreement(row)} | {agreement(h2o)} | {found(row)} | {found(h2o)} | {before:.3f} -> {after:.3f} | "
+                     f"{agreement(row)} | {agreement(h2o)} | {found(row)} | {found(h2o)} | {stage1} | "
                      f"{kl} | {d['seconds'] / 60:.0f} |")
     return "\n".join(lines)
 
