@@ -385,8 +385,12 @@ def test_distill_then_end_to_end_with_the_weights(e2e_cli, tmp_path, capsys):
                          "--init", str(w), "--output", str(w2), "--report", str(report2), *texts]) == 0
     again = kw.load(w2, memory="kvm", model="tiny")
     assert json.loads(again.metadata["init"])["sha256"] and json.loads(report2.read_text())["curves"] == []
+    import plot_curves
+    assert plot_curves.main(["--output", str(tmp_path / "curves.png"), str(report), str(report2)]) == 0
+    assert (tmp_path / "curves.png").stat().st_size > 1000
+    second = json.loads(report2.read_text())
     assert "its --init weights'" in report_lm.distilled_table(json.loads(out.read_text()) | {"results": [
-        dict(rows[1], distilled="x")]}, [json.loads(report2.read_text())])
+        dict(rows[1], distilled=second["weights_sha256"][:16])]}, [second])
     capsys.readouterr()
     for args, message in [(["--memory", "h2o"], "--memory 'h2o': not trainable"),
                           (["--memory", "ovq", "--init", str(w)], "holds 'kvm' weights, expected 'ovq'"),

@@ -168,7 +168,7 @@ def main(argv=None) -> int:
     if args.e2e_steps:
         tensors, e2e_curve = end_to_end(model, seqs[:args.e2e_texts], args.memory, setup, tensors, args.e2e_steps,
                                         log=lambda s: print(s, file=sys.stderr, flush=True))
-    recipe = {"tool": "tools/distill/distill.py", "steps": args.steps, "tokens": args.tokens,
+    recipe = {"tool": "tools/distill/distill.py", "steps": 0 if args.init else args.steps, "tokens": args.tokens,
               "loss": "stage 1: relative squared error of each layer's attention output against exact attention; "
                       "stage 2: KL(full-cache model || model with the memory in every layer) per next token",
               "optimizer": "Adam", "e2e_steps": args.e2e_steps, "e2e_texts": min(args.e2e_texts, len(seqs)),

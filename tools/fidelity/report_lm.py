@@ -53,7 +53,7 @@ def distilled_table(e2e: dict, reports: list[dict]) -> str:
              "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---|---:|"]
     for d in reports:
         m, f = d["memory_id"], d["fraction"]
-        row = e2e_row(e2e, m, f, False, True)
+        row = next((r for r in e2e["results"] if r.get("distilled") and r["distilled"] == d["weights_sha256"][:16]), None)
         if row is None:
             continue
         base, cal, h2o = e2e_row(e2e, m, f, False), e2e_row(e2e, m, f, True), e2e_row(e2e, "h2o", f, False)
