@@ -24,3 +24,15 @@ def kvmem_run():
     if not path:
         pytest.skip("KVMEM_RUN is not set (CTest's python.pytest sets it)")
     return path
+
+
+@pytest.fixture(scope="module")
+def tiny_llama():
+    """A Llama with random weights (3 layers, hidden 64, 4 query heads, 2 kv-heads, head_dim 16, vocabulary 96),
+    float32, in eval mode; skips without transformers."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                                   pad_token_id=0, eos_token_id=1, bos_token_id=2)
+    return transformers.LlamaForCausalLM(cfg).eval()

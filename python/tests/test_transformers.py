@@ -15,12 +15,8 @@ PROMPT, NEW = 48, 24
 
 
 @pytest.fixture(scope="module")
-def model():
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                                   pad_token_id=0, eos_token_id=1, bos_token_id=2)
-    return transformers.LlamaForCausalLM(cfg).eval()
+def model(tiny_llama):
+    return tiny_llama
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,7 @@ folded sums and centroid means, not through the routing)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
@@ -146,14 +146,22 @@ def fit_layer(params: torch.nn.Module, batches: list[LayerInputs], setup, *, ste
     if not batches:
         raise ValueError("batches: no captured inputs to fit")
     targets = [exact_attention(b.q, b.k, b.v) for b in batches]
-    opt = torch.optim.Adam(groups)
+    curve = _descend(torch.optim.Adam(groups), lambda: (relative_error(params(b, setup), t) / len(batches)
+                                                       for b, t in zip(batches, targets)), steps, on_step)
+    return LayerFit(params.tensors(), curve)
+
+
+def _descend(opt, losses: Callable[[], Iterable[torch.Tensor]], steps: int,
+             on_step: Callable[[int, float], None] | None) -> list[float]:
+    """``steps`` steps of ``opt``, each on the summed gradients of the losses ``losses()`` yields (one per batch,
+    backpropagated one at a time so that one batch's graph is held at once), then one more pass that only
+    measures. Returns the summed loss before each step and after the last."""
     curve = []
     for step in range(steps + 1):
         opt.zero_grad()
         total = 0.0
-        with torch.set_grad_enabled(step < steps):  # the last pass only measures
-            for b, target in zip(batches, targets):
-                loss = relative_error(params(b, setup), target) / len(batches)
+        with torch.set_grad_enabled(step < steps):
+            for loss in losses():
                 if step < steps:
                     loss.backward()
                 total += loss.item()
@@ -162,7 +170,7 @@ def fit_layer(params: torch.nn.Module, batches: list[LayerInputs], setup, *, ste
             opt.step()
             if on_step is not None:
                 on_step(step, total)
-    return LayerFit(params.tensors(), curve)
+    return curve
 
 
 def fit_kvm_layer(batches: list[LayerInputs], setup: KvmSetup, *, steps: int, lr: float = 0.02,
@@ -235,23 +243,10 @@ def fit_end_to_end(model, layers: list[torch.nn.Module], setup, sequences: list[
             teachers = [torch.log_softmax(model(ids, use_cache=False).logits.float(), -1) for ids in sequences]
     finally:
         model.set_attn_implementation(before)
+    def kl(ids, teacher):
+        student = torch.log_softmax(model(ids, use_cache=False).logits.float(), -1)
+        return torch.nn.functional.kl_div(student, teacher, log_target=True, reduction="none").sum(-1).mean()
+
     opt = torch.optim.Adam([p for layer in layers for p in layer.parameters()], lr=lr)
-    curve = []
     with memories_in_every_layer(model, layers, setup):
-        for step in range(steps + 1):
-            opt.zero_grad()
-            total = 0.0
-            with torch.set_grad_enabled(step < steps):
-                for ids, teacher in zip(sequences, teachers):
-                    student = torch.log_softmax(model(ids, use_cache=False).logits.float(), -1)
-                    loss = torch.nn.functional.kl_div(student, teacher, log_target=True, reduction="none").sum(-1).mean()
-                    loss = loss / len(sequences)
-                    if step < steps:
-                        loss.backward()
-                    total += loss.item()
-            curve.append(total)
-            if step < steps:
-                opt.step()
-                if on_step is not None:
-                    on_step(step, total)
-    return curve
+        return _descend(opt, lambda: (kl(ids, t) / len(sequences) for ids, t in zip(sequences, teachers)), steps, on_step)
