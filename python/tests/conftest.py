@@ -27,12 +27,22 @@ def kvmem_run():
 
 
 @pytest.fixture(scope="module")
-def tiny_llama():
-    """A Llama with random weights (3 layers, hidden 64, 4 query heads, 2 kv-heads, head_dim 16, vocabulary 96),
-    float32, in eval mode; skips without transformers."""
+def model():
+    """A tiny Llama with random weights (3 layers, hidden 64, 4 query heads, 2 kv-heads, head_dim 16, vocabulary
+    96), float32, in eval mode, one per test module; skips without transformers."""
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
     cfg = transformers.LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
                                    pad_token_id=0, eos_token_id=1, bos_token_id=2)
     return transformers.LlamaForCausalLM(cfg).eval()
+
+
+#: Tokens per sequence of the ``prompt`` fixture.
+PROMPT_TOKENS = 48
+
+
+@pytest.fixture(scope="module")
+def prompt():
+    """Token ids [2, PROMPT_TOKENS] for the tiny Llama (ids 3..95: no special token), from a fixed stream."""
+    return torch.randint(3, 96, (2, PROMPT_TOKENS), generator=torch.Generator().manual_seed(7))

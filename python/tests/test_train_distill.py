@@ -18,23 +18,14 @@ from kvmem.train.distill import (KvmParameters, KvmSetup, OvqParameters, OvqSetu
                                  fit_kvm_layer, fit_ovq_layer, memory_weights, parameters_of)
 from kvmem.train.model import memories_in_every_layer  # noqa: E402
 
-T = 48
+from conftest import PROMPT_TOKENS as T  # noqa: E402  (the prompt fixture's tokens)
+
 SETUP = KvmSetup(chunk=8, window_chunks=1, sinks=1, max_rows=24, budget=kvmem.budget.Fixed(16))
 
 
-@pytest.fixture(scope="module")
-def model(tiny_llama):
-    return tiny_llama
-
-
-@pytest.fixture(scope="module")
-def ids():
-    return torch.randint(3, 96, (2, T), generator=torch.Generator().manual_seed(7))
-
-
-def logits(model, ids, **kwargs):
+def logits(model, prompt, **kwargs):
     with torch.no_grad():
-        return model(ids, use_cache="past_key_values" in kwargs, **kwargs).logits
+        return model(prompt, use_cache="past_key_values" in kwargs, **kwargs).logits
 
 
 class Exact(torch.nn.Module):
@@ -57,71 +48,71 @@ def trained_layers(seed=1, layers=3, hidden=64, hq=4, hkv=2, d=16):
     return out
 
 
-def test_capture_and_exact_attention_reproduce_the_model(model, ids):
+def test_capture_and_exact_attention_reproduce_the_model(model, prompt):
     model.set_attn_implementation("sdpa")
-    want = logits(model, ids)
-    layers = capture(model, ids)
+    want = logits(model, prompt)
+    layers = capture(model, prompt)
     assert len(layers) == 3 and model.config._attn_implementation == "sdpa"
     assert layers[0].x.shape == (2, T, 64) and layers[0].q.shape == (2, 4, T, 16) and layers[0].k.shape == (2, 2, T, 16)
     with memories_in_every_layer(model, [Exact()] * 3, SETUP):
-        got = logits(model, ids)
+        got = logits(model, prompt)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
-def test_trained_weights_run_in_kvmem_as_in_training(model, ids, tmp_path):
+def test_trained_weights_run_in_kvmem_as_in_training(model, prompt, tmp_path):
     """The training form in every layer (differentiable, PyTorch) and KvmemCache with the C++ KVM memories on
     the weights file give the same logits: what is trained is what kvmem runs, merge gate from x included."""
     layers = trained_layers()
     with memories_in_every_layer(model, layers, SETUP):
-        trained = logits(model, ids)
+        trained = logits(model, prompt)
     path = tmp_path / "kvm.safetensors"
     kw.save(path, memory_weights("kvm", "tiny-llama", model, [p.tensors() for p in layers], {"recipe": "test"}))
     assert os.listdir(tmp_path) == ["kvm.safetensors"]
     cache = kt.KvmemCache(model, kt.kvm(weights=path, **SETUP.memory_args()))
-    ran = logits(model, ids, past_key_values=cache)
+    ran = logits(model, prompt, past_key_values=cache)
     torch.testing.assert_close(ran, trained, rtol=1e-4, atol=1e-4)
     model.set_attn_implementation("sdpa")
-    neutral = logits(model, ids, past_key_values=kt.KvmemCache(model, kt.kvm(**SETUP.memory_args())))
+    neutral = logits(model, prompt, past_key_values=kt.KvmemCache(model, kt.kvm(**SETUP.memory_args())))
     assert (neutral - ran).abs().max() > 1e-3  # the weights matter
 
 
-def test_decode_with_trained_weights_continues_the_prefill(model, ids, tmp_path):
+def test_decode_with_trained_weights_continues_the_prefill(model, prompt, tmp_path):
     """Prefill then token-by-token decode through KvmemCache with trained weights (the gate computed from the
     hooked x at every step) gives the logits of one pass."""
     path = tmp_path / "kvm.safetensors"
     kw.save(path, memory_weights("kvm", "tiny-llama", model, [p.tensors() for p in trained_layers(2)]))
     factory = kt.kvm(weights=path, **SETUP.memory_args())
-    whole = logits(model, ids, past_key_values=kt.KvmemCache(model, factory))
+    whole = logits(model, prompt, past_key_values=kt.KvmemCache(model, factory))
     cache = kt.KvmemCache(model, factory)
-    steps = [logits(model, ids[:, :20], past_key_values=cache)]
+    steps = [logits(model, prompt[:, :20], past_key_values=cache)]
     for t in range(20, T):
-        steps.append(logits(model, ids[:, t:t + 1], past_key_values=cache))
+        steps.append(logits(model, prompt[:, t:t + 1], past_key_values=cache))
     torch.testing.assert_close(torch.cat(steps, dim=1), whole, rtol=1e-4, atol=1e-4)
 
 
-def test_fit_lowers_the_layer_error(model, ids):
-    layers = capture(model, ids)
+def test_fit_lowers_the_layer_error(model, prompt):
+    layers = capture(model, prompt)
     fit = fit_kvm_layer([layers[1]], SETUP, steps=8, lr=0.05)
     assert len(fit.curve) == 9 and fit.curve[-1] < 0.9 * fit.curve[0]
     assert set(fit.tensors) == set(kw.TENSORS["kvm"])
 
 
-def test_trained_ovq_weights_run_in_kvmem_as_in_training(model, ids, tmp_path):
+def test_trained_ovq_weights_run_in_kvmem_as_in_training(model, prompt, tmp_path):
     setup = OvqSetup(chunk=8, max_centroids=16)
     g = torch.Generator().manual_seed(5)
     layers = [OvqParameters(0.5 + torch.rand(4, generator=g)) for _ in range(3)]
     with memories_in_every_layer(model, layers, setup):
-        trained = logits(model, ids)
+        trained = logits(model, prompt)
     path = tmp_path / "ovq.safetensors"
     kw.save(path, memory_weights("ovq", "tiny-llama", model, [p.tensors() for p in layers]))
-    ran = logits(model, ids, past_key_values=kt.KvmemCache(model, kt.ovq(weights=path, **setup.memory_args())))
+    ran = logits(model, prompt, past_key_values=kt.KvmemCache(model, kt.ovq(weights=path, **setup.memory_args())))
     torch.testing.assert_close(ran, trained, rtol=1e-4, atol=1e-4)
     with pytest.raises(ValueError, match="holds 'ovq' weights, expected 'kvm'"):
         kt.kvm(weights=path)
 
 
-def test_ovq_fit_starts_at_the_closed_form_and_lowers_the_error(model, ids):
-    layer = capture(model, ids)[1]
+def test_ovq_fit_starts_at_the_closed_form_and_lowers_the_error(model, prompt):
+    layer = capture(model, prompt)[1]
     setup = OvqSetup(chunk=8, max_centroids=16)
     fit = fit_ovq_layer([layer], setup, steps=8, lr=0.1)
     start = OvqParameters(OvqParameters.closed_form(layer))
@@ -131,17 +122,17 @@ def test_ovq_fit_starts_at_the_closed_form_and_lowers_the_error(model, ids):
     assert fit.curve[-1] < fit.curve[0] and set(fit.tensors) == {"beta"}
 
 
-def test_end_to_end_fit_lowers_the_kl_and_leaves_the_model(model, ids):
+def test_end_to_end_fit_lowers_the_kl_and_leaves_the_model(model, prompt):
     """Stage 2 from stage-1-like parameters: the KL divergence to the full-cache model falls, the model's own
     weights do not change, and its attention implementation is restored."""
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     layers = [parameters_of("kvm", p.tensors()) for p in trained_layers(4)]
-    curve = fit_end_to_end(model, layers, SETUP, [ids[:1], ids[1:]], steps=6, lr=0.05)
+    curve = fit_end_to_end(model, layers, SETUP, [prompt[:1], prompt[1:]], steps=6, lr=0.05)
     assert len(curve) == 7 and curve[-1] < curve[0]
     assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
     assert model.config._attn_implementation != "kvmem_train"
     with pytest.raises(ValueError, match="steps = -1"):
-        fit_end_to_end(model, layers, SETUP, [ids[:1]], steps=-1)
+        fit_end_to_end(model, layers, SETUP, [prompt[:1]], steps=-1)
 
 
 def test_parameters_round_trip_through_their_tensors():
@@ -153,8 +144,8 @@ def test_parameters_round_trip_through_their_tensors():
     torch.testing.assert_close(parameters_of("ovq", {"beta": beta}).tensors()["beta"], beta)
 
 
-def test_fit_refuses_bad_arguments(model, ids):
-    layers = capture(model, ids)
+def test_fit_refuses_bad_arguments(model, prompt):
+    layers = capture(model, prompt)
     with pytest.raises(ValueError, match="steps = -1"):
         fit_kvm_layer([layers[0]], SETUP, steps=-1)
     with pytest.raises(ValueError, match="batches"):

@@ -11,17 +11,9 @@ transformers = pytest.importorskip("transformers")
 import kvmem  # noqa: E402
 import kvmem.transformers as kt  # noqa: E402
 
-PROMPT, NEW = 48, 24
+from conftest import PROMPT_TOKENS as PROMPT  # noqa: E402  (the prompt fixture's tokens)
 
-
-@pytest.fixture(scope="module")
-def model(tiny_llama):
-    return tiny_llama
-
-
-@pytest.fixture(scope="module")
-def prompt():
-    return torch.randint(3, 96, (2, PROMPT), generator=torch.Generator().manual_seed(7))
+NEW = 24
 
 
 def generate(model, prompt, cache=None):
