@@ -14,6 +14,7 @@
 #include "dtype.hpp"
 #include "errors.hpp"
 #include "kernels/decode_plan.hpp"
+#include "kernels/flashinfer_readout.hpp"
 #include "kernels/readout.hpp"
 #include "kernels/row_eviction.hpp"
 #include "kernels/step_plan.hpp"
@@ -315,6 +316,9 @@ class Memory : public detail::PromptCalls<Memory<ExecSpace, Merge, Budget, Score
     // A split-KV decode step's partials, whatever set_decode_splits says now, so that no replay allocates.
     const long splits = kernels::readout_max_splits(rows_.capacity(), ring_.slots());
     if (splits > 1) split_work_.reserve(exec_, batch() * cfg_.query_heads, splits, cfg_.value_dim);
+    if constexpr (kernels::flashinfer_readout_built<ExecSpace, Storage>)  // the tensor-core readout's buffers
+      fi_work_.reserve(exec_, batch(), 1, cfg_.query_heads, cfg_.kv_heads, rows_.capacity(), ring_.slots(),
+                       cfg_.value_dim, kernels::flashinfer_blocks(cfg_, batch(), 1));
     horizon_ = tokens;
   }
 
@@ -324,6 +328,23 @@ class Memory : public detail::PromptCalls<Memory<ExecSpace, Merge, Budget, Score
   /// schedule it captured.
   void set_decode_splits(kernels::DecodeSplits mode) { decode_splits_ = mode; }
   [[nodiscard]] kernels::DecodeSplits decode_splits() const { return decode_splits_; }
+
+  /// Which kernel the readout runs (kernels::ReadoutPath): `automatic` (the default) takes FlashInfer's
+  /// tensor cores where kernels::flashinfer_readout_applies (Kokkos::Cuda, 16-bit storage, a build linking
+  /// kvmem::flashinfer, D == Dv in {64, 128}, no row eviction), `portable` the portable readout always. The
+  /// state (rows, counts, window) is the same bit for bit either way: no merge reads the readout; y and lse
+  /// differ within docs/numerics.md, "The readout on tensor cores". A GPU graph captured before a change
+  /// replays the path it captured.
+  void set_readout_path(kernels::ReadoutPath path) { readout_path_ = path; }
+  [[nodiscard]] kernels::ReadoutPath readout_path() const { return readout_path_; }
+  /// Whether this build can run this memory's readout on tensor cores (kernels::flashinfer_readout_built).
+  static constexpr bool tensor_core_readout_built = kernels::flashinfer_readout_built<ExecSpace, Storage>;
+  /// Whether a step with queries `q` [B, Hq, T, D] runs its readout on tensor cores under the current
+  /// readout_path() (kernels::flashinfer_readout_applies: the layout of q and the memory's sizes).
+  [[nodiscard]] bool tensor_core_readout(const tokens_in& q) const {
+    return kernels::flashinfer_readout_applies<ExecSpace, Storage>(readout_path_, cfg_, rows_, ring_, q,
+                                                                   RowPolicy::needs_probabilities);
+  }
 
   /// Brings the host's counts (cursor(), window_tokens(), held_bytes()) up to the device's after
   /// decode_async steps on a GPU and their replays: one fence and two copies; nothing on a host memory
@@ -592,12 +613,21 @@ class Memory : public detail::PromptCalls<Memory<ExecSpace, Merge, Budget, Score
     // a verbatim first chunk), so the token is written before it.
     // A decode step whose keys may span several splits, with fewer teams than threads, runs them split-KV
     // (kernels::DecodeSplits): its window has several readout teams then.
-    prepare_split_work(bd.tokens);
-    const bool fused = split_work_.splits == 1 && kernels::readout_writes_window<ExecSpace>(cfg_, bd.tokens) &&
-                       !(update_first && bd.block > 0);
+    // On tensor cores (kernels::flashinfer_readout) the window is written first, and a decode step runs
+    // unsplit: FlashInfer's CTAs cover the keys of a (sequence, kv-head).
+    const bool tensor_cores = kernels::flashinfer_readout_applies<ExecSpace, Storage>(
+        readout_path_, cfg_, rows_, ring_, q, RowPolicy::needs_probabilities);
+    if (tensor_cores)
+      split_work_.splits = 1;
+    else
+      prepare_split_work(bd.tokens);
+    const bool fused = !tensor_cores && split_work_.splits == 1 &&
+                       kernels::readout_writes_window<ExecSpace>(cfg_, bd.tokens) && !(update_first && bd.block > 0);
     if (!fused) kernels::write_window<Merge>(exec_, cfg_, ring_, plan_, k, v, gate, bd.tokens);
     if (update_first) update();
-    if (fused)
+    if (tensor_cores)
+      kernels::flashinfer_readout<Merge>(exec_, cfg_, w, rows_, ring_, plan_, q, y, bd.tokens, lse, fi_work_);
+    else if (fused)
       kernels::readout<Merge>(exec_, cfg_, w, rows_, ring_, plan_, q, y, bd.tokens, lse_,
                               kernels::WindowTokens<tokens_in, gates_in>{k, v, gate}, lse);
     else
@@ -669,6 +699,8 @@ class Memory : public detail::PromptCalls<Memory<ExecSpace, Merge, Budget, Score
   Kokkos::View<float***, Kokkos::LayoutRight, memory_space> lse_;  ///< [B, Hq, max(L, C)], row eviction only
   kernels::DecodeSplits decode_splits_ = kernels::DecodeSplits::automatic;
   kernels::DecodeSplitWork<memory_space> split_work_;  ///< split-KV decode's partials (prepare_split_work)
+  kernels::ReadoutPath readout_path_ = kernels::ReadoutPath::automatic;
+  kernels::FlashInferWork<memory_space, Storage> fi_work_;  ///< the tensor-core readout's buffers
 };
 
 }  // namespace kvmem

@@ -66,12 +66,39 @@ kvmem_kokkos_has_cuda() {
   [ -n "${1:-}" ] && grep -qs '^#define KOKKOS_ENABLE_CUDA$' "$1/include/KokkosCore_config.h"
 }
 
-# Configure (once) the build directory $2 of kvmem against the Kokkos with Cuda at $1, with Kokkos'
-# nvcc_wrapper as the C++ compiler; further arguments go to CMake.
+# Configure the build directory $2 of kvmem against the Kokkos with Cuda at $1, with Kokkos' nvcc_wrapper
+# as the C++ compiler (once; later calls only pass the options again); further arguments go to CMake.
 kvmem_cuda_configure() {
   local prefix=$1 build=$2
   shift 2
-  [ -f "$build/build.ninja" ] && return 0
+  if [ -f "$build/build.ninja" ]; then  # configured: only the options may change (a few seconds)
+    (cd "$KVMEM_REPO" && kvmem_in_cuda_env cmake -S . -B "$build" "$@" >/dev/null)
+    return
+  fi
   (cd "$KVMEM_REPO" && kvmem_in_cuda_env cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release \
     -DCMAKE_CXX_COMPILER="$prefix/bin/nvcc_wrapper" -DKokkos_ROOT="$prefix" "$@")
+}
+
+# FlashInfer's header templates (the readout on tensor cores, CMake option KVMEM_FLASHINFER): its Python
+# wheel, pinned to the version kvmem instantiates (cmake/kvmemFlashInfer.cmake checks it), installed by
+# package name with this machine's own pip into KVMEM_FLASHINFER_PREFIX inside the sid root, without its
+# dependencies (only the headers under flashinfer/data are used; about 60 MB).
+KVMEM_FLASHINFER_WHEEL="flashinfer-python==0.7.2.post1"
+KVMEM_FLASHINFER_PREFIX=/opt/kvmem-flashinfer
+kvmem_flashinfer_ensure() {
+  kvmem_env_ensure || return 1
+  local root=$KVMEM_ENV_ROOT
+  [ "$KVMEM_ENV" = host ] && root=""
+  local prefix=$root$KVMEM_FLASHINFER_PREFIX stamp=$root$KVMEM_FLASHINFER_PREFIX/.kvmem-flashinfer
+  if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$KVMEM_FLASHINFER_WHEEL" ]; then return 0; fi
+  kvmem_log "installing FlashInfer's headers ($KVMEM_FLASHINFER_WHEEL, no dependencies) into $prefix"
+  rm -rf "$prefix.tmp"
+  if ! python3 -m pip install --quiet --no-deps --no-compile --disable-pip-version-check --target "$prefix.tmp" \
+      "$KVMEM_FLASHINFER_WHEEL" >"$root/var/log/kvmem-flashinfer.log" 2>&1; then
+    kvmem_log "pip failed; see $root/var/log/kvmem-flashinfer.log"; tail -n 20 "$root/var/log/kvmem-flashinfer.log" >&2
+    return 1
+  fi
+  rm -rf "$prefix"
+  mv "$prefix.tmp" "$prefix"
+  printf '%s' "$KVMEM_FLASHINFER_WHEEL" >"$stamp"
 }

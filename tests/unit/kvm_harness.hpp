@@ -7,6 +7,7 @@
 #include <cmath>
 #include <limits>
 #include <random>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -26,6 +27,8 @@ struct KvmCase {
   bool duplicate_tokens = false;  // some tokens repeat an earlier key/value (novelty and argmax ties)
   kvmem::kernels::DecodeSplits decode_splits = kvmem::kernels::DecodeSplits::automatic;  // Memory::set_decode_splits
   bool decode_async = false;  // decode as a GPU does: plan_on_device(), reserve(T), decode_async, sync()
+  kvmem::kernels::ReadoutPath readout_path = kvmem::kernels::ReadoutPath::automatic;  // Memory::set_readout_path
+  bool expect_tensor_cores = false;  // REQUIRE that the readout runs on tensor cores (Memory::tensor_core_readout)
   std::vector<float> q, k, v, gate, ln_weight, ln_bias, tau_state, tau_bswa;
 
   long length(long b) const { return lengths.empty() ? T : lengths[b]; }
@@ -104,6 +107,34 @@ struct KvmCase {
     return c;
   }
 };
+
+/// max over the case's queries, heads and keys of scale * ||q|| * ||key||, where a key is a window key or a
+/// state row's read key LN_s(K): ||LN_s(K)|| <= max|w| sqrt(D) + ||b||.
+inline double kvm_logit_abs(const kvmem_test::KvmCase& c) {
+  double qmax = 0.0, kmax = 0.0, wmax = 0.0, bnorm = 0.0, tau = 0.0;
+  auto norm = [](const float* x, long n) {
+    double s = 0.0;
+    for (long i = 0; i < n; ++i) s += double(x[i]) * x[i];
+    return std::sqrt(s);
+  };
+  for (long i = 0; i < c.B * c.Hq * c.T; ++i) qmax = std::max(qmax, norm(&c.q[i * c.D], c.D));
+  for (long i = 0; i < c.B * c.Hkv * c.T; ++i) kmax = std::max(kmax, norm(&c.k[i * c.D], c.D));
+  for (long i = 0; i < c.D; ++i) wmax = std::max(wmax, std::abs(double(c.ln_weight[i])));
+  bnorm = norm(c.ln_bias.data(), c.D);
+  for (long h = 0; h < c.Hq; ++h) tau = std::max({tau, std::abs(double(c.tau_state[h])), std::abs(double(c.tau_bswa[h]))});
+  return tau / std::sqrt(double(c.D)) * qmax * std::max(kmax, wmax * std::sqrt(double(c.D)) + bnorm);
+}
+
+/// max over the case's tokens of ||v||: a read value's element is at most its row's radius, a token's ||v||.
+inline double value_norm_max(const KvmCase& c) {
+  double vmax = 0.0;
+  for (long i = 0; i < c.B * c.Hkv * c.T; ++i) {
+    double s = 0.0;
+    for (long d = 0; d < c.Dv; ++d) s += double(c.v[i * c.Dv + d]) * c.v[i * c.Dv + d];
+    vmax = std::max(vmax, std::sqrt(s));
+  }
+  return vmax;
+}
 
 /// What the kernels produced for a batch: y [B, Hq, T, Dv] and the final state per sequence.
 struct KvmOutput {
@@ -206,6 +237,9 @@ KvmOutput run_kvm(const KvmCase& c, Mode mode, long split = 0, const ExecSpace& 
                                                                                        static_cast<int>(c.B), row_policy, exec);
     using memory_t = decltype(mem);
     mem.set_decode_splits(c.decode_splits);
+    mem.set_readout_path(c.readout_path);
+    if (c.expect_tensor_cores && !mem.tensor_core_readout(q))
+      throw std::logic_error("run_kvm: the case expects the tensor-core readout, which does not apply");
     long first_decoded = 0;
     if (mode != Mode::decode) {
       std::vector<long> pre(c.B);

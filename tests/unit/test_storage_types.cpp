@@ -354,39 +354,17 @@ kvmem_test::KvmCase single_target_case(unsigned seed) {
   return c;
 }
 
-/// max over the case's queries, heads and keys of scale * ||q|| * ||key||, where a key is a window key or a
-/// state row's read key LN_s(K): ||LN_s(K)|| <= max|w| sqrt(D) + ||b||.
-double kvm_logit_abs(const kvmem_test::KvmCase& c) {
-  double qmax = 0.0, kmax = 0.0, wmax = 0.0, bnorm = 0.0, tau = 0.0;
-  auto norm = [](const float* x, long n) {
-    double s = 0.0;
-    for (long i = 0; i < n; ++i) s += double(x[i]) * x[i];
-    return std::sqrt(s);
-  };
-  for (long i = 0; i < c.B * c.Hq * c.T; ++i) qmax = std::max(qmax, norm(&c.q[i * c.D], c.D));
-  for (long i = 0; i < c.B * c.Hkv * c.T; ++i) kmax = std::max(kmax, norm(&c.k[i * c.D], c.D));
-  for (long i = 0; i < c.D; ++i) wmax = std::max(wmax, std::abs(double(c.ln_weight[i])));
-  bnorm = norm(c.ln_bias.data(), c.D);
-  for (long h = 0; h < c.Hq; ++h) tau = std::max({tau, std::abs(double(c.tau_state[h])), std::abs(double(c.tau_bswa[h]))});
-  return tau / std::sqrt(double(c.D)) * qmax * std::max(kmax, wmax * std::sqrt(double(c.D)) + bnorm);
-}
-
 /// The KVM memory over case c (inputs rounded to S here) against the float64 reference within the bound.
 template <class S>
 void kvm_within_bound(kvmem_test::KvmCase c, kvmem_test::Mode mode) {
   c.round_inputs<S>();
   INFO("seed " << c.seed << " mode " << static_cast<int>(mode));
   const auto got = kvmem_test::run_kvm<exec, S>(c, mode, c.T / 2);
-  double vmax = 0.0;  // a read value's element is at most its row's radius, a token's ||v||
-  for (long i = 0; i < c.B * c.Hkv * c.T; ++i) {
-    double s = 0.0;
-    for (long d = 0; d < c.Dv; ++d) s += double(c.v[i * c.Dv + d]) * c.v[i * c.Dv + d];
-    vmax = std::max(vmax, std::sqrt(s));
-  }
+  const double vmax = kvmem_test::value_norm_max(c);  // a read value's element is at most its row's radius
   // Held read keys and read values are rounded (u); the state's float32 sums over up to T tokens add
   // gamma(T) to the float32 terms (counted with D).
   const double u = kvmem::unit_roundoff<S>;
-  const kvmem_test::StorageBound bound{u, u, u, double(c.D + c.T), double(c.T + c.params.chunk), kvm_logit_abs(c), vmax};
+  const kvmem_test::StorageBound bound{u, u, u, double(c.D + c.T), double(c.T + c.params.chunk), kvmem_test::kvm_logit_abs(c), vmax};
   for (long b = 0; b < c.B; ++b) {
     const auto ref = kvmem_ref::kvm_prefill(c.sequence(b), c.params);
     REQUIRE(got.rows[b] == ref.rows);
