@@ -1,8 +1,10 @@
 // kvmem_bench_dtype: the storage types against each other in one process (issue 17): a decode step at
 // position P (4096) and a prefill of T (2048) tokens of exact attention, KVM fixed-256 and H2O eviction (budget 256), with
-// tokens held in float32, bfloat16 and float16, on the engines' shape B = 8, Hkv = 8, D = 128 (G = 1).
+// tokens held in float32, bfloat16 and float16, on the engines' shape B = 8, Hkv = 8, D = 128 (G = 1; the gpu
+// grid: G = 4, position and T 16K). Where the build runs 16-bit readouts on tensor cores (kvmem::flashinfer),
+// kvm-fixed256-portable is KVM with the portable readout, in the same process.
 //
-//   kvmem_bench_dtype [--grid=standard|quick] [--steps=64] [--batch=8] [--position=P] [Google Benchmark
+//   kvmem_bench_dtype [--grid=standard|quick|gpu] [--steps=64] [--batch=8] [--position=P] [Google Benchmark
 //                     flags, e.g. --benchmark_out=dtype.json --benchmark_out_format=json]
 //
 // --batch sets B (sequences) and --position the decode position (default: the grid's), e.g. --batch=128
@@ -138,6 +140,20 @@ struct KvmFixed : ContractRow<S, KvmFixedMemory<S>, KvmFixed<S>> {
   static typename M::inputs inputs_of(const TypedInputs<S>& in) { return {in.q, in.k, in.v, in.gate}; }
 };
 
+/// KVM fixed-256 with the portable readout asked for (Memory::set_readout_path): beside kvm-fixed256, whose
+/// 16-bit rows run the readout on tensor cores where the build has it (kvmem::flashinfer on a GPU), the
+/// tensor cores' gain in the same process. Registered only where that path is built.
+template <class S>
+struct KvmFixedPortable : ContractRow<S, KvmFixedMemory<S>, KvmFixedPortable<S>> {
+  using M = KvmFixedMemory<S>;
+  static constexpr const char* name = "kvm-fixed256-portable";
+  KvmFixedPortable(const Shape& s, long, const exec_t& exec)
+      : ContractRow<S, M, KvmFixedPortable>{M(memory_config(s), fixed256(), unit_weights(s), s.B, exec)} {
+    this->mem.set_readout_path(kvmem::kernels::ReadoutPath::portable);
+  }
+  static typename M::inputs inputs_of(const TypedInputs<S>& in) { return {in.q, in.k, in.v, in.gate}; }
+};
+
 template <class S>
 using EvictH2oMemory = kvmem::EvictionMemory<exec_t, kvmem::score::AccumulatedAttention, S>;
 template <class S>
@@ -218,10 +234,19 @@ void add_memory(const Shape& shape, long pos, long T) {
 }
 
 void register_grid(const std::string& grid) {
+  if (grid == "gpu") {  // scripts/gpu-check: the engines' shape (Hq = 32, Hkv = 8, D = 128, B = 8), position and T 16K
+    const long pos = g_position > 0 ? g_position : 16384;
+    const Shape shape{0, 128, 4, static_cast<int>(g_batch), 8, all_threads()};
+    add_memory<Exact>(shape, pos, 16384);
+    add_memory<KvmFixed>(shape, pos, 16384);
+    if constexpr (KvmFixedMemory<kvmem::bfloat16>::tensor_core_readout_built) add_memory<KvmFixedPortable>(shape, pos, 16384);
+    return;
+  }
   const long pos = g_position > 0 ? g_position : (grid == "quick" ? 1024 : 4096), T = grid == "quick" ? 512 : 2048;
   const Shape shape{0, 128, 1, static_cast<int>(g_batch), 8, all_threads()};
   add_memory<Exact>(shape, pos, T);
   add_memory<KvmFixed>(shape, pos, T);
+  if constexpr (KvmFixedMemory<kvmem::bfloat16>::tensor_core_readout_built) add_memory<KvmFixedPortable>(shape, pos, T);
   add_memory<EvictH2o>(shape, pos, T);
 }
 

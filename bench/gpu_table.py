@@ -5,7 +5,7 @@ scaled_dot_product_attention over the full KV cache on the same shapes, with the
     python3 bench/gpu_table.py RESULTS_DIR > RESULTS_DIR/summary.md
 
 RESULTS_DIR holds prefill.json and decode.json (Google Benchmark JSON of kvmem_bench_prefill/_decode
---grid=gpu), sdpa.json (bench/torch_sdpa.py) and meta.json (scripts/gpu-check); a missing file leaves its
+--grid=gpu), dtype.json (kvmem_bench_dtype --grid=gpu: the readout on tensor cores), sdpa.json (bench/torch_sdpa.py) and meta.json (scripts/gpu-check); a missing file leaves its
 columns empty.
 """
 import json
@@ -84,6 +84,31 @@ def table(title, axis, op, kvmem, sdpa, memories, extra=None):
     return lines
 
 
+def dtype_lines(path, sdpa):
+    """The storage-type rows of kvmem_bench_dtype --grid=gpu (dtype.json): each memory's 16-bit decode step
+    and prefill, KVM's readout on tensor cores (kvm-fixed256) against its portable readout
+    (kvm-fixed256-portable) in the same process, and SDPA bf16 at the same position / T."""
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        data = json.load(f)
+    rows = {}
+    for b in data.get("benchmarks", []):
+        if b.get("run_type") == "aggregate" or "error_occurred" in b:
+            continue
+        parts = b["name"].split("/")  # dtype/<op>/<memory>/<dtype>/...
+        fields = {k: int(v) for k, v in FIELD.findall(b["name"])}
+        rows[(parts[1], parts[2], parts[3], fields.get("T", fields.get("pos")))] = b["seconds"]
+    lines = ["", "## Storage types and the readout on tensor cores (ms; kvmem_bench_dtype --grid=gpu, G = 4)", "",
+             "| op | at | dtype | exact | kvm-fixed256 | kvm-fixed256-portable | tensor cores vs portable | SDPA bf16 |",
+             "|---|---|---|---|---|---|---|---|"]
+    for op, at, dt in sorted({(k[0], k[3], k[2]) for k in rows}):
+        cells = [rows.get((op, m, dt, at)) for m in ("exact", "kvm-fixed256", "kvm-fixed256-portable")]
+        bf16 = sdpa.get((op, "bfloat16", at), {}).get("seconds")
+        lines.append("| " + " | ".join([op, str(at), dt] + [ms(c) for c in cells] + [ratio(cells[2], cells[1]), ms(bf16)]) + " |")
+    return lines
+
+
 def main():
     if len(sys.argv) != 2:
         sys.exit(__doc__)
@@ -104,6 +129,7 @@ def main():
     out += table("## Prefill (ms)", "T", "prefill", pre, sdpa, ("exact", "kvm-fixed256", "kvm-power-law", "evict-h2o256"))
     out += table("## Decode step (ms)", "position", "decode", dec, sdpa, ("exact", "exact-unsplit", "kvm-fixed256", "evict-h2o256"),
                  ("exact readout / copy bandwidth", lambda at: dec.get(("decode", "exact", at), {}).get("frac_copy_bw")))
+    out += dtype_lines(os.path.join(d, "dtype.json"), sdpa)
     out += ["", "Targets (issue 14): decode readout >= 60 % of the copy bandwidth at B = 8; kvm-fixed256 prefill at "
             "T = 64K >= 5x faster than flash SDPA over the full cache; kvm-fixed256 decode at position 128K >= 15x "
             "faster than SDPA decode.", ""]
