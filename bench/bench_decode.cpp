@@ -92,7 +92,7 @@ void bm_exact(benchmark::State& st, Shape s, long pos, long steps, const std::st
   Inputs in(s, total_steps);
   KvCache cache{view4(Kokkos::view_alloc(Kokkos::WithoutInitializing, "cache_k"), s.B, s.Hkv, pos + total_steps, s.D),
                 view4(Kokkos::view_alloc(Kokkos::WithoutInitializing, "cache_v"), s.B, s.Hkv, pos + total_steps, s.D),
-                {}};
+                {}, {}};
   Kokkos::Random_XorShift64_Pool<exec_t> pool(777);
   fill_uniform(cache.k, pool, -1.0f, 1.0f);
   fill_uniform(cache.v, pool, -1.0f, 1.0f);

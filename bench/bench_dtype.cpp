@@ -92,11 +92,14 @@ struct Exact {
   static constexpr const char* name = "exact";
   tokens4<S> ck, cv;  // the full KV cache, [B, Hkv, capacity, D]
   kvmem::kernels::DecodeSplitWork<space_t> split_work;  // split-KV decode's partials, kept between steps
+  kvmem::kernels::FlashInferWork<space_t, S> tensor_cores;  // the tensor-core path's buffers, likewise
   Exact(const Shape& s, long capacity, const exec_t&)
       : ck(Kokkos::view_alloc(Kokkos::WithoutInitializing, "cache_k"), s.B, s.Hkv, capacity, s.D),
         cv(Kokkos::view_alloc(Kokkos::WithoutInitializing, "cache_v"), s.B, s.Hkv, capacity, s.D) {}
   void prefill(const exec_t& exec, const TypedInputs<S>& in) {
-    kvmem::kernels::exact_causal_attention(exec, in.q, in.k, in.v, in.y, in.weights.tau_window.data());
+    kvmem::kernels::exact_causal_attention(exec, in.q, in.k, in.v, in.y, in.weights.tau_window.data(), 0,
+                                           kvmem::kernels::DecodeSplits::automatic, split_work, tensor_cores,
+                                           kvmem::kernels::ReadoutPath::automatic);
   }
   /// Fills the cache's first `pos` tokens from `in` (rounded random tokens), as a prefill would leave it.
   void build(const exec_t& exec, const TypedInputs<S>& in, long pos) {
@@ -105,10 +108,11 @@ struct Exact {
     Kokkos::deep_copy(exec, Kokkos::subview(cv, Kokkos::ALL, Kokkos::ALL, range(0, pos), Kokkos::ALL), in.v);
   }
   void decode(const exec_t& exec, const TypedInputs<S>& in, long i, long pos) {
-    const KvCacheOf<S> cache{ck, cv, split_work};
+    const KvCacheOf<S> cache{ck, cv, split_work, tensor_cores};
     exact_decode_step(exec, cache, token(in.q, i), token(in.k, i), token(in.v, i), token(in.y, i), pos + i,
                       in.weights.tau_window.data());
-    split_work = cache.work;  // the partials it grew, for the next step
+    split_work = cache.work;  // the buffers it grew, for the next step
+    tensor_cores = cache.tensor_cores;
   }
   [[nodiscard]] double held(const Shape& s, long tokens) const { return kv_cache_bytes(s, tokens) * sizeof(S) / sizeof(float); }
 };

@@ -230,6 +230,7 @@ template <class S>
 struct KvCacheOf {
   Kokkos::View<S****, Kokkos::LayoutRight, space_t> k, v;  // [B, Hkv, capacity, D]
   mutable kvmem::kernels::DecodeSplitWork<space_t> work;   // split-KV decode's partials, kept between steps
+  mutable kvmem::kernels::FlashInferWork<space_t, S> tensor_cores;  // the tensor-core path's buffers, likewise
 };
 using KvCache = KvCacheOf<float>;
 
@@ -255,7 +256,8 @@ template <class S, class Q, class Y>
 void exact_decode_attention(const exec_t& exec, const KvCacheOf<S>& cache, const Q& q1, const Y& y1, long pos,
                             const float* tau,
                             kvmem::kernels::DecodeSplits splits = kvmem::kernels::DecodeSplits::automatic) {
-  kvmem::kernels::exact_causal_attention(exec, q1, cache.k, cache.v, y1, tau, pos, splits, cache.work);
+  kvmem::kernels::exact_causal_attention(exec, q1, cache.k, cache.v, y1, tau, pos, splits, cache.work,
+                                         cache.tensor_cores, kvmem::kernels::ReadoutPath::automatic);
 }
 
 /// A whole exact decode step: append_token, then exact_decode_attention.

@@ -316,9 +316,11 @@ class Memory : public detail::PromptCalls<Memory<ExecSpace, Merge, Budget, Score
     // A split-KV decode step's partials, whatever set_decode_splits says now, so that no replay allocates.
     const long splits = kernels::readout_max_splits(rows_.capacity(), ring_.slots());
     if (splits > 1) split_work_.reserve(exec_, batch() * cfg_.query_heads, splits, cfg_.value_dim);
-    if constexpr (kernels::flashinfer_readout_built<ExecSpace, Storage>)  // the tensor-core readout's buffers
+    if constexpr (kernels::flashinfer_readout_built<ExecSpace, Storage>) {  // the tensor-core readout's buffers
+      const auto sh = kernels::flashinfer_readout_shape(cfg_, batch(), 1, rows_.capacity(), ring_.slots());
       fi_work_.reserve(exec_, batch(), 1, cfg_.query_heads, cfg_.kv_heads, rows_.capacity(), ring_.slots(),
-                       cfg_.value_dim, kernels::flashinfer_blocks(cfg_, batch(), 1));
+                       cfg_.value_dim, sh.most_blocks(), sh.most_chunks());
+    }
     horizon_ = tokens;
   }
 

@@ -71,7 +71,7 @@ def ovq(weights: weights_io.MemoryWeights | str | os.PathLike | None = None, **k
 
 
 class _Trained:
-    """A memory factory with trained per-layer weights (kvm() and ovq() given ``weights``)."""
+    """A memory factory with trained per-layer weights (kvm(), ovq() and eviction("kvpop") given ``weights``)."""
 
     def __init__(self, memory: str, weights, kwargs: dict):
         if not isinstance(weights, weights_io.MemoryWeights):
@@ -99,6 +99,9 @@ class _Trained:
         dev = memories.device()
         if self.memory == "ovq":
             return memories.OvqMemory(**shape, **self.kwargs, beta=w["beta"].to(dev))
+        if self.memory == "kvpop":
+            return memories.EvictionMemory(**shape, **self.kwargs, scorer="kvpop",
+                                           weights={name: t.to(dev) for name, t in w.items()})
         return memories.KvmMemory(**shape, **self.kwargs, ln_weight=w["ln_weight"].to(dev), ln_bias=w["ln_bias"].to(dev),
                                   tau_state=w["tau_state"].to(dev), tau_window=w["tau_window"].to(dev))
 
@@ -110,10 +113,18 @@ def proportional(**kwargs) -> MemoryFactory:
     return lambda layer_idx, **shape: memories.ProportionalMemory(**shape, **kwargs)
 
 
-def eviction(scorer: str = "h2o", **kwargs) -> MemoryFactory:
+def eviction(scorer: str = "h2o", weights: weights_io.MemoryWeights | str | os.PathLike | None = None,
+             **kwargs) -> MemoryFactory:
     """A factory of EvictionMemory (scorer "streaming", "knorm", "h2o", "tova" or "kvpop"; sinks, window,
-    top_k in tokens, merge_evicted to fold evicted rows into their nearest kept row, ...)."""
-    return lambda layer_idx, **shape: memories.EvictionMemory(**shape, scorer=scorer, **kwargs)
+    top_k in tokens, merge_evicted to fold evicted rows into their nearest kept row, ...). ``weights``:
+    trained KVPOP scorers (a kvmem.weights.MemoryWeights of memory "kvpop" or its file, written by
+    kvmem.train): layer i's memory takes layer i's scorers; only with scorer "kvpop" (ValueError otherwise);
+    errors as kvm()'s."""
+    if weights is None:
+        return lambda layer_idx, **shape: memories.EvictionMemory(**shape, scorer=scorer, **kwargs)
+    if scorer != "kvpop":
+        raise ValueError(f"scorer = {scorer!r}: trained weights are KVPOP's scorers (scorer 'kvpop')")
+    return _Trained("kvpop", weights, kwargs)
 
 
 class KvmemLayer(CacheLayerMixin):

@@ -33,6 +33,12 @@ TENSORS = {
     "kvm": {"gate_weight": ("hidden", "kv_heads"), "ln_weight": ("head_dim",), "ln_bias": ("head_dim",),
             "tau_state": ("query_heads",), "tau_window": ("query_heads",)},
     "ovq": {"beta": ("query_heads",)},
+    # KVPOP's mLSTM scorer per kv-head (spec EVICTION.md §3; kvmem.train.kvpop): x = [k ; v], D + Dv = 2 D
+    # features, D / 2 scorer channels.
+    "kvpop": {"w_q": ("kv_heads", "kv_features", "scorer_dim"), "w_k": ("kv_heads", "kv_features", "scorer_dim"),
+              "w_v": ("kv_heads", "kv_features", "scorer_dim"), "w_i": ("kv_heads", "kv_features"),
+              "b_i": ("kv_heads",), "w_f": ("kv_heads", "kv_features"), "b_f": ("kv_heads",),
+              "w_s": ("kv_heads", "scorer_dim"), "b_s": ("kv_heads",), "theta": ("kv_heads",)},
 }
 #: The adapters' tensors (present when shape["adapter_rank"] > 0).
 ADAPTER_TENSORS = {"q_adapter_down": ("adapter_rank", "hidden"), "q_adapter_up": ("q_out", "adapter_rank"),
@@ -44,7 +50,7 @@ SHAPE_KEYS = ("layers", "hidden", "query_heads", "kv_heads", "head_dim", "adapte
 class MemoryWeights:
     """Every layer's trained parameters of one memory for one model.
 
-    ``memory``: "kvm" or "ovq"; ``model``: the model's name; ``shape``: {layers, hidden, query_heads,
+    ``memory``: "kvm", "ovq" or "kvpop"; ``model``: the model's name; ``shape``: {layers, hidden, query_heads,
     kv_heads, head_dim, adapter_rank} (adapter_rank 0: no adapters); ``layers``: {layer index: {tensor name:
     float32 tensor}} with the names and shapes of TENSORS (and ADAPTER_TENSORS); ``metadata``: further
     strings to store (config, budget, recipe, training texts)."""
@@ -58,7 +64,8 @@ class MemoryWeights:
     def expected(self) -> dict[str, tuple[int, ...]]:
         """{tensor name: shape} every layer must have."""
         s = dict(self.shape, q_out=self.shape["query_heads"] * self.shape["head_dim"],
-                 k_out=self.shape["kv_heads"] * self.shape["head_dim"])
+                 k_out=self.shape["kv_heads"] * self.shape["head_dim"], kv_features=2 * self.shape["head_dim"],
+                 scorer_dim=self.shape["head_dim"] // 2)
         names = dict(TENSORS[self.memory])
         if self.shape.get("adapter_rank", 0) > 0:
             names.update(ADAPTER_TENSORS)

@@ -14,8 +14,9 @@ import kvmem  # noqa: E402
 import kvmem.transformers as kt  # noqa: E402
 from kvmem import weights as kw  # noqa: E402
 from kvmem.train.capture import LayerInputs, capture, exact_attention  # noqa: E402
-from kvmem.train.distill import (KvmParameters, KvmSetup, OvqParameters, OvqSetup, fit_end_to_end,  # noqa: E402
-                                 fit_kvm_layer, fit_ovq_layer, memory_weights, parameters_of)
+from kvmem.train.distill import (KvmParameters, KvmSetup, KvpopParameters, KvpopSetup, OvqParameters,  # noqa: E402
+                                 OvqSetup, fit_end_to_end, fit_kvm_layer, fit_kvpop_layer, fit_ovq_layer,
+                                 memory_weights, parameters_of)
 from kvmem.train.model import memories_in_every_layer  # noqa: E402
 
 from conftest import PROMPT_TOKENS as T  # noqa: E402  (the prompt fixture's tokens)
@@ -202,3 +203,40 @@ def test_save_refuses_bad_weights_and_leaves_no_file(model, tmp_path):
     with pytest.raises(ValueError, match="gate_weight"):
         kw.save(tmp_path / "w.safetensors", w)
     assert os.listdir(tmp_path) == []
+
+
+KVPOP = KvpopSetup(sinks=2, window=6, top_k=10)
+
+
+def test_kvpop_fit_lowers_the_ranking_loss(model, prompt):
+    """fit_kvpop_layer trains one layer's scorers on KVPOP's ranking loss against the layer's importance teacher."""
+    layer = capture(model, prompt)[1]
+    fit = fit_kvpop_layer([layer], KVPOP, steps=6, lr=0.02)
+    assert len(fit.curve) == 7 and fit.curve[-1] < fit.curve[0]
+    assert set(fit.tensors) == set(kw.TENSORS["kvpop"])
+
+
+def test_trained_kvpop_weights_load_into_the_cpp_scorers(model, prompt, tmp_path):
+    """A KVPOP weights file (written, read back) gives each layer's C++ EvictionMemory the trained scorers: its
+    prefill on the layer's captured inputs is that of a memory built from the tensors directly, KvmemCache runs
+    the model with them, and other scorers give other logits."""
+    layers = [KvpopParameters(2, 16, seed=s) for s in range(3)]
+    path = tmp_path / "kvpop.safetensors"
+    kw.save(path, memory_weights("kvpop", "tiny-llama", model, [p.tensors() for p in layers]))
+    factory = kt.eviction("kvpop", weights=path, **KVPOP.memory_args())
+    captured = capture(model, prompt)[2]
+    shape = dict(head_dim=16, query_heads=4, kv_heads=2, value_dim=16, batch=prompt.shape[0])
+    from_file = factory(2, **shape).prefill(captured.q, captured.k, captured.v)
+    direct = kvmem.EvictionMemory(16, 4, 2, batch=prompt.shape[0], scorer="kvpop", weights=layers[2].tensors(),
+                                  **KVPOP.memory_args())
+    assert torch.equal(from_file, direct.prefill(captured.q, captured.k, captured.v))
+    ran = logits(model, prompt, past_key_values=kt.KvmemCache(model, factory))
+    other = [KvpopParameters(2, 16, seed=s + 10) for s in range(3)]
+    kw.save(path, memory_weights("kvpop", "tiny-llama", model, [p.tensors() for p in other]))
+    assert (logits(model, prompt, past_key_values=kt.KvmemCache(model, kt.eviction("kvpop", weights=path, **KVPOP.memory_args())))
+            - ran).abs().max() > 1e-4
+    with pytest.raises(ValueError, match="scorer 'kvpop'"):
+        kt.eviction("h2o", weights=path)
+    params = parameters_of("kvpop", layers[0].tensors())
+    for name, t in layers[0].tensors().items():
+        assert torch.equal(params.tensors()[name], t)

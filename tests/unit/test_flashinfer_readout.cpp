@@ -7,13 +7,18 @@
 //   cannot depend on rounding), and within twice that of the portable path (cases with ranked merges);
 // - the readout's log-sum-exp within the logits' bound of the portable path's;
 // - prefill, decode, and prefill then decode, and decode_async, for KVM (no row bias) and KVM proportional
-//   (a log-count row bias), D = 64 and 128, GQA groups 1, 2 and 8, sequences of different lengths (one token).
+//   (a log-count row bias), D = 64 and 128, GQA groups 1, 2 and 8, sequences of different lengths (one token);
+// - exact attention (kernels::exact_causal_attention) on tensor cores against the float64 softmax within the
+//   bound plus 2u V, prompts and a decode step (300 tokens), and a decode step over 1,100 keys, partitioned;
+// - decode steps of a memory whose window and state pass 1,024 keys (FlashInfer's KV partition).
 #include <Kokkos_Core.hpp>
 #include <catch2/catch_template_test_macros.hpp>
 #include <catch2/catch_test_macros.hpp>
 #include <algorithm>
 #include <cmath>
 
+#include "exact_bound.hpp"
+#include "float_bits.hpp"
 #include "kvm_harness.hpp"
 #include "storage_bound.hpp"
 
@@ -56,13 +61,17 @@ double worst_difference(const std::vector<float>& a, const std::vector<float>& b
   return worst;
 }
 
+/// The tensor-core path against the portable one on case c (and, `against_reference`, the float64
+/// reference). `partitioned`: decode steps read more than readout_split_keys keys of a segment, which
+/// FlashInfer partitions (one more rounding of each chunk's output).
 template <class S, class Merge>
-void compare_paths(kvmem_test::KvmCase c, kvmem_test::Mode mode, bool against_reference) {
+void compare_paths(kvmem_test::KvmCase c, kvmem_test::Mode mode, bool against_reference, bool partitioned = false) {
   c.round_inputs<S>();
   const double u = kvmem::unit_roundoff<S>, vmax = kvmem_test::value_norm_max(c);
   const kvmem_test::StorageBound bound{u, u, u, double(c.D + c.T), double(c.T + c.params.chunk),
                                        kvmem_test::kvm_logit_abs(c), vmax};
-  const double tensor_core_bound = bound.value() + 2.0 * u * vmax;  // P and each segment's output in 16 bits
+  // P and each segment's output in 16 bits; a partition's chunk outputs too.
+  const double tensor_core_bound = bound.value() + (partitioned ? 3.0 : 2.0) * u * vmax;
   c.readout_path = ReadoutPath::portable;
   const auto portable = kvmem_test::run_kvm<Kokkos::Cuda, S, kvmem::score::KeepRows, Merge>(c, mode, 40);
   c.readout_path = ReadoutPath::automatic;
@@ -110,6 +119,22 @@ TEMPLATE_TEST_CASE("on a GPU, the tensor-core readout keeps the state's bits and
       }
 }
 
+TEMPLATE_TEST_CASE("on a GPU, decode steps over more than 1024 keys of a segment use FlashInfer's KV partition",
+                   "[flashinfer][gpu]", bfloat16, float16) {
+  // A window ring of 1,344 slots and up to 1,088 state rows: past position 1,024 each decode step splits
+  // both segments at the portable readout's split positions.
+  kvmem_test::KvmCase c;
+  c.B = 2, c.Hq = 8, c.Hkv = 2, c.T = 1400, c.D = 128, c.Dv = 128, c.seed = 11;
+  c.lengths = {1400, 1130};
+  c.params.chunk = 64, c.params.window_chunks = 20, c.params.rope_dims = 8, c.params.sinks = 1;
+  c.params.schedule = kvmem_ref::Schedule::fixed, c.params.min_len = 1088, c.params.max_chunks = 17;
+  c.generate();
+  for (auto mode : {kvmem_test::Mode::decode, kvmem_test::Mode::prefill_then_decode}) {
+    INFO("mode " << static_cast<int>(mode));
+    compare_paths<TestType, kvmem::merge::WinnerTakeAll>(c, mode, false, /*partitioned=*/true);
+  }
+}
+
 TEMPLATE_TEST_CASE("on a GPU, decode_async on tensor cores gives decode()'s outputs bit for bit", "[flashinfer][gpu]",
                    bfloat16, float16) {
   using S = TestType;
@@ -122,6 +147,20 @@ TEMPLATE_TEST_CASE("on a GPU, decode_async on tensor cores gives decode()'s outp
   CHECK(launched.y == stepped.y);
   CHECK(launched.lse == stepped.lse);
   CHECK(launched.rows == stepped.rows);
+}
+
+TEMPLATE_TEST_CASE("on a GPU, exact attention on tensor cores stays within its bound of float64", "[flashinfer][gpu]",
+                   bfloat16, float16) {
+  const long B = 2;
+  for (long T : {300L, 1100L})  // 1100: the decode step's 1,100 keys are partitioned at 1,024
+    for (long D : {64L, 128L})
+      for (auto [Hq, Hkv] : {std::pair{2L, 2L}, std::pair{8L, 2L}}) {
+        if (T > 1024 && D == 64) continue;
+        INFO("T=" << T << " D=" << D << " Hq=" << Hq << " Hkv=" << Hkv);
+        kvmem_test::exact_attention_within_bound<Kokkos::Cuda, TestType>(
+            B, Hq, Hkv, T, D, D, kvmem_test::uniform(B * Hq * T * D, 31), kvmem_test::uniform(B * Hkv * T * D, 32),
+            kvmem_test::uniform(B * Hkv * T * D, 33), /*tensor_cores=*/true);
+      }
 }
 
 TEST_CASE("the tensor-core readout is not taken where it does not apply", "[flashinfer][gpu]") {

@@ -18,6 +18,7 @@
 
 #include "float_bits.hpp"
 #include "kvm_harness.hpp"
+#include "exact_bound.hpp"
 #include "storage_bound.hpp"
 
 using kvmem::bfloat16;
@@ -266,73 +267,12 @@ TEMPLATE_TEST_CASE("add_weighted_rows gives every channel the bits of its scalar
   }
 }
 
-namespace {
-
-/// Exact attention with q, k, v, y of the storage type S against a float64 softmax of the same (rounded)
-/// inputs: y [B, Hq, T, Dv] widened to float, and the bound's check.
-/// q [B, Hq, T, D], k [B, Hkv, T, D], v [B, Hkv, T, Dv] row-major, rounded here.
-template <class S>
-void exact_attention_within_bound(long B, long Hq, long Hkv, long T, long D, long Dv, std::vector<float> q,
-                                  std::vector<float> k, std::vector<float> v) {
-  for (auto* x : {&q, &k, &v})
-    for (auto& e : *x) e = kvmem::to_float(kvmem::from_float<S>(e));
-  const auto qs = kvmem_test::stored_as<S>(q), ks = kvmem_test::stored_as<S>(k), vs = kvmem_test::stored_as<S>(v);
-  using cview = Kokkos::View<const S****, Kokkos::LayoutRight, Kokkos::HostSpace, Kokkos::MemoryUnmanaged>;
-  Kokkos::View<S****, Kokkos::LayoutRight, Kokkos::HostSpace> y("y", B, Hq, T, Dv);
-  kvmem::kernels::exact_causal_attention(exec(), cview(qs.data(), B, Hq, T, D), cview(ks.data(), B, Hkv, T, D),
-                                         cview(vs.data(), B, Hkv, T, Dv), y);
-  // One decode step at the last position gives that row of the prompt bit for bit.
-  Kokkos::View<S****, Kokkos::LayoutRight, Kokkos::HostSpace> y1("y1", B, Hq, 1, Dv);
-  std::vector<S> q_last(B * Hq * D);
-  for (long bh = 0; bh < B * Hq; ++bh)
-    for (long c = 0; c < D; ++c) q_last[bh * D + c] = qs[(bh * T + T - 1) * D + c];
-  kvmem::kernels::exact_causal_attention(exec(), cview(q_last.data(), B, Hq, 1, D), cview(ks.data(), B, Hkv, T, D),
-                                         cview(vs.data(), B, Hkv, T, Dv), y1, nullptr, T - 1);
-  double worst_excess = -1.0;
-  long differ = 0;
-  const long G = Hq / Hkv;
-  for (long b = 0; b < B; ++b)
-    for (long hq = 0; hq < Hq; ++hq)
-      for (long u = 0; u < T; ++u) {
-        const long h = hq / G;
-        std::vector<double> logit(u + 1);
-        double top = -INFINITY, sum = 0.0, logit_abs = 0.0, vmax = 0.0;
-        for (long p = 0; p <= u; ++p) {
-          double s = 0.0, a = 0.0;
-          for (long c = 0; c < D; ++c) {
-            const double prod = double(q[((b * Hq + hq) * T + u) * D + c]) * k[((b * Hkv + h) * T + p) * D + c];
-            s += prod, a += std::abs(prod);
-          }
-          logit[p] = s / std::sqrt(double(D));
-          logit_abs = std::max(logit_abs, a / std::sqrt(double(D)));
-          top = std::max(top, logit[p]);
-          for (long c = 0; c < Dv; ++c) vmax = std::max(vmax, std::abs(double(v[((b * Hkv + h) * T + p) * Dv + c])));
-        }
-        std::vector<double> ref(Dv, 0.0);
-        for (long p = 0; p <= u; ++p) {
-          const double e = std::exp(logit[p] - top);
-          sum += e;
-          for (long c = 0; c < Dv; ++c) ref[c] += e * v[((b * Hkv + h) * T + p) * Dv + c];
-        }
-        // Exact attention holds nothing of its own: keys and values are the inputs, only y is rounded.
-        const kvmem_test::StorageBound bound{kvmem::unit_roundoff<S>, 0.0, 0.0, double(D), double(u + 1), logit_abs, vmax};
-        for (long c = 0; c < Dv; ++c)
-          worst_excess = std::max(worst_excess, std::abs(kvmem::to_float(y(b, hq, u, c)) - ref[c] / sum) - bound.value());
-        if (u == T - 1)
-          for (long c = 0; c < Dv; ++c) differ += y1(b, hq, 0, c).bits != y(b, hq, u, c).bits;
-      }
-  CHECK(worst_excess <= 0.0);
-  CHECK(differ == 0);
-}
-
-}  // namespace
-
 TEMPLATE_TEST_CASE("exact attention over bfloat16 / float16 tokens stays within the storage bound", "[dtype][exact]",
                    bfloat16, float16) {
   const long B = 2, T = 70, D = 20, Dv = 12;
   for (auto [Hq, Hkv] : {std::pair{1L, 1L}, {4L, 2L}, {40L, 1L}}) {
     INFO("Hq=" << Hq << " Hkv=" << Hkv);
-    exact_attention_within_bound<TestType>(B, Hq, Hkv, T, D, Dv, kvmem_test::uniform(B * Hq * T * D, 21),
+    kvmem_test::exact_attention_within_bound<exec, TestType>(B, Hq, Hkv, T, D, Dv, kvmem_test::uniform(B * Hq * T * D, 21),
                                            kvmem_test::uniform(B * Hkv * T * D, 22),
                                            kvmem_test::uniform(B * Hkv * T * Dv, 23));
   }
@@ -417,7 +357,7 @@ kvmem_test::KvmCase embedded_layer_case(long T) {
 TEMPLATE_TEST_CASE("on the embedded real layer, exact attention and kvm in bfloat16 / float16 stay within the bound",
                    "[dtype][kvm][exact][real]", bfloat16, float16) {
   const auto c = embedded_layer_case(512);
-  exact_attention_within_bound<TestType>(1, 2, 2, c.T, 32, 32, c.q, c.k, c.v);
+  kvmem_test::exact_attention_within_bound<exec, TestType>(1, 2, 2, c.T, 32, 32, c.q, c.k, c.v);
   for (auto mode : {kvmem_test::Mode::prefill, kvmem_test::Mode::decode}) kvm_within_bound<TestType>(c, mode);
 }
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Distills a memory's own parameters into a pretrained causal LM, its weights frozen (issue 45): every
-attention layer's KVM or OVQ parameters are fitted, through the memory's training form (kvmem.train), first
+attention layer's KVM or OVQ parameters (or KVPOP's scorers) are fitted, through the memory's training form (kvmem.train), first
 layer by layer to the layer's exact attention (stage 1), then all together to the full-cache model's
 next-token distributions (stage 2, KL divergence), on training texts, and written as one weights file
 (kvmem.weights) that kvmem.transformers.kvm/ovq(weights=...) and tools/fidelity/end_to_end.py --weights load.
@@ -10,20 +10,25 @@ next-token distributions (stage 2, KL divergence), on training texts, and writte
              [--e2e-steps 0] [--e2e-texts 2] [--init WEIGHTS] [--quick]
 
 - The memory is sized as tools/fidelity/lm_memories.py sizes it for --tokens tokens at --fraction of the cache
-  (kvm-fixed, kvm-sqrt or ovq): what the weights are trained in is what the evaluation runs.
+  (kvm-fixed, kvm-sqrt, ovq or kvpop): what the weights are trained in is what the evaluation runs.
 - Training texts (default TRAINING_TEXTS: Debian's licences and Python sources that no evaluation of
   docs/fidelity.md reads) are read as plain text, the first --tokens tokens of each one sequence; a text
   shorter than the memory's chunk is refused. Each is recorded in the weights file with its SHA-256.
 - One forward pass of the model per text captures every layer's attention input and queries, keys and
   values; then layer by layer, --steps Adam steps over all texts (kvmem.train.distill.fit_kvm_layer /
   fit_ovq_layer), one line of progress per layer on stderr with the loss before and after.
+- KVPOP (--memory kvpop): each layer's mLSTM scorers (one per kv-head) are trained by KVPOP's pairwise
+  ranking loss against the teacher ranking of the layer's future-attention importance
+  (kvmem.train.distill.fit_kvpop_layer; kvpop-paper Sec. 2.1, App. D), sized as the eviction memories of
+  lm_memories.py; it has no stage 2 (its hard top-k gives the model's output no gradient), so --e2e-steps
+  and --init are refused with it.
 - Stage 2 (--e2e-steps > 0): Adam steps on every layer's parameters at once, from stage 1's, on the KL
   divergence of the model with the training form in every layer to the model with its full cache, over the
   first --e2e-texts texts (kvmem.train.distill.fit_end_to_end); one line of progress per step.
 - --init WEIGHTS starts from a weights file of this memory and model (an earlier run's) instead of stage 1,
   which it skips: stage 2 alone.
 - --report writes the loss curves (JSON); --quick is the whole pipeline small (256 tokens, 2 texts, 3 steps
-  per layer, 2 end-to-end steps on one text) for tests.
+  per layer, 2 end-to-end steps on one text, none for KVPOP) for tests.
 
 The training runs torch and kvmem on one thread each (faster here than two threads that contend for the
 same OpenMP runtime). Errors (an unknown memory, a fraction too small, a text not found or shorter than one
@@ -77,16 +82,22 @@ def training_texts(paths: list[str], tok, tokens: int, chunk: int) -> tuple[list
     return seqs, records
 
 
+def weights_kind(memory: str) -> str:
+    """The kvmem.weights memory of a TRAINABLE id: "ovq", "kvpop" or "kvm"."""
+    return memory if memory in ("ovq", "kvpop") else "kvm"
+
+
 def distill(model, model_name: str, seqs: list[list[int]], memory: str, setup, steps: int, log=print) -> tuple:
     """Stage 1: captures every layer on ``seqs`` and fits each layer's parameters; returns (one dict of
     tensors per layer, one loss curve per layer, seconds per layer)."""
     from kvmem.train.capture import capture
-    from kvmem.train.distill import fit_kvm_layer, fit_ovq_layer
+    from kvmem.train.distill import fit_kvm_layer, fit_kvpop_layer, fit_ovq_layer
 
     t0 = time.time()
     captured = [capture(model, torch.tensor([ids])) for ids in seqs]  # [text][layer]
     log(f"distill: captured {len(captured[0])} layers of {len(seqs)} texts in {time.time() - t0:.0f} s")
-    fit = fit_ovq_layer if memory == "ovq" else fit_kvm_layer
+    fit = {"ovq": fit_ovq_layer, "kvpop": fit_kvpop_layer}.get(memory, fit_kvm_layer)
+    what = "ranking loss" if memory == "kvpop" else "relative error"
     tensors, curves, seconds = [], [], []
     for layer in range(len(captured[0])):
         t = time.time()
@@ -95,7 +106,7 @@ def distill(model, model_name: str, seqs: list[list[int]], memory: str, setup, s
         curves.append(result.curve)
         seconds.append(time.time() - t)
         left = (len(captured[0]) - layer - 1) * sum(seconds) / len(seconds)
-        log(f"distill: layer {layer + 1}/{len(captured[0])}: relative error {result.curve[0]:.3f} -> "
+        log(f"distill: layer {layer + 1}/{len(captured[0])}: {what} {result.curve[0]:.3f} -> "
             f"{result.curve[-1]:.3f} ({seconds[-1]:.0f} s; about {left / 60:.0f} min left)")
     return tensors, curves, seconds
 
@@ -104,7 +115,7 @@ def end_to_end(model, seqs: list[list[int]], memory: str, setup, tensors: list[d
     """Stage 2 from stage 1's ``tensors`` on ``seqs``; returns (one dict of tensors per layer, the KL curve)."""
     from kvmem.train.distill import fit_end_to_end, parameters_of
 
-    layers = [parameters_of("ovq" if memory == "ovq" else "kvm", t) for t in tensors]
+    layers = [parameters_of(weights_kind(memory), t) for t in tensors]
     t0 = time.time()
 
     def progress(step, loss):
@@ -132,12 +143,15 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="small: 256 tokens, the first 2 texts, 3 steps, 2 end-to-end steps")
     args = ap.parse_args(argv)
     if args.quick:
-        args.tokens, args.steps, args.e2e_steps, args.e2e_texts = 256, 3, 2, 1
+        args.tokens, args.steps, args.e2e_steps, args.e2e_texts = 256, 3, 0 if args.memory == "kvpop" else 2, 1
         args.text = (args.text or list(TRAINING_TEXTS))[:2]
     torch.set_num_threads(1)
     try:
         if args.memory not in lm_memories.TRAINABLE:
             raise DistillError(f"--memory {args.memory!r}: not trainable here (choose {', '.join(lm_memories.TRAINABLE)})")
+        if args.memory == "kvpop" and (args.e2e_steps or args.init):
+            raise DistillError("--e2e-steps / --init: KVPOP's scorers are trained by their ranking loss only (the hard "
+                               "top-k gives the model's output no gradient); leave them out for --memory kvpop")
         if args.tokens < 1 or args.steps < 0 or args.e2e_steps < 0 or args.e2e_texts < 1:
             raise DistillError(f"--tokens {args.tokens}, --steps {args.steps}, --e2e-steps {args.e2e_steps}, --e2e-texts "
                                f"{args.e2e_texts}: need tokens >= 1, steps >= 0, e2e-steps >= 0 and e2e-texts >= 1")
@@ -146,13 +160,14 @@ def main(argv=None) -> int:
         model, tok, model_name = causal_lm.load_model(args.model)
         if args.tokens > causal_lm.context_limit(model):
             raise DistillError(f"--tokens {args.tokens}: beyond the model's context of {causal_lm.context_limit(model)}")
-        seqs, records = training_texts(args.text or list(TRAINING_TEXTS), tok, args.tokens, setup.chunk)
+        seqs, records = training_texts(args.text or list(TRAINING_TEXTS), tok, args.tokens,
+                                       setup.window + 1 if args.memory == "kvpop" else setup.chunk)
         from kvmem import weights as kw
         from kvmem.train.capture import attention_modules
         from kvmem.train.distill import memory_weights
 
         attention_modules(model)  # a model whose attention cannot be hooked fails here, before any work
-        kind = "ovq" if args.memory == "ovq" else "kvm"
+        kind = weights_kind(args.memory)
         init = kw.load(args.init, memory=kind, model=model_name) if args.init else None
     except (DistillError, CalibrationError, CaptureError, ValueError, FileNotFoundError) as e:
         print(f"distill: error: {e}", file=sys.stderr)
@@ -169,8 +184,10 @@ def main(argv=None) -> int:
         tensors, e2e_curve = end_to_end(model, seqs[:args.e2e_texts], args.memory, setup, tensors, args.e2e_steps,
                                         log=lambda s: print(s, file=sys.stderr, flush=True))
     recipe = {"tool": "tools/distill/distill.py", "steps": 0 if args.init else args.steps, "tokens": args.tokens,
-              "loss": "stage 1: relative squared error of each layer's attention output against exact attention; "
-                      "stage 2: KL(full-cache model || model with the memory in every layer) per next token",
+              "loss": ("KVPOP's pairwise ranking loss (kvpop-paper eq. 2, margin-weighted) against the teacher "
+                       "ranking by each layer's future-attention importance (App. D, exact)" if kind == "kvpop" else
+                       "stage 1: relative squared error of each layer's attention output against exact attention; "
+                       "stage 2: KL(full-cache model || model with the memory in every layer) per next token"),
               "optimizer": "Adam", "e2e_steps": args.e2e_steps, "e2e_texts": min(args.e2e_texts, len(seqs)),
               "quick": args.quick}
     meta = {"memory_id": args.memory, "fraction": args.fraction, "setup": repr(setup), "recipe": recipe,
@@ -178,13 +195,14 @@ def main(argv=None) -> int:
     if init is not None:
         meta["init"] = {"path": args.init, "sha256": hashlib.sha256(open(args.init, "rb").read()).hexdigest(),
                         "recipe": init.metadata.get("recipe"), "training_texts": init.metadata.get("training_texts")}
-    kw.save(args.output, memory_weights("ovq" if args.memory == "ovq" else "kvm", model_name, model, tensors, meta))
+    kw.save(args.output, memory_weights(kind, model_name, model, tensors, meta))
     if args.report:
         with open(args.report, "w") as f:
             json.dump({**meta, "model": model_name, "seconds": time.time() - t0, "layer_seconds": seconds,
                        "curves": curves, "e2e_curve": e2e_curve, "weights": args.output,
                        "weights_sha256": hashlib.sha256(open(args.output, "rb").read()).hexdigest()}, f, indent=1)
-    summary = [f"mean relative error over {len(curves)} layers {sum(c[0] for c in curves) / len(curves):.3f} -> "
+    loss_name = "ranking loss" if kind == "kvpop" else "relative error"
+    summary = [f"mean {loss_name} over {len(curves)} layers {sum(c[0] for c in curves) / len(curves):.3f} -> "
                f"{sum(c[-1] for c in curves) / len(curves):.3f}"] if curves else []
     summary += [f"KL {e2e_curve[0]:.4f} -> {e2e_curve[-1]:.4f}"] if e2e_curve else []
     print(f"distill: {args.memory} at {args.fraction}: {', '.join(summary) or 'nothing trained'} in "

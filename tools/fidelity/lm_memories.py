@@ -17,9 +17,10 @@ one sink) so the per-layer and end-to-end tables read the same memories:
 
 KVM and OVQ take a layer's calibrated scalars (tools/fidelity/calibrate.py) when `calibration` is given
 ({layer: {"ln_weight", "ln_bias", "tau_state", "beta"}}), trained weights (kvmem.weights.MemoryWeights, written
-by tools/distill/distill.py) when `weights` is given, the neutral stand-ins otherwise. KVPOP is not
-here (its mLSTM scorer needs trained weights, which no public checkpoint has); Trellis neither (it needs
-per-token targets and gates that a pretrained transformer does not have, see kvmem.transformers).
+by tools/distill/distill.py) when `weights` is given, the neutral stand-ins otherwise. KVPOP (eviction
+sized as the others, its mLSTM scorers trained by tools/distill/distill.py --memory kvpop: no public
+checkpoint has them) runs only with `weights`. Trellis is not here (it needs per-token targets and gates
+that a pretrained transformer does not have, see kvmem.transformers).
 """
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ import torch
 
 import kvmem
 import kvmem.transformers as kt
-from kvmem.train.distill import KvmSetup, OvqSetup
+from kvmem.train.distill import KvmSetup, KvpopSetup, OvqSetup
 
 WINDOW_SHARE = 0.25
 KVM_SINKS = 1
@@ -40,7 +41,7 @@ LABELS = {"kvm-fixed": "KVM fixed", "kvm-sqrt": "KVM a*sqrt(N)", "kvm-h2o": "KVM
           "proportional": "Proportional merge",
           "streaming": "StreamingLLM", "knorm": "KNorm", "h2o": "H2O", "tova": "TOVA",
           "streaming-merge": "StreamingLLM + merge", "knorm-merge": "KNorm + merge", "h2o-merge": "H2O + merge",
-          "tova-merge": "TOVA + merge"}
+          "tova-merge": "TOVA + merge", "kvpop": "KVPOP (trained)"}
 EVICTIONS = ("streaming", "knorm", "h2o", "tova")  # scorers of the eviction memories (and of their "-merge" forms)
 CALIBRATED = ("kvm-fixed", "kvm-sqrt", "kvm-h2o", "ovq")  # the memories with learned scalars
 
@@ -57,6 +58,15 @@ def budget_split(T: int, fraction: float) -> tuple[int, int]:
     return C, R
 
 
+def eviction_sizes(T: int, fraction: float) -> dict:
+    """An eviction memory's sinks, window and top_k (tokens) at `fraction` of a T-token cache: M = f T tokens,
+    window w = min(M, max(1, round(s M))), up to EVICTION_SINKS sinks, top-k the rest."""
+    M = round(fraction * T)
+    w = min(M, max(1, round(WINDOW_SHARE * fraction * T)))
+    sinks = max(0, min(EVICTION_SINKS, M - w))
+    return {"sinks": sinks, "window": w, "top_k": max(0, M - w - sinks)}
+
+
 def _layer_weights(calibration, layer_idx: int, kind: str) -> dict:
     if calibration is None:
         return {}
@@ -68,10 +78,12 @@ def _layer_weights(calibration, layer_idx: int, kind: str) -> dict:
     return {name: torch.tensor(c[name], dtype=torch.float32) for name in ("ln_weight", "ln_bias", "tau_state")}
 
 
-def setup(memory: str, T: int, fraction: float) -> KvmSetup | OvqSetup:
-    """The KVM or OVQ memory `memory` ("kvm-fixed", "kvm-sqrt" or "ovq") at `fraction` of a T-token cache, as
-    kvmem.train's setups (what tools/distill/distill.py trains and factory() runs). Raises ValueError for
-    another id or a fraction too small (budget_split)."""
+def setup(memory: str, T: int, fraction: float) -> KvmSetup | OvqSetup | KvpopSetup:
+    """The KVM, OVQ or KVPOP memory `memory` ("kvm-fixed", "kvm-sqrt", "ovq" or "kvpop") at `fraction` of a
+    T-token cache, as kvmem.train's setups (what tools/distill/distill.py trains and factory() runs). Raises
+    ValueError for another id or a fraction too small (budget_split)."""
+    if memory == "kvpop":
+        return KvpopSetup(**eviction_sizes(T, fraction))
     C, R = budget_split(T, fraction)
     if memory == "ovq":
         return OvqSetup(chunk=C, max_centroids=R)
@@ -83,7 +95,7 @@ def setup(memory: str, T: int, fraction: float) -> KvmSetup | OvqSetup:
     raise ValueError(f"memory = {memory!r}: has no trained form (trainable: {', '.join(TRAINABLE)})")
 
 
-TRAINABLE = ("kvm-fixed", "kvm-sqrt", "ovq")  # the memories setup() and tools/distill/distill.py know
+TRAINABLE = ("kvm-fixed", "kvm-sqrt", "ovq", "kvpop")  # the memories setup() and tools/distill/distill.py know
 
 
 def factory(memory: str, T: int, fraction: float, calibration=None, weights=None):
@@ -97,16 +109,16 @@ def factory(memory: str, T: int, fraction: float, calibration=None, weights=None
         if memory not in TRAINABLE:
             raise ValueError(f"memory = {memory!r}: takes no trained weights (trainable: {', '.join(TRAINABLE)})")
         s = setup(memory, T, fraction)
+        if memory == "kvpop":
+            return kt.eviction("kvpop", weights=weights, **s.memory_args())
         make = kt.ovq if memory == "ovq" else kt.kvm
         return make(weights=weights, **s.memory_args())
-    C, R = budget_split(T, fraction)
+    if memory == "kvpop":
+        raise ValueError("memory = 'kvpop': needs trained scorers (weights; tools/distill/distill.py --memory kvpop)")
     scorer = memory.removesuffix("-merge")
     if scorer in EVICTIONS:
-        M = round(fraction * T)
-        w = min(M, max(1, round(WINDOW_SHARE * fraction * T)))
-        sinks = max(0, min(EVICTION_SINKS, M - w))
-        return kt.eviction(scorer, sinks=sinks, window=w, top_k=max(0, M - w - sinks),
-                           merge_evicted=memory.endswith("-merge"))
+        return kt.eviction(scorer, **eviction_sizes(T, fraction), merge_evicted=memory.endswith("-merge"))
+    C, R = budget_split(T, fraction)
     if memory == "proportional":
         return kt.proportional(chunk=C, window_chunks=1, sinks=min(EVICTION_SINKS, C - 1), max_rows=R + C,
                                budget=kvmem.budget.Fixed(R))
@@ -124,7 +136,7 @@ def factory(memory: str, T: int, fraction: float, calibration=None, weights=None
 
 def held_tokens(memory: str, T: int, fraction: float) -> int:
     """Tokens' worth of keys and values the memory holds per kv-head at the end of T tokens (its budget)."""
-    C, R = budget_split(T, fraction)
-    if memory.removesuffix("-merge") in EVICTIONS:
+    if memory.removesuffix("-merge") in EVICTIONS or memory == "kvpop":
         return round(fraction * T)
+    C, R = budget_split(T, fraction)
     return R + C

@@ -42,28 +42,35 @@ def scalars(r: dict) -> str:
 
 def distilled_table(e2e: dict, reports: list[dict]) -> str:
     """Per distill.py report: end-to-end perplexity, agreement and needles of the distilled memory beside the
-    same memory neutral and calibrated and H2O at the same budget, and its training (stage 1: the mean over
-    layers of the relative L2 error of the attention output on the training texts, the root of the layer's
-    loss, before and after; stage 2: the KL divergence per token)."""
+    same memory neutral and calibrated and H2O and TOVA at the same budget (a dash where the run has no such
+    row), and its training (stage 1: the mean over layers of the relative L2 error of the attention output on
+    the training texts, the root of the layer's loss, before and after; KVPOP's scorers: the mean ranking loss;
+    stage 2: the KL divergence per token)."""
     n = len(e2e["full"]["needle"])
-    lines = ["| memory | budget | perplexity: neutral | calibrated | **distilled** | H2O | agreement: distilled | H2O "
-             f"| needles found (of {n}): distilled | H2O | stage 1: relative L2 error before -> after "
+    lines = ["| memory | budget | perplexity: neutral | calibrated | **distilled** | H2O | TOVA | agreement: distilled "
+             f"| H2O | needles found (of {n}): distilled | H2O | stage 1: per-layer loss before -> after "
              "| stage 2: KL before -> after "
              "| training minutes |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---|---:|"]
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|---:|"]
     for d in reports:
         m, f = d["memory_id"], d["fraction"]
         row = next((r for r in e2e["results"] if r.get("distilled") and r["distilled"] == d["weights_sha256"][:16]), None)
         if row is None:
             continue
         base, cal, h2o = e2e_row(e2e, m, f, False), e2e_row(e2e, m, f, True), e2e_row(e2e, "h2o", f, False)
+        tova = e2e_row(e2e, "tova", f, False)
         ppl = lambda r: f"{r['perplexity']:.2f}" if r else "—"  # noqa: E731
         agreement = lambda r: f"{r['agreement']:.3f}" if r else "—"  # noqa: E731
         found = lambda r: str(needle_found(r)) if r else "—"  # noqa: E731
-        stage1 = (f"{mean(math.sqrt(c[0]) for c in d['curves']):.3f} -> {mean(math.sqrt(c[-1]) for c in d['curves']):.3f}"
-                  if d["curves"] else "its --init weights'")
+        if not d["curves"]:
+            stage1 = "its --init weights'"
+        elif m == "kvpop":  # the ranking loss itself
+            stage1 = f"ranking loss {mean(c[0] for c in d['curves']):.3f} -> {mean(c[-1] for c in d['curves']):.3f}"
+        else:
+            stage1 = (f"relative L2 error {mean(math.sqrt(c[0]) for c in d['curves']):.3f} -> "
+                      f"{mean(math.sqrt(c[-1]) for c in d['curves']):.3f}")
         kl = f"{d['e2e_curve'][0]:.3f} -> {d['e2e_curve'][-1]:.3f}" if d.get("e2e_curve") else "not run"
-        lines.append(f"| {row['label']} | {f} | {ppl(base)} | {ppl(cal)} | **{ppl(row)}** | {ppl(h2o)} | "
+        lines.append(f"| {row['label']} | {f} | {ppl(base)} | {ppl(cal)} | **{ppl(row)}** | {ppl(h2o)} | {ppl(tova)} | "
                      f"{agreement(row)} | {agreement(h2o)} | {found(row)} | {found(h2o)} | {stage1} | "
                      f"{kl} | {d['seconds'] / 60:.0f} |")
     return "\n".join(lines)

@@ -5,6 +5,7 @@
 #include <Kokkos_Core.hpp>
 
 #include "../errors.hpp"
+#include "flashinfer_readout.hpp"
 #include "readout.hpp"
 #include "scratch.hpp"
 
@@ -93,11 +94,32 @@ void exact_causal_attention(const ExecSpace& exec, const In& q, const InKV& k, c
   exact_causal_attention<ExecSpace, In, Out, InKV, Traits>(exec, q, k, v, y, tau, first_position, splits, work);
 }
 
+/// The buffers of exact attention on tensor cores for keys of storage type InKV::value_type
+/// (FlashInferWork; unused where flashinfer_exact_applies is false).
+template <class ExecSpace, class InKV>
+using ExactTensorCoreWork =
+    FlashInferWork<typename ExecSpace::memory_space, std::remove_const_t<typename InKV::value_type>>;
+
 /// exact_causal_attention above with a caller's split-KV workspace `work` (kept between decode steps).
 template <class ExecSpace, class In, class Out, class InKV = In, class Traits = TileTraits<ExecSpace>>
 void exact_causal_attention(const ExecSpace& exec, const In& q, const InKV& k, const InKV& v, const Out& y,
                             const float* tau, long first_position, DecodeSplits splits,
                             DecodeSplitWork<typename ExecSpace::memory_space>& work) {
+  ExactTensorCoreWork<ExecSpace, InKV> tensor_cores;
+  exact_causal_attention<ExecSpace, In, Out, InKV, Traits>(exec, q, k, v, y, tau, first_position, splits, work,
+                                                           tensor_cores, ReadoutPath::automatic);
+}
+
+/// exact_causal_attention above with a caller's workspaces kept between decode steps: `work` for split-KV
+/// decode, `tensor_cores` for FlashInfer's tensor cores, which run the attention under `path`
+/// (ReadoutPath::automatic) wherever flashinfer_exact_applies (Kokkos::Cuda, 16-bit storage, a build with
+/// kvmem::flashinfer; docs/cuda.md "Tensor cores"; numerics: docs/numerics.md "The readout on tensor
+/// cores"), and the portable kernels elsewhere or under ReadoutPath::portable.
+template <class ExecSpace, class In, class Out, class InKV = In, class Traits = TileTraits<ExecSpace>>
+void exact_causal_attention(const ExecSpace& exec, const In& q, const InKV& k, const InKV& v, const Out& y,
+                            const float* tau, long first_position, DecodeSplits splits,
+                            DecodeSplitWork<typename ExecSpace::memory_space>& work,
+                            ExactTensorCoreWork<ExecSpace, InKV>& tensor_cores, ReadoutPath path) {
   const long B = static_cast<long>(q.extent(0)), Hq = static_cast<long>(q.extent(1)), T = static_cast<long>(q.extent(2));
   const long Hkv = static_cast<long>(k.extent(1));
   const int D = static_cast<int>(q.extent(3)), Dv = static_cast<int>(v.extent(3));
@@ -113,6 +135,10 @@ void exact_causal_attention(const ExecSpace& exec, const In& q, const InKV& k, c
   require(v.extent(1) == k.extent(1) && y.extent(1) == q.extent(1) && y.extent(3) == v.extent(3), "v/y extents",
           v.extent(1), "v must match k's heads and y must be [B, Hq, T, Dv]");
   if (B == 0 || T == 0) return;
+  if (flashinfer_exact_applies<ExecSpace>(path, q, k, v)) {
+    flashinfer_exact_attention(exec, q, k, v, y, tau, first_position, tensor_cores);
+    return;
+  }
   constexpr int NB = Traits::blocks_per_team;
   const GroupLanes gl(Hq / Hkv, T, NB);
   const long key_splits = (first_position + T + readout_split_keys - 1) / readout_split_keys;

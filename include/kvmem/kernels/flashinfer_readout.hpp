@@ -1,14 +1,17 @@
 #pragma once
 /// \file flashinfer_readout.hpp
-/// The block attention readout of kernels::readout on tensor cores: on Kokkos::Cuda with 16-bit storage,
-/// in a build that links kvmem::flashinfer (KVMEM_WITH_FLASHINFER), a step's readout is two launches of
-/// FlashInfer's FA2 paged prefill (backend/cuda/flashinfer_readout.hpp) -- one over the state rows' read
-/// caches, one over the block sliding window's ring, both addressed in place as pages -- joined by their
-/// log-sum-exp. Everything FlashInfer reads besides the memory's own views (schedule, page tables, logit
-/// scales, row bias) is written here on the device from the step plan: no host planner, no copy per step,
-/// so decode_async stays capturable in a CUDA graph. Where it does not apply (float32 storage, other
-/// backends, a head_dim not instantiated, row eviction, a query layout FlashInfer cannot address) the
-/// portable readout runs. docs/cuda.md, "Tensor cores"; docs/numerics.md, "The readout on tensor cores".
+/// The block attention readout of kernels::readout, and exact attention, on tensor cores: on Kokkos::Cuda
+/// with 16-bit storage, in a build that links kvmem::flashinfer (KVMEM_WITH_FLASHINFER), a step's readout
+/// is two launches of FlashInfer's FA2 paged prefill (backend/cuda/flashinfer_readout.hpp) -- one over the
+/// state rows' read caches, one over the block sliding window's ring, both addressed in place as pages --
+/// joined by their log-sum-exp; exact attention is one launch over the KV cache in place. A decode step
+/// splits each segment's keys at every readout_split_keys keys (the portable readout's fixed split
+/// positions) into FlashInfer's KV partition, merged by FlashInfer's own log-sum-exp merge. Everything
+/// FlashInfer reads besides the memory's own views (schedule, page tables, partition offsets, logit scales,
+/// row bias) is written here on the device from the step plan: no host planner, no copy per step, so
+/// decode_async stays capturable in a CUDA graph. Where it does not apply (float32 storage, other backends,
+/// a head_dim not instantiated, row eviction, a layout FlashInfer cannot address) the portable kernels run.
+/// docs/cuda.md, "Tensor cores"; docs/numerics.md, "The readout on tensor cores".
 
 #include <Kokkos_Core.hpp>
 #include <cstdint>
@@ -21,14 +24,15 @@
 #include "../dtype.hpp"
 #include "../policy/layer_weights.hpp"
 #include "../state/state_rows.hpp"
+#include "readout.hpp"
 #include "step_launch.hpp"
 #include "step_plan.hpp"
 
 namespace kvmem::kernels {
 
-/// Which kernel a memory's readout runs: `automatic` takes FlashInfer's tensor cores where
-/// flashinfer_readout_applies says so and the portable readout elsewhere; `portable` always runs the
-/// portable readout (kernels::readout, the reference the tensor-core path is tested against).
+/// Which kernel a memory's readout (or exact attention) runs: `automatic` takes FlashInfer's tensor cores
+/// where flashinfer_readout_applies (flashinfer_exact_applies) says so and the portable kernels elsewhere;
+/// `portable` always runs the portable kernels (the reference the tensor-core path is tested against).
 enum class ReadoutPath { automatic, portable };
 
 /// Whether this build can run the readout of a memory on ExecSpace with storage T on FlashInfer: a Cuda
@@ -41,64 +45,332 @@ inline constexpr bool flashinfer_readout_built =
     false;
 #endif
 
-/// Device buffers of the tensor-core readout, grown on the host (reserve), never inside a step, so that a
-/// captured decode step replays on the same addresses. Sizes for B sequences, up to max_queries queries per
-/// sequence, Hq query heads, Hkv kv-heads, state capacity R rows, window ring S slots, Dv channels:
-/// - `lens` [5, B] int32: queries, state rows, window keys, last page of the state (rows), last page of the
-///   window (1);
-/// - `indptr` [4, B + 1] int32: q_indptr, o_indptr, the state's page indptr (b), the window's (b x S);
-/// - `state_pages` [B] (b), `window_pages` [B x S] (the ring slot of each window position, as a page of one
-///   token: b x Hkv x S + slot);
-/// - `tiles` [3, blocks] int32 (request, query tile, KV tile 0) and `valid` [2, blocks] (state, window);
-/// - `scales` [2, B x max_queries x Hq] float32 (state, window: Merge::logit_scale of each query);
-///   `row_bias` [B, Hkv, R] float32 (Merge::row_bias);
-/// - `partials` [2, B x max_queries, Hq, Dv] in T and `lse` [2, B x max_queries, Hq] float32 (base 2).
+/// The split of a decode step's segment into FlashInfer's KV partition: one CTA per readout_split_keys
+/// keys of a segment, at the portable readout's fixed split positions (KeySplit), for a segment of at most
+/// `max_keys` keys; 1 (no partition) for a step of more than one query per sequence.
+[[nodiscard]] inline long flashinfer_kv_chunks(long max_queries, long max_keys) {
+  return max_queries == 1 && max_keys > readout_split_keys ? (max_keys + readout_split_keys - 1) / readout_split_keys
+                                                           : 1L;
+}
+
+/// Device buffers of the tensor-core paths, grown on the host (reserve), never inside a step, so that a
+/// captured decode step replays on the same addresses. For B sequences, up to M queries per sequence, Hq
+/// query heads, Hkv kv-heads, state capacity R rows, window ring S slots, D = Dv channels, `blocks` CTAs per
+/// kv-head of a launch and `chunks` KV-partition chunks per segment (1: none):
+/// - `lens` [4, B] int32: queries, keys of segment 0 (state rows; exact: the KV cache), keys of segment 1
+///   (the window), ones (the last page of the window's one-token pages);
+/// - `indptr` [6, B + 1] int32: q_indptr, the output rows (b M), segment 0's page indptr (b), segment 1's
+///   (b S), and each segment's partition offsets (the rows of its chunk outputs before sequence b: FlashInfer's
+///   o_indptr and merge_indptr of a partitioned launch);
+/// - `tiles` [2, 3, blocks] int32 (per segment: sequence, query tile, KV chunk of each CTA) and `valid` [2,
+///   blocks];
+/// - `state_pages` [B] (b), `window_pages` [B x S] (b Hkv S + the ring slot of each window position: pages
+///   of one token), `chunk_size` [1] (readout_split_keys), `rows` [1] uint32 (B: the rows a partition merges);
+/// - `scales` [2, B M Hq] float32 (Merge::logit_scale of each query, per segment), `row_bias` [B, Hkv, R];
+/// - `partials` [2, B M Hq D] in T and `lse` [2, B M Hq] float32 (base 2): each segment's output;
+/// - `chunk_out` [2, B Hq chunks D] in T and `chunk_lse` [2, B Hq chunks]: a partitioned segment's chunks.
 template <class MemorySpace, StorageType T>
 struct FlashInferWork {
   using ints = Kokkos::View<std::int32_t**, Kokkos::LayoutRight, MemorySpace>;
-  ints lens, indptr, tiles;
+  ints lens, indptr;
+  Kokkos::View<std::int32_t***, Kokkos::LayoutRight, MemorySpace> tiles;
   Kokkos::View<std::int32_t*, MemorySpace> state_pages, window_pages, chunk_size;
+  Kokkos::View<std::uint32_t*, MemorySpace> rows;
   Kokkos::View<bool**, Kokkos::LayoutRight, MemorySpace> valid;
-  Kokkos::View<float**, Kokkos::LayoutRight, MemorySpace> scales, lse;
+  Kokkos::View<float**, Kokkos::LayoutRight, MemorySpace> scales, lse, chunk_lse;
   Kokkos::View<float*, MemorySpace> row_bias;
-  Kokkos::View<T**, Kokkos::LayoutRight, MemorySpace> partials;
+  Kokkos::View<T**, Kokkos::LayoutRight, MemorySpace> partials, chunk_out;
 
   /// Whether the buffers hold a step of these sizes (see the struct comment).
-  [[nodiscard]] bool holds(long batch, long max_queries, int hq, int hkv, long row_capacity, long slots, int dv,
-                           long blocks) const {
-    const long rows = batch * max_queries * hq;
+  [[nodiscard]] bool holds(long batch, long max_queries, int hq, int hkv, long row_capacity, long slots, int d,
+                           long blocks, long chunks) const {
+    const long out_rows = batch * max_queries * hq;
     return static_cast<long>(lens.extent(1)) >= batch && static_cast<long>(window_pages.extent(0)) >= batch * slots &&
-           static_cast<long>(tiles.extent(1)) >= blocks && static_cast<long>(scales.extent(1)) >= rows &&
+           static_cast<long>(tiles.extent(2)) >= blocks && static_cast<long>(scales.extent(1)) >= out_rows &&
            static_cast<long>(row_bias.extent(0)) >= batch * hkv * row_capacity &&
-           static_cast<long>(partials.extent(1)) >= rows * dv;
+           static_cast<long>(partials.extent(1)) >= out_rows * d &&
+           static_cast<long>(chunk_lse.extent(1)) >= batch * hq * chunks &&
+           static_cast<long>(chunk_out.extent(1)) >= batch * hq * chunks * d;
   }
   /// Allocates buffers for a step of these sizes (contents undefined) unless they hold() it already.
   template <class ExecSpace>
   void reserve(const ExecSpace& exec, long batch, long max_queries, int hq, int hkv, long row_capacity, long slots,
-               int dv, long blocks) {
-    if (holds(batch, max_queries, hq, hkv, row_capacity, slots, dv, blocks)) return;
-    const long rows = batch * max_queries * hq;
+               int d, long blocks, long chunks) {
+    if (holds(batch, max_queries, hq, hkv, row_capacity, slots, d, blocks, chunks)) return;
+    const long out_rows = batch * max_queries * hq, chunk_rows = chunks > 1 ? batch * hq * chunks : 0;
     auto a = [&](const char* label) { return Kokkos::view_alloc(exec, Kokkos::WithoutInitializing, std::string(label)); };
-    lens = ints(a("kvmem::fi_lens"), 5, batch);
-    indptr = ints(a("kvmem::fi_indptr"), 4, batch + 1);
-    tiles = ints(a("kvmem::fi_tiles"), 3, blocks);
+    lens = ints(a("kvmem::fi_lens"), 4, batch);
+    indptr = ints(a("kvmem::fi_indptr"), 6, batch + 1);
+    tiles = decltype(tiles)(a("kvmem::fi_tiles"), 2, 3, blocks);
     state_pages = decltype(state_pages)(a("kvmem::fi_state_pages"), batch);
     window_pages = decltype(window_pages)(a("kvmem::fi_window_pages"), batch * slots);
     chunk_size = decltype(chunk_size)(a("kvmem::fi_chunk_size"), 1);
+    rows = decltype(rows)(a("kvmem::fi_rows"), 1);
     valid = decltype(valid)(a("kvmem::fi_valid"), 2, blocks);
-    scales = decltype(scales)(a("kvmem::fi_scales"), 2, rows);
-    lse = decltype(lse)(a("kvmem::fi_lse"), 2, rows);
+    scales = decltype(scales)(a("kvmem::fi_scales"), 2, out_rows);
+    lse = decltype(lse)(a("kvmem::fi_lse"), 2, out_rows);
+    chunk_lse = decltype(chunk_lse)(a("kvmem::fi_chunk_lse"), 2, chunk_rows);
     row_bias = decltype(row_bias)(a("kvmem::fi_row_bias"), batch * hkv * row_capacity);
-    partials = decltype(partials)(a("kvmem::fi_partials"), 2, rows * dv);
+    partials = decltype(partials)(a("kvmem::fi_partials"), 2, out_rows * d);
+    chunk_out = decltype(chunk_out)(a("kvmem::fi_chunk_out"), 2, chunk_rows * d);
   }
 };
 
-/// CTAs per kv-head of a tensor-core readout over at most `max_queries` queries per sequence: B x the query
-/// tiles of max_queries x G packed rows.
-[[nodiscard]] inline long flashinfer_blocks(const MemoryConfig& cfg, long batch, long max_queries) {
-  const long packed = max_queries * cfg.group();
-  const long tile = backend::cuda::flashinfer::cta_tile_q(packed);
-  return batch * ((packed + tile - 1) / tile);
+/// The shape of one tensor-core step: B sequences of up to M queries, `tile` packed query rows per CTA,
+/// `tiles` query tiles per sequence, `chunks[s]` KV-partition chunks of segment s, `blocks[s]` CTAs per
+/// kv-head of segment s's launch (B x tiles x chunks[s]).
+struct FlashInferShape {
+  long B = 0, M = 0, tiles = 1;
+  int tile = 16;
+  long chunks[2] = {1, 1}, blocks[2] = {0, 0};
+
+  FlashInferShape(long batch, long max_queries, int group, long max_keys0, long max_keys1)
+      : B(batch), M(max_queries) {
+    const long packed = max_queries * group;
+    tile = backend::cuda::flashinfer::cta_tile_q(packed);
+    tiles = (packed + tile - 1) / tile;
+    chunks[0] = flashinfer_kv_chunks(max_queries, max_keys0);
+    chunks[1] = flashinfer_kv_chunks(max_queries, max_keys1);
+    blocks[0] = B * tiles * chunks[0];
+    blocks[1] = B * tiles * chunks[1];
+  }
+  [[nodiscard]] KOKKOS_INLINE_FUNCTION long most_blocks() const { return blocks[0] > blocks[1] ? blocks[0] : blocks[1]; }
+  [[nodiscard]] KOKKOS_INLINE_FUNCTION long most_chunks() const { return chunks[0] > chunks[1] ? chunks[0] : chunks[1]; }
+};
+
+namespace detail {
+
+/// The address of view(i...) computed on the host from data() and strides (no element access: a device
+/// view's elements are not to be touched from the host).
+template <class View, class... I>
+auto* fi_at(const View& v, I... i) {
+  long offset = 0, d = 0;
+  ((offset += static_cast<long>(i) * static_cast<long>(v.stride(d++))), ...);
+  return v.data() + offset;
+}
+
+inline constexpr long fi_int32_max = 2147483647L, fi_uint32_max = 4294967295L;
+
+/// Whether FlashInfer can read queries `q` [B, Hq, T, D] of storage type T in place: channels contiguous,
+/// the sequence stride a multiple of the token stride (q_indptr counts token strides), both strides and the
+/// data 16-byte aligned (128-bit loads), and every query row's offset within int32.
+template <StorageType T, class QueriesIn>
+[[nodiscard]] bool fi_queries_addressable(const QueriesIn& q) {
+  if (q.stride(3) != 1 || q.stride(2) <= 0) return false;
+  const long st = static_cast<long>(q.stride(2)), sh = static_cast<long>(q.stride(1)), sb = static_cast<long>(q.stride(0));
+  constexpr long vec = 16 / static_cast<long>(sizeof(T));  // elements per 16 bytes
+  if (sb % st != 0 || st % vec != 0 || sh % vec != 0 || reinterpret_cast<std::uintptr_t>(q.data()) % 16 != 0)
+    return false;
+  const long B = static_cast<long>(q.extent(0)), T_in = static_cast<long>(q.extent(2));
+  const long q_rows = (B - 1) * (sb / st) + T_in;  // q_indptr + query index, in token strides
+  return q_rows * st < fi_int32_max && sh < fi_int32_max;
+}
+
+/// A launch of segment s: the fields every segment shares (storage type, sizes, the queries in place, the
+/// schedule in `work`), its KV partition where sh.chunks[s] > 1, its output in work.partials(s) / lse(s).
+template <StorageType T, class QueriesIn, class MemorySpace>
+backend::cuda::flashinfer::SegmentLaunch fi_launch(const QueriesIn& q, int hq, int hkv, int d, const FlashInferShape& sh,
+                                                   int s, FlashInferWork<MemorySpace, T>& work) {
+  namespace fi = backend::cuda::flashinfer;
+  fi::SegmentLaunch l;
+  l.storage = std::is_same_v<T, bfloat16> ? fi::Storage16::bfloat16 : fi::Storage16::float16;
+  l.head_dim = d;
+  l.query_heads = hq;
+  l.kv_heads = hkv;
+  l.batch = static_cast<int>(sh.B);
+  l.max_queries = static_cast<int>(sh.M);
+  l.cta_tile_q = sh.tile;
+  l.q = q.data();
+  l.q_stride_n = static_cast<std::int32_t>(q.stride(2));
+  l.q_stride_h = static_cast<std::int32_t>(q.stride(1));
+  l.q_indptr = fi_at(work.indptr, 0, 0);
+  l.qo_lens = fi_at(work.lens, 0, 0);
+  l.kv_lens = fi_at(work.lens, 1 + s, 0);
+  l.request_indices = fi_at(work.tiles, s, 0, 0);
+  l.qo_tile_indices = fi_at(work.tiles, s, 1, 0);
+  l.kv_tile_indices = fi_at(work.tiles, s, 2, 0);
+  l.block_valid = fi_at(work.valid, s, 0);
+  l.blocks = static_cast<std::uint32_t>(sh.blocks[s]);
+  l.kv_chunk_size = work.chunk_size.data();
+  l.scales = fi_at(work.scales, s, 0);
+  l.out = fi_at(work.partials, s, 0);
+  l.lse = fi_at(work.lse, s, 0);
+  l.o_indptr = fi_at(work.indptr, 1, 0);
+  if (sh.chunks[s] > 1) {  // FlashInfer's KV partition: chunk outputs, then its merge into out and lse
+    l.kv_chunks = static_cast<std::uint32_t>(sh.chunks[s]);
+    l.o_indptr = fi_at(work.indptr, 4 + s, 0);
+    l.merge_indptr = fi_at(work.indptr, 4 + s, 0);
+    l.chunk_out = fi_at(work.chunk_out, s, 0);
+    l.chunk_lse = fi_at(work.chunk_lse, s, 0);
+    l.merged_rows = work.rows.data();
+  }
+  return l;
+}
+
+}  // namespace detail
+
+/// The counts a tensor-core step's schedule is written from, read from a Memory's step plan `p`
+/// (StepPlan::device) and its window ring: per sequence b, its queries (query_end - query_begin), the keys
+/// of segment 0 (the state rows read) and 1 (window positions [window_begin, query_end)), none where it has
+/// no query; the input index of its first query; and the page of window key j (b Hkv S + its ring slot).
+template <class PlanView, class Ring>
+struct PlanCounts {
+  PlanView p;
+  Ring ring;
+  long kv_heads = 0;
+  KOKKOS_INLINE_FUNCTION long queries(long b) const { return p(b, query_end) - p(b, query_begin); }
+  KOKKOS_INLINE_FUNCTION long keys(int s, long b) const {
+    return queries(b) <= 0 ? 0L : s == 0 ? p(b, read_rows) : p(b, query_end) - p(b, window_begin_pos);
+  }
+  KOKKOS_INLINE_FUNCTION long first(long b) const { return queries(b) > 0 ? p(b, query_begin) - p(b, input_offset) : 0L; }
+  KOKKOS_INLINE_FUNCTION long window_page(long b, long j) const {
+    return (b * kv_heads) * ring.slots() + ring.slot(p(b, window_begin_pos) + j);
+  }
+};
+
+/// The counts of exact attention: every sequence has `queries` queries (from input index 0) and `keys`
+/// keys in segment 0, none in segment 1 (no window).
+struct UniformCounts {
+  long queries_per_sequence = 0, keys_per_sequence = 0;
+  KOKKOS_INLINE_FUNCTION long queries(long) const { return queries_per_sequence; }
+  KOKKOS_INLINE_FUNCTION long keys(int s, long) const { return s == 0 ? keys_per_sequence : 0L; }
+  KOKKOS_INLINE_FUNCTION long first(long) const { return 0L; }
+  KOKKOS_INLINE_FUNCTION long window_page(long, long) const { return 0L; }
+};
+
+/// Writes the schedule of a tensor-core step into `work` on the device, from `n` (PlanCounts or
+/// UniformCounts), for a step of shape `sh` with G query heads per kv-head, queries whose sequence stride is
+/// `q_step` token strides, and window rings of `slots` slots (0: no window). Runs on any execution space
+/// (tests/unit/test_flashinfer_schedule.cpp checks it on the CPU against a host reference); one launch, and
+/// a second of one thread where a segment is partitioned. What it writes, per segment s in {0, 1}:
+/// - CTA x < sh.blocks[s]: sequence b = x / (tiles chunks), query tile t = (x / chunks) % tiles, KV chunk c
+///   = x % chunks (tiles(s, 0..2, x)); valid(s, x) iff t tile < queries(b) G and c readout_split_keys <
+///   keys(s, b);
+/// - per sequence b < B: lens = (queries, keys(0), keys(1), 1), state page b, window pages b S + j for j <
+///   slots; indptr rows: q_indptr = b q_step + first(b), output rows b M, segment 0's page indptr b,
+///   segment 1's b S (each row closed at b = B with the first(b) term 0);
+/// - the chunk size (readout_split_keys) and the rows a partition merges (B);
+/// - for a partitioned segment s (sh.chunks[s] > 1, M = 1): indptr(4 + s, b) = the chunks of the sequences
+///   before b, ceil(keys(s, b') / readout_split_keys) for each b' with a query.
+template <class ExecSpace, class Counts, class MemorySpace, StorageType T>
+void flashinfer_schedule(const ExecSpace& exec, const Counts& n, long q_step, long slots, const FlashInferShape& sh, int G,
+                         const FlashInferWork<MemorySpace, T>& work) {
+  const long most = sh.most_blocks(), B = sh.B;
+  const auto w = work;
+  Kokkos::parallel_for(
+      "kvmem::fi_plan", Kokkos::RangePolicy<ExecSpace, step_launch>(exec, 0, most + B + 1 + B * slots),
+      KOKKOS_LAMBDA(long x) {
+        if (x < most) {  // CTA x of each segment
+          for (int s = 0; s < 2; ++s) {
+            if (x >= sh.blocks[s]) continue;
+            const long per_b = sh.tiles * sh.chunks[s];
+            const long b = x / per_b, t = (x % per_b) / sh.chunks[s], c = x % sh.chunks[s];
+            w.tiles(s, 0, x) = static_cast<std::int32_t>(b);
+            w.tiles(s, 1, x) = static_cast<std::int32_t>(t);
+            w.tiles(s, 2, x) = static_cast<std::int32_t>(c);
+            w.valid(s, x) = t * sh.tile < n.queries(b) * G && c * readout_split_keys < n.keys(s, b);
+          }
+          return;
+        }
+        if (x >= most + B + 1) {  // window page j of sequence b
+          const long i = x - most - B - 1, b = i / slots, j = i % slots;
+          w.window_pages(i) = static_cast<std::int32_t>(n.window_page(b, j));
+          return;
+        }
+        const long b = x - most;
+        if (b < B) {
+          w.lens(0, b) = static_cast<std::int32_t>(n.queries(b));
+          w.lens(1, b) = static_cast<std::int32_t>(n.keys(0, b));
+          w.lens(2, b) = static_cast<std::int32_t>(n.keys(1, b));
+          w.lens(3, b) = 1;
+          w.state_pages(b) = static_cast<std::int32_t>(b);
+        } else {
+          w.chunk_size(0) = static_cast<std::int32_t>(readout_split_keys);
+          w.rows(0) = static_cast<std::uint32_t>(B);
+        }
+        w.indptr(0, b) = static_cast<std::int32_t>(b * q_step + (b < B ? n.first(b) : 0L));
+        w.indptr(1, b) = static_cast<std::int32_t>(b * sh.M);
+        w.indptr(2, b) = static_cast<std::int32_t>(b);
+        w.indptr(3, b) = static_cast<std::int32_t>(b * slots);
+      });
+  if (sh.most_chunks() > 1)
+    Kokkos::parallel_for(
+        "kvmem::fi_chunks", Kokkos::RangePolicy<ExecSpace, step_launch>(exec, 0, 1), KOKKOS_LAMBDA(long) {
+          for (int s = 0; s < 2; ++s) {
+            if (sh.chunks[s] == 1) continue;
+            long offset = 0;
+            for (long b = 0; b < B; ++b) {
+              w.indptr(4 + s, b) = static_cast<std::int32_t>(offset);
+              if (n.queries(b) > 0) offset += (n.keys(s, b) + readout_split_keys - 1) / readout_split_keys;
+            }
+            w.indptr(4 + s, B) = static_cast<std::int32_t>(offset);
+          }
+        });
+}
+
+/// The state rows' logit scale of every query (scales(0, .)), the window's (scales(1, .)), both
+/// Merge::logit_scale(tau_state / tau_window[hq], q_u, D) at row (b M + u) Hq + hq, and the bias of every
+/// state row read (row_bias, Merge::row_bias at (b Hkv + h) R + r), from the plan `p` and queries `q` [B,
+/// Hq, T, D]. Runs on any execution space.
+template <class Merge, class ExecSpace, class PlanView, class QueriesIn, StorageType T>
+void flashinfer_readout_scales(const ExecSpace& exec, const MemoryConfig& cfg, const LayerWeightsRef& w,
+                               const state::StateRows<typename ExecSpace::memory_space, T>& rows, const PlanView& p,
+                               const QueriesIn& q, const FlashInferShape& sh,
+                               const FlashInferWork<typename ExecSpace::memory_space, T>& work) {
+  const long B = sh.B, M = sh.M, Hq = cfg.query_heads, Hkv = cfg.kv_heads, R = rows.capacity();
+  const int D = cfg.head_dim;
+  const auto wk = work;
+  const auto tau_state = w.tau_state, tau_window = w.tau_window;
+  Kokkos::parallel_for(
+      "kvmem::fi_scales", Kokkos::RangePolicy<ExecSpace, step_launch>(exec, 0, B * M * Hq + B * Hkv * R),
+      KOKKOS_LAMBDA(long i) {
+        if (i < B * M * Hq) {
+          const long hq = i % Hq, u = (i / Hq) % M, b = i / (Hq * M);
+          const long pos = p(b, query_begin) + u;
+          if (pos >= p(b, query_end)) return;
+          const auto* qu = &q(b, hq, pos - p(b, input_offset), 0);
+          wk.scales(0, i) = Merge::logit_scale(tau_state[hq], qu, D);
+          wk.scales(1, i) = Merge::logit_scale(tau_window[hq], qu, D);
+          return;
+        }
+        i -= B * M * Hq;
+        const long r = i % R, h = (i / R) % Hkv, b = i / (R * Hkv);
+        if (r < p(b, read_rows)) wk.row_bias(i) = Merge::row_bias(rows.row(b, h, r));
+      });
+}
+
+/// y and the readout's log-sum-exp from the two segments' outputs in `work` (partials in T, base-2
+/// log-sum-exps lse): for query u < queries(b) of sequence b and head hq (row i = (b M + u) Hq + hq),
+/// with l_s = lse(s, i) where segment s has keys (else -inf) and m = max(l_0, l_1), a_s = 2^(l_s - m):
+///   y(b, hq, first(b) + u, c) = (a_0 partials(0, i D + c) + a_1 partials(1, i D + c)) / (a_0 + a_1),
+///   out_lse(b, hq, first(b) + u) = (m + log2(a_0 + a_1)) ln 2   (where out_lse is not empty),
+/// in float32, y rounded once to its type. One segment with keys is copied (a = 1). Runs on any execution
+/// space.
+template <class ExecSpace, class Counts, class Out, class OutLse, StorageType T>
+void flashinfer_merge_segments(const ExecSpace& exec, const Counts& n, int hq_count, int d, const FlashInferShape& sh,
+                               const Out& y, const OutLse& out_lse,
+                               const FlashInferWork<typename ExecSpace::memory_space, T>& work) {
+  const long M = sh.M, Hq = hq_count;
+  const int D = d;
+  const auto wk = work;
+  constexpr float ln2 = 0.69314718055994530942f;
+  Kokkos::parallel_for(
+      "kvmem::fi_merge", Kokkos::RangePolicy<ExecSpace, step_launch>(exec, 0, sh.B * M * Hq), KOKKOS_LAMBDA(long i) {
+        const long hq = i % Hq, u = (i / Hq) % M, b = i / (Hq * M);
+        if (u >= n.queries(b)) return;
+        const bool has0 = n.keys(0, b) > 0, has1 = n.keys(1, b) > 0;
+        const float l0 = has0 ? wk.lse(0, i) : neg_inf(), l1 = has1 ? wk.lse(1, i) : neg_inf();
+        const float m = l0 > l1 ? l0 : l1;
+        const float a0 = has0 ? Kokkos::exp2(l0 - m) : 0.0f, a1 = has1 ? Kokkos::exp2(l1 - m) : 0.0f;
+        const float inv = 1.0f / (a0 + a1);
+        const long t = n.first(b) + u;
+        for (int c = 0; c < D; ++c) {
+          const float y0 = has0 ? to_float(wk.partials(0, i * D + c)) : 0.0f;
+          const float y1 = has1 ? to_float(wk.partials(1, i * D + c)) : 0.0f;
+          y(b, hq, t, c) = from_float<std::remove_const_t<typename Out::value_type>>((a0 * y0 + a1 * y1) * inv);
+        }
+        if (out_lse.data() != nullptr) out_lse(b, hq, t) = (m + Kokkos::log2(a0 + a1)) * ln2;
+      });
 }
 
 /// Host check: whether a readout of at most `max_queries` queries of `q` [B, Hq, T, D] runs on FlashInfer
@@ -114,33 +386,58 @@ template <class ExecSpace, StorageType T, class QueriesIn>
                                               const QueriesIn& q, bool needs_lse) {
   if constexpr (!flashinfer_readout_built<ExecSpace, T> ||
                 !std::is_same_v<std::remove_const_t<typename QueriesIn::value_type>, T>) {
+    (void)path, (void)cfg, (void)rows, (void)ring, (void)q, (void)needs_lse;
     return false;
   } else {
     if (path != ReadoutPath::automatic || needs_lse) return false;
     if (cfg.head_dim != cfg.value_dim || !backend::cuda::flashinfer::head_dim_instantiated(cfg.head_dim)) return false;
-    if (q.stride(3) != 1 || q.stride(2) <= 0) return false;
-    const long st = static_cast<long>(q.stride(2)), sh = static_cast<long>(q.stride(1)),
-               sb = static_cast<long>(q.stride(0));
-    constexpr long vec = 16 / static_cast<long>(sizeof(T));  // elements per 16 bytes
-    if (sb % st != 0 || st % vec != 0 || sh % vec != 0 || reinterpret_cast<std::uintptr_t>(q.data()) % 16 != 0)
-      return false;
-    constexpr long int32_max = 2147483647L, uint32_max = 4294967295L;
-    const long B = static_cast<long>(q.extent(0)), T_in = static_cast<long>(q.extent(2));
     const long Hkv = cfg.kv_heads, D = cfg.head_dim, R = rows.capacity(), S = ring.slots();
-    const long q_rows = (B - 1) * (sb / st) + T_in;  // q_indptr + query index, in token strides
-    return q_rows * st < int32_max && sh < int32_max && B * Hkv * S < int32_max && Hkv * R * D < uint32_max &&
-           S * D < uint32_max && R * D < uint32_max;
+    return detail::fi_queries_addressable<T>(q) && static_cast<long>(q.extent(0)) * Hkv * S < detail::fi_int32_max &&
+           Hkv * R * D < detail::fi_uint32_max && S * D < detail::fi_uint32_max;
   }
+}
+
+/// Host check: whether exact attention (kernels::exact_causal_attention) of queries `q` [B, Hq, T, D] over
+/// keys `k` and values `v` [B, Hkv, P, D] runs on FlashInfer under `path`: flashinfer_readout_built for the
+/// keys' storage type, queries of that type addressable as flashinfer_readout_applies asks, D == Dv
+/// instantiated (64, 128), keys and values with the same strides, their channels contiguous and their other
+/// strides 16-byte aligned and within uint32.
+template <class ExecSpace, class In, class InKV>
+[[nodiscard]] bool flashinfer_exact_applies(ReadoutPath path, const In& q, const InKV& k, const InKV& v) {
+  using T = std::remove_const_t<typename InKV::value_type>;
+  if constexpr (!flashinfer_readout_built<ExecSpace, T> || !std::is_same_v<std::remove_const_t<typename In::value_type>, T>) {
+    (void)path, (void)q, (void)k, (void)v;
+    return false;
+  } else {
+    if (path != ReadoutPath::automatic) return false;
+    const int D = static_cast<int>(q.extent(3));
+    if (static_cast<int>(v.extent(3)) != D || !backend::cuda::flashinfer::head_dim_instantiated(D)) return false;
+    if (!detail::fi_queries_addressable<T>(q)) return false;
+    constexpr long vec = 16 / static_cast<long>(sizeof(T));
+    for (int i = 0; i < 3; ++i) {
+      const long sk = static_cast<long>(k.stride(i));
+      if (sk != static_cast<long>(v.stride(i)) || sk % vec != 0 || sk <= 0 || sk >= detail::fi_uint32_max) return false;
+    }
+    return k.stride(3) == 1 && v.stride(3) == 1 && reinterpret_cast<std::uintptr_t>(k.data()) % 16 == 0 &&
+           reinterpret_cast<std::uintptr_t>(v.data()) % 16 == 0;
+  }
+}
+
+/// The shape of a Memory's tensor-core step of at most `max_queries` queries per sequence (decode: 1) over
+/// a state of `row_capacity` rows and a window ring of `slots` slots (for reserve()).
+[[nodiscard]] inline FlashInferShape flashinfer_readout_shape(const MemoryConfig& cfg, long batch, long max_queries,
+                                                              long row_capacity, long slots) {
+  return FlashInferShape(batch, max_queries, cfg.group(), row_capacity, slots);
 }
 
 /// The readout of kernels::readout (same arguments and meaning: spec KVM.md §3, OVQ.md §4) on FlashInfer's
 /// tensor cores, where flashinfer_readout_applies: writes y [B, Hq, T, Dv] (any strides) at positions
 /// [query_begin, query_end) of each plan row and, where `out_lse` [B, Hq, T] is not empty, the readout's
-/// natural log-sum-exp. The window must already hold the step's tokens (write_window). `work` grows here
-/// unless reserve()d. Numerics: docs/numerics.md, "The readout on tensor cores" (probabilities rounded to
-/// 16 bits before P.V, each segment's output rounded to T before the log-sum-exp merge). Throws
-/// std::logic_error on a build or input where it does not apply, std::runtime_error when FlashInfer or CUDA
-/// refuses the launch.
+/// natural log-sum-exp. The window must already hold the step's tokens (write_window). A decode step
+/// (max_queries = 1) partitions a segment of more than readout_split_keys keys at the portable readout's
+/// split positions. `work` grows here unless reserve()d for the step's shape. Numerics: docs/numerics.md,
+/// "The readout on tensor cores". Throws std::logic_error on a build or input where it does not apply,
+/// std::runtime_error when FlashInfer or CUDA refuses the launch.
 template <class Merge, class ExecSpace, StorageType T, class QueriesIn, class Out, class OutLse>
 void flashinfer_readout(const ExecSpace& exec, const MemoryConfig& cfg, const LayerWeightsRef& w,
                         const state::StateRows<typename ExecSpace::memory_space, T>& rows,
@@ -163,102 +460,19 @@ void flashinfer_readout(const ExecSpace& exec, const MemoryConfig& cfg, const La
     if (max_queries <= 0 || B == 0) return;
     const int Hq = cfg.query_heads, Hkv = cfg.kv_heads, D = cfg.head_dim, G = cfg.group();
     const long R = rows.capacity(), S = ring.slots(), M = max_queries;
-    const long packed = M * G;
-    const int tile = fi::cta_tile_q(packed);
-    const long tiles = (packed + tile - 1) / tile, blocks = B * tiles;
-    work.reserve(exec, B, M, Hq, Hkv, R, S, D, blocks);
+    const FlashInferShape sh = flashinfer_readout_shape(cfg, B, M, R, S);
+    work.reserve(exec, B, M, Hq, Hkv, R, S, D, sh.most_blocks(), sh.most_chunks());
 
-    // The schedule, page tables and lengths, from the step plan on the device.
+    // The schedule, page tables and lengths, from the step plan on the device; the scales and row bias.
     const auto p = plan.device;
-    const auto lens = work.lens, indptr = work.indptr, tl = work.tiles;
-    const auto state_pages = work.state_pages, window_pages = work.window_pages, chunk = work.chunk_size;
-    const auto valid = work.valid;
+    const PlanCounts<decltype(p), state::WindowRing<typename ExecSpace::memory_space, T>> counts{p, ring, Hkv};
     const long q_step = static_cast<long>(q.stride(0)) / static_cast<long>(q.stride(2));  // sequence stride in tokens
-    const long n_sched = B * S + blocks + B + 1;
-    Kokkos::parallel_for(
-        "kvmem::fi_plan", Kokkos::RangePolicy<ExecSpace, step_launch>(exec, 0, n_sched), KOKKOS_LAMBDA(long i) {
-          if (i < B * S) {  // window page j of sequence b: the ring slot of position window_begin + j
-            const long b = i / S, j = i % S;
-            window_pages(i) = static_cast<std::int32_t>(b * Hkv * S + ring.slot(p(b, window_begin_pos) + j));
-            return;
-          }
-          i -= B * S;
-          if (i < blocks) {  // CTA i: query tile i % tiles of sequence i / tiles
-            const long b = i / tiles, t = i % tiles;
-            const long queries = p(b, query_end) - p(b, query_begin);
-            const bool live = t * tile < queries * G;
-            tl(0, i) = static_cast<std::int32_t>(b);
-            tl(1, i) = static_cast<std::int32_t>(t);
-            tl(2, i) = 0;
-            valid(0, i) = live && p(b, read_rows) > 0;
-            valid(1, i) = live && p(b, query_end) > p(b, window_begin_pos);
-            return;
-          }
-          i -= blocks;
-          const long b = i;  // b == B: the closing entries of the indptr arrays
-          if (b < B) {
-            const long begin = p(b, query_begin), end = p(b, query_end);
-            const bool any = end > begin;
-            lens(0, b) = static_cast<std::int32_t>(any ? end - begin : 0);
-            lens(1, b) = static_cast<std::int32_t>(any ? p(b, read_rows) : 0);
-            lens(2, b) = static_cast<std::int32_t>(any ? end - p(b, window_begin_pos) : 0);
-            lens(3, b) = static_cast<std::int32_t>(p(b, read_rows));
-            lens(4, b) = 1;
-            indptr(0, b) = static_cast<std::int32_t>(b * q_step + (any ? begin - p(b, input_offset) : 0));
-            state_pages(b) = static_cast<std::int32_t>(b);
-          } else {
-            indptr(0, b) = static_cast<std::int32_t>(b * q_step);
-            chunk(0) = 2147483647;
-          }
-          indptr(1, b) = static_cast<std::int32_t>(b * M);
-          indptr(2, b) = static_cast<std::int32_t>(b);
-          indptr(3, b) = static_cast<std::int32_t>(b * S);
-        });
+    flashinfer_schedule(exec, counts, q_step, S, sh, G, work);
+    flashinfer_readout_scales<Merge>(exec, cfg, w, rows, p, q, sh, work);
 
-    // Each query's logit scale of both segments (Merge::logit_scale) and the state rows' bias.
-    const auto scales = work.scales;
-    const auto bias = work.row_bias;
-    const auto tau_state = w.tau_state, tau_window = w.tau_window;
-    Kokkos::parallel_for(
-        "kvmem::fi_scales", Kokkos::RangePolicy<ExecSpace, step_launch>(exec, 0, B * M * Hq + B * Hkv * R),
-        KOKKOS_LAMBDA(long i) {
-          if (i < B * M * Hq) {
-            const long hq = i % Hq, u = (i / Hq) % M, b = i / (Hq * M);
-            const long pos = p(b, query_begin) + u;
-            if (pos >= p(b, query_end)) return;
-            const auto* qu = &q(b, hq, pos - p(b, input_offset), 0);
-            scales(0, i) = Merge::logit_scale(tau_state[hq], qu, D);
-            scales(1, i) = Merge::logit_scale(tau_window[hq], qu, D);
-            return;
-          }
-          i -= B * M * Hq;
-          const long r = i % R, h = (i / R) % Hkv, b = i / (R * Hkv);
-          if (r < p(b, read_rows)) bias(i) = Merge::row_bias(rows.row(b, h, r));
-        });
-
-    // The two segments.
-    fi::SegmentLaunch s;
-    s.storage = std::is_same_v<T, bfloat16> ? fi::Storage16::bfloat16 : fi::Storage16::float16;
-    s.head_dim = D;
-    s.query_heads = Hq;
-    s.kv_heads = Hkv;
-    s.batch = static_cast<int>(B);
-    s.max_queries = static_cast<int>(M);
-    s.cta_tile_q = tile;
-    s.q = q.data();
-    s.q_stride_n = static_cast<std::int32_t>(q.stride(2));
-    s.q_stride_h = static_cast<std::int32_t>(q.stride(1));
-    s.q_indptr = &indptr(0, 0);
-    s.qo_lens = &lens(0, 0);
-    s.request_indices = &tl(0, 0);
-    s.qo_tile_indices = &tl(1, 0);
-    s.kv_tile_indices = &tl(2, 0);
-    s.o_indptr = &indptr(1, 0);
-    s.kv_chunk_size = chunk.data();
-    s.blocks = static_cast<std::uint32_t>(blocks);
-    const long rows_out = B * M * Hq;
-
-    fi::SegmentLaunch state = s;  // every query sees every state row: no mask; page = one sequence's rows
+    // The state rows: every query sees every row (no mask); a page holds one sequence's rows.
+    fi::SegmentLaunch state = detail::fi_launch<T>(q, Hq, Hkv, D, sh, 0, work);
+    state.segment = "state rows";
     state.causal = false;
     state.keys = rows.read_keys.data();
     state.values = rows.read_values.data();
@@ -266,19 +480,15 @@ void flashinfer_readout(const ExecSpace& exec, const MemoryConfig& cfg, const La
     state.stride_page = static_cast<std::uint32_t>(Hkv * R * D);
     state.stride_h = static_cast<std::uint32_t>(R * D);
     state.stride_n = static_cast<std::uint32_t>(D);
-    state.page_indices = state_pages.data();
-    state.page_indptr = &indptr(2, 0);
-    state.last_page_len = &lens(3, 0);
-    state.kv_lens = &lens(1, 0);
-    state.scales = &scales(0, 0);
-    state.row_bias = bias.data();
+    state.page_indices = work.state_pages.data();
+    state.page_indptr = detail::fi_at(work.indptr, 2, 0);
+    state.last_page_len = detail::fi_at(work.lens, 1, 0);
+    state.row_bias = work.row_bias.data();
     state.bias_stride_b = static_cast<std::uint32_t>(Hkv * R);
     state.bias_stride_h = static_cast<std::uint32_t>(R);
-    state.out = &work.partials(0, 0);
-    state.lse = &work.lse(0, 0);
-    state.block_valid = &valid(0, 0);
-
-    fi::SegmentLaunch window = s;  // right-aligned causal over positions [window_begin, query_end); page = a slot
+    // The window: right-aligned causal over positions [window_begin, query_end); a page is one ring slot.
+    fi::SegmentLaunch window = detail::fi_launch<T>(q, Hq, Hkv, D, sh, 1, work);
+    window.segment = "window";
     window.causal = true;
     window.keys = ring.keys.data();
     window.values = ring.values.data();
@@ -286,40 +496,72 @@ void flashinfer_readout(const ExecSpace& exec, const MemoryConfig& cfg, const La
     window.stride_page = static_cast<std::uint32_t>(D);
     window.stride_h = static_cast<std::uint32_t>(S * D);
     window.stride_n = static_cast<std::uint32_t>(D);
-    window.page_indices = window_pages.data();
-    window.page_indptr = &indptr(3, 0);
-    window.last_page_len = &lens(4, 0);
-    window.kv_lens = &lens(2, 0);
-    window.scales = &scales(1, 0);
-    window.out = &work.partials(1, 0);
-    window.lse = &work.lse(1, 0);
-    window.block_valid = &valid(1, 0);
-
+    window.page_indices = work.window_pages.data();
+    window.page_indptr = detail::fi_at(work.indptr, 3, 0);
+    window.last_page_len = detail::fi_at(work.lens, 3, 0);
     fi::launch_segment(state, exec.cuda_stream());
     fi::launch_segment(window, exec.cuda_stream());
 
     // The log-sum-exp merge of the two segments (an empty segment adds nothing), in float32, into y.
-    const auto part = work.partials;
-    const auto seg_lse = work.lse;
-    constexpr float ln2 = 0.69314718055994530942f;
+    flashinfer_merge_segments(exec, counts, Hq, D, sh, y, out_lse, work);
+  }
+#endif
+}
+
+/// Exact causal attention (kernels::exact_causal_attention: query u of sequence b and head hq at position
+/// first_position + u reads keys [0, first_position + u], logits (q_u . k_j) tau[hq] / sqrt(D), tau null:
+/// 1) on FlashInfer's tensor cores, where flashinfer_exact_applies: one launch over each sequence's keys and
+/// values [B, Hkv, P, D] in place (a page of P positions per sequence), FlashInfer's right-aligned causal
+/// mask, then y [B, Hq, T, D] (any strides) written from its output. A decode step (T = 1) over more than
+/// readout_split_keys keys is partitioned at every readout_split_keys positions. `work` grows here unless
+/// it holds the call's sizes already. Numerics: docs/numerics.md, "The readout on tensor cores". Throws
+/// std::logic_error where it does not apply, std::runtime_error when FlashInfer or CUDA refuses the launch.
+template <class ExecSpace, class In, class InKV, class Out>
+void flashinfer_exact_attention(
+    const ExecSpace& exec, const In& q, const InKV& k, const InKV& v, const Out& y, const float* tau,
+    long first_position,
+    FlashInferWork<typename ExecSpace::memory_space, std::remove_const_t<typename InKV::value_type>>& work) {
+  using T = std::remove_const_t<typename InKV::value_type>;
+#if defined(KVMEM_WITH_FLASHINFER) && defined(KOKKOS_ENABLE_CUDA)
+  if constexpr (!flashinfer_readout_built<ExecSpace, T>) {
+#endif
+    (void)exec, (void)q, (void)k, (void)v, (void)y, (void)tau, (void)first_position, (void)work;
+    throw std::logic_error("kvmem::kernels::flashinfer_exact_attention: not built for this execution space and storage");
+#if defined(KVMEM_WITH_FLASHINFER) && defined(KOKKOS_ENABLE_CUDA)
+  } else {
+    namespace fi = backend::cuda::flashinfer;
+    if (!flashinfer_exact_applies<ExecSpace>(ReadoutPath::automatic, q, k, v))
+      throw std::logic_error("kvmem::kernels::flashinfer_exact_attention: called where flashinfer_exact_applies is false");
+    const long B = static_cast<long>(q.extent(0)), M = static_cast<long>(q.extent(2));
+    const int Hq = static_cast<int>(q.extent(1)), Hkv = static_cast<int>(k.extent(1)), D = static_cast<int>(q.extent(3));
+    if (B == 0 || M == 0) return;
+    const long n_keys = first_position + M;
+    const FlashInferShape sh(B, M, Hq / Hkv, n_keys, 0);
+    work.reserve(exec, B, M, Hq, Hkv, 0, 0, D, sh.most_blocks(), sh.most_chunks());
+    const UniformCounts counts{M, n_keys};
+    flashinfer_schedule(exec, counts, static_cast<long>(q.stride(0)) / static_cast<long>(q.stride(2)), 0, sh, Hq / Hkv,
+                        work);
+    const auto scales = work.scales;
+    const float sqrt_d = Kokkos::sqrt(static_cast<float>(D));
     Kokkos::parallel_for(
-        "kvmem::fi_merge", Kokkos::RangePolicy<ExecSpace, step_launch>(exec, 0, rows_out), KOKKOS_LAMBDA(long i) {
-          const long hq = i % Hq, u = (i / Hq) % M, b = i / (Hq * M);
-          const long pos = p(b, query_begin) + u;
-          if (pos >= p(b, query_end)) return;
-          const bool has_state = p(b, read_rows) > 0, has_window = p(b, query_end) > p(b, window_begin_pos);
-          const float ls = has_state ? seg_lse(0, i) : neg_inf(), lw = has_window ? seg_lse(1, i) : neg_inf();
-          const float m = ls > lw ? ls : lw;
-          const float as = has_state ? Kokkos::exp2(ls - m) : 0.0f, aw = has_window ? Kokkos::exp2(lw - m) : 0.0f;
-          const float inv = 1.0f / (as + aw);
-          const long t = pos - p(b, input_offset);
-          for (int c = 0; c < D; ++c) {
-            const float ys = has_state ? to_float(part(0, i * D + c)) : 0.0f;
-            const float yw = has_window ? to_float(part(1, i * D + c)) : 0.0f;
-            y(b, hq, t, c) = from_float<typename Out::value_type>((as * ys + aw * yw) * inv);
-          }
-          if (out_lse.data() != nullptr) out_lse(b, hq, t) = (m + Kokkos::log2(as + aw)) * ln2;
+        "kvmem::fi_scales", Kokkos::RangePolicy<ExecSpace, step_launch>(exec, 0, B * M * Hq), KOKKOS_LAMBDA(long i) {
+          scales(0, i) = (tau ? tau[i % Hq] : 1.0f) / sqrt_d;  // as exact_causal_attention
         });
+    fi::SegmentLaunch s = detail::fi_launch<T>(q, Hq, Hkv, D, sh, 0, work);
+    s.segment = "KV cache";
+    s.causal = true;
+    s.keys = k.data();
+    s.values = v.data();
+    s.page_size = static_cast<std::uint32_t>(k.extent(2));
+    s.stride_page = static_cast<std::uint32_t>(k.stride(0));
+    s.stride_h = static_cast<std::uint32_t>(k.stride(1));
+    s.stride_n = static_cast<std::uint32_t>(k.stride(2));
+    s.page_indices = work.state_pages.data();
+    s.page_indptr = detail::fi_at(work.indptr, 2, 0);
+    s.last_page_len = detail::fi_at(work.lens, 1, 0);
+    fi::launch_segment(s, exec.cuda_stream());
+    flashinfer_merge_segments(exec, counts, Hq, D, sh, y, Kokkos::View<float***, Kokkos::LayoutStride,
+                                                                   typename ExecSpace::memory_space>{}, work);
   }
 #endif
 }

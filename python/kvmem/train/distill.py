@@ -10,7 +10,12 @@ logarithm; starts at the closed form mean|q| * mean|k| / D per head, which makes
 the model's q . k / sqrt(D) for keys and queries of mean norm). The loss is the relative squared error of
 the attention output, sum |y - y_exact|^2 / sum |y_exact|^2 over the batch's queries, heads and channels;
 the memories' routing decisions are arg-max (kvm-paper Sec. 4, ovq-paper Sec. 3.2: trained through the
-folded sums and centroid means, not through the routing)."""
+folded sums and centroid means, not through the routing).
+
+KVPOP's scorers (kvpop-paper Sec. 2.1, the retrofit with the base model frozen; spec EVICTION.md §3): one
+mLSTM scorer per layer and kv-head (kvmem.train.kvpop), trained with the paper's pairwise ranking loss
+(eq. 2) against the teacher's decisions from the layer's future-attention importance (App. D): its hard
+top-k gives the attention output no gradient, so the ranking loss is what trains it."""
 
 from __future__ import annotations
 
@@ -22,6 +27,7 @@ import torch
 from .. import budget as budgets
 from .capture import LayerInputs, exact_attention
 from .kvm import kvm_prefill
+from .kvpop import effective_keys, importance_target, kvpop_loss, mlstm_scores, weight_shapes
 from .ovq import ovq_prefill
 
 
@@ -121,6 +127,77 @@ class OvqParameters(torch.nn.Module):
         return {"beta": self.log_beta.detach().exp()}
 
 
+@dataclass(frozen=True)
+class KvpopSetup:
+    """The KVPOP eviction memory the scorers are trained for (kvmem.EvictionMemory's arguments, in tokens):
+    sinks, the recency window and the top_k scored tokens kept."""
+
+    sinks: int
+    window: int
+    top_k: int
+
+    def memory_args(self) -> dict:
+        """The keyword arguments of kvmem.EvictionMemory / kvmem.transformers.eviction for this memory."""
+        return {"sinks": self.sinks, "window": self.window, "top_k": self.top_k}
+
+
+class KvpopParameters(torch.nn.Module):
+    """One layer's KVPOP scorers, one per kv-head, as kvmem.weights names them (w_q, w_k, w_v [Hkv, D + Dv,
+    D / 2], w_i, w_f [Hkv, D + Dv], b_i, b_f, b_s, theta [Hkv], w_s [Hkv, D / 2]), float32. Initial values:
+    projections and gate vectors normal with standard deviation 1 / sqrt(fan-in), b_f = 3 (forget gates
+    near 1: a long memory), b_i = b_s = theta = 0 (kvpop-paper App. E leaves the initialization open)."""
+
+    def __init__(self, kv_heads: int, head_dim: int, value_dim: int | None = None, *, seed: int = 0,
+                 tensors: dict[str, torch.Tensor] | None = None):
+        super().__init__()
+        shapes = weight_shapes(kv_heads, head_dim, value_dim)
+        g = torch.Generator().manual_seed(seed)
+        for name, shape in shapes.items():
+            if tensors is not None:
+                value = tensors[name].detach().float().clone()
+            elif name in ("w_q", "w_k", "w_v", "w_i", "w_f", "w_s"):
+                fan_in = shape[1]
+                value = torch.randn(shape, generator=g) / fan_in ** 0.5
+            else:
+                value = torch.full(shape, 3.0 if name == "b_f" else 0.0)
+            self.register_parameter(name, torch.nn.Parameter(value))
+
+    def forward(self, inputs: LayerInputs, setup: KvpopSetup) -> torch.Tensor:
+        """The static ranking keys kappa [B, Hkv, T] of the layer's captured keys and values (delayed scoring
+        with the memory's window, spec EVICTION.md §2-§4)."""
+        scores = mlstm_scores(inputs.k, inputs.v, self.tensors(detach=False), window=setup.window)
+        return effective_keys(scores, self.theta)
+
+    def tensors(self, detach: bool = True) -> dict[str, torch.Tensor]:
+        """The layer's tensors as kvmem.weights names them (float32; detached unless ``detach`` is False)."""
+        return {name: (p.detach() if detach else p) for name, p in self.named_parameters()}
+
+
+def fit_kvpop_layer(batches: list[LayerInputs], setup: KvpopSetup, *, steps: int, lr: float = 3e-3, seed: int = 0,
+                    on_step: Callable[[int, float], None] | None = None) -> LayerFit:
+    """Fits one layer's KVPOP scorers (KvpopParameters from its initial values, seeded ``seed``) with Adam
+    (``lr``) to the layer's teacher on ``batches``: kvpop_loss of the scorers' keys against the target keys
+    effective_keys(log m, theta) (theta detached), log m the future-attention importance of the captured
+    queries and keys (importance_target, exact dense pass). The curve holds the summed loss over the batches
+    before each step and after the last. Raises ValueError for steps < 0 or no batch, and as kvpop_loss."""
+    if steps < 0:
+        raise ValueError(f"steps = {steps}: must be >= 0")
+    if not batches:
+        raise ValueError("batches: no captured inputs to fit")
+    first = batches[0]
+    p = KvpopParameters(first.k.shape[1], first.k.shape[-1], first.v.shape[-1], seed=seed)
+    args = {"sinks": setup.sinks, "window": setup.window}
+    log_m = [importance_target(b.q, b.k, **args, log=True) for b in batches]
+
+    def losses():
+        for b, target in zip(batches, log_m):
+            yield kvpop_loss(p(b, setup), effective_keys(target, p.theta.detach()), **args,
+                             top_k=setup.top_k) / len(batches)
+
+    curve = _descend(torch.optim.Adam(p.parameters(), lr=lr), losses, steps, on_step)
+    return LayerFit(p.tensors(), curve)
+
+
 def relative_error(y: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     """sum |y - target|^2 / sum |target|^2 (a scalar tensor)."""
     return (y - target).square().sum() / target.square().sum()
@@ -207,7 +284,7 @@ def model_shape(model) -> dict:
 
 
 def memory_weights(memory: str, model_name: str, model, layers: list[dict], metadata: dict | None = None):
-    """kvmem.weights.MemoryWeights of ``memory`` ("kvm" or "ovq") for ``model`` (named ``model_name`` in the
+    """kvmem.weights.MemoryWeights of ``memory`` ("kvm", "ovq" or "kvpop") for ``model`` (named ``model_name`` in the
     file) from one dict of tensors per layer, in layer order. Raises ValueError as MemoryWeights.check."""
     from ..weights import MemoryWeights
 
@@ -217,7 +294,11 @@ def memory_weights(memory: str, model_name: str, model, layers: list[dict], meta
 
 
 def parameters_of(memory: str, tensors: dict[str, torch.Tensor]) -> torch.nn.Module:
-    """KvmParameters or OvqParameters (``memory`` "kvm" or "ovq") holding one layer's tensors."""
+    """KvmParameters, OvqParameters or KvpopParameters (``memory`` "kvm", "ovq" or "kvpop") holding one
+    layer's tensors."""
+    if memory == "kvpop":
+        H, X, h = tensors["w_q"].shape
+        return KvpopParameters(H, 2 * h, X - 2 * h, tensors=tensors)
     return OvqParameters(tensors["beta"]) if memory == "ovq" else KvmParameters.from_tensors(tensors)
 
 

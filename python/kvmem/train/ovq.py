@@ -41,10 +41,11 @@ rounded dot products) does; the reference reports those as near-ties.
 from __future__ import annotations
 
 import math
-import operator
 from typing import NamedTuple
 
 import torch
+
+from ._checks import count as _count_arg
 
 from .. import budget as budgets
 
@@ -98,17 +99,6 @@ def _validate_budget(budget) -> budgets.Schedule:
     return budget
 
 
-def _count(name: str, value, low: int) -> int:
-    """An integer argument >= low (TypeError for a non-integer, ValueError below low), naming it."""
-    if isinstance(value, bool):
-        raise TypeError(f"{name} = {value!r}: must be an int")
-    try:
-        n = operator.index(value)
-    except TypeError:
-        raise TypeError(f"{name} = {value!r}: must be an int") from None
-    if n < low:
-        raise ValueError(f"{name} = {n}: must be >= {low}")
-    return n
 
 
 def dictionary_sizes(tokens: int, *, chunk: int, max_centroids: int, budget: budgets.Schedule | None = None) -> list[int]:
@@ -126,9 +116,9 @@ def dictionary_sizes(tokens: int, *, chunk: int, max_centroids: int, budget: bud
     ``tokens`` (>= 0), ``chunk`` (tokens, >= 1) and ``max_centroids`` (rows, >= 1) are ints. Raises TypeError for
     a non-integer count or a budget that is not a kvmem.budget schedule, ValueError for a count out of range or
     a schedule parameter the C++ constructor refuses (naming the field)."""
-    tokens = _count("tokens", tokens, 0)
-    chunk = _count("chunk", chunk, 1)
-    max_centroids = _count("max_centroids", max_centroids, 1)
+    tokens = _count_arg("tokens", tokens, 0)
+    chunk = _count_arg("chunk", chunk, 1)
+    max_centroids = _count_arg("max_centroids", max_centroids, 1)
     schedule = budgets.Plateau(float(max_centroids)) if budget is None else _validate_budget(budget)
     sizes = [0]
     for c in range(tokens // chunk):

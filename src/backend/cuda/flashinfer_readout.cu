@@ -102,7 +102,9 @@ ReadoutParams<DType> params_of(const SegmentLaunch& s) {
   p.block_valid_mask = const_cast<bool*>(s.block_valid);
   p.max_total_num_rows = static_cast<std::uint32_t>(s.batch) * static_cast<std::uint32_t>(s.max_queries);
   p.padded_batch_size = s.blocks;
-  p.partition_kv = false;
+  p.partition_kv = s.kv_chunks > 1;  // set again by the launcher from tmp_v
+  p.merge_indptr = const_cast<std::int32_t*>(s.merge_indptr);
+  p.total_num_rows = const_cast<std::uint32_t*>(s.merged_rows);
   p.qo_lens = s.qo_lens;
   p.kv_lens = s.kv_lens;
   p.scales = s.scales;
@@ -113,20 +115,22 @@ ReadoutParams<DType> params_of(const SegmentLaunch& s) {
   return p;
 }
 
-/// One instantiation: K and V share strides (SAME_KV_STRIDES), no RoPE, float32 QK accumulation, no KV
-/// partition (tmp_v = null).
+/// One instantiation: K and V share strides (SAME_KV_STRIDES), no RoPE, float32 QK accumulation; a KV
+/// partition where tmp_v is not null (chunk outputs, then FlashInfer's merge).
 template <class DType, std::uint32_t HeadDim, std::uint32_t TileQ, fi::MaskMode Mask>
-cudaError_t run(const ReadoutParams<DType>& p, cudaStream_t stream) {
+cudaError_t run(const ReadoutParams<DType>& p, DType* tmp_v, float* tmp_s, cudaStream_t stream) {
   return fi::BatchPrefillWithPagedKVCacheDispatched<true, TileQ, HeadDim, HeadDim, fi::PosEncodingMode::kNone, false,
                                                     Mask, ReadoutVariant, ReadoutParams<DType>>(
-      p, static_cast<DType*>(nullptr), static_cast<float*>(nullptr), /*enable_pdl=*/false, stream);
+      p, tmp_v, tmp_s, /*enable_pdl=*/false, stream);
 }
 
 template <class DType, std::uint32_t HeadDim, std::uint32_t TileQ>
 cudaError_t run_mask(const SegmentLaunch& s, cudaStream_t stream) {
   const auto p = params_of<DType>(s);
-  return s.causal ? run<DType, HeadDim, TileQ, fi::MaskMode::kCausal>(p, stream)
-                  : run<DType, HeadDim, TileQ, fi::MaskMode::kNone>(p, stream);
+  DType* tmp_v = s.kv_chunks > 1 ? static_cast<DType*>(s.chunk_out) : nullptr;
+  float* tmp_s = s.kv_chunks > 1 ? s.chunk_lse : nullptr;
+  return s.causal ? run<DType, HeadDim, TileQ, fi::MaskMode::kCausal>(p, tmp_v, tmp_s, stream)
+                  : run<DType, HeadDim, TileQ, fi::MaskMode::kNone>(p, tmp_v, tmp_s, stream);
 }
 
 template <class DType, std::uint32_t HeadDim>
@@ -152,16 +156,20 @@ cudaError_t run_head_dim(const SegmentLaunch& s, cudaStream_t stream) {
 }  // namespace
 
 void launch_segment(const SegmentLaunch& launch, cudaStream_t stream) {
+  const std::string kernel = std::string("kvmem::backend::cuda::flashinfer::launch_segment (FlashInfer's "
+                                         "BatchPrefillWithPagedKVCacheKernel") +
+                             (launch.kv_chunks > 1 ? " and VariableLengthMergeStates" : "") + " over the " +
+                             launch.segment + ", head_dim " + std::to_string(launch.head_dim) + ", query tile " +
+                             std::to_string(launch.cta_tile_q) + ")";
   cudaError_t status = cudaSuccess;
   try {
     status = launch.storage == Storage16::bfloat16 ? run_head_dim<nv_bfloat16>(launch, stream)
                                                    : run_head_dim<__half>(launch, stream);
   } catch (const fi::Error& e) {
-    throw std::runtime_error(std::string("kvmem flashinfer readout: FlashInfer refused the launch: ") + e.what());
+    throw std::runtime_error(kernel + ": FlashInfer refused the launch: " + e.what());
   }
   if (status != cudaSuccess)
-    throw std::runtime_error(std::string("kvmem flashinfer readout: ") + cudaGetErrorName(status) + ": " +
-                             cudaGetErrorString(status));
+    throw std::runtime_error(kernel + ": " + cudaGetErrorName(status) + ": " + cudaGetErrorString(status));
 }
 
 }  // namespace kvmem::backend::cuda::flashinfer

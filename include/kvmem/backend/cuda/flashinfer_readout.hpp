@@ -46,9 +46,14 @@ enum class Storage16 : int { bfloat16, float16 };
 ///   lse [B * max_queries, Hq] float32 the base-2 log-sum-exp of the logits times log2(e).
 /// - Schedule (kvmem writes it on the device, FlashInfer's host planners are not used): `blocks` CTAs per
 ///   kv-head; CTA x handles query tile qo_tile_indices[x] (of cta_tile_q packed rows) of sequence
-///   request_indices[x] when block_valid[x]; kv_tile_indices all 0, o_indptr[b] = b * max_queries,
-///   kv_chunk_size one int (read, unused without a KV partition).
+///   request_indices[x], KV chunk kv_tile_indices[x] (keys [c kv_chunk_size, (c + 1) kv_chunk_size)), when
+///   block_valid[x]; o_indptr[b] = b * max_queries; kv_chunk_size one int.
+/// - KV partition (kv_chunks > 1, one query per sequence): CTA x writes its chunk's output to chunk_out
+///   [rows, Hq, D] and chunk_lse [rows, Hq] at row o_indptr[b] + c (o_indptr then holds the partition
+///   offsets), and FlashInfer's merge (VariableLengthMergeStates) joins rows [merge_indptr[r],
+///   merge_indptr[r + 1]) into out and lse row r for r < *merged_rows (= batch).
 struct SegmentLaunch {
+  const char* segment = "";  ///< what the launch reads ("state rows", "window", "KV cache"), for error messages
   Storage16 storage = Storage16::bfloat16;
   int head_dim = 0, query_heads = 0, kv_heads = 0, batch = 0, max_queries = 0, cta_tile_q = 16;
   bool causal = false;
@@ -75,13 +80,19 @@ struct SegmentLaunch {
   const std::int32_t* kv_chunk_size = nullptr;
   const bool* block_valid = nullptr;
   std::uint32_t blocks = 0;
+  std::uint32_t kv_chunks = 1;
+  const std::int32_t* merge_indptr = nullptr;
+  void* chunk_out = nullptr;
+  float* chunk_lse = nullptr;
+  const std::uint32_t* merged_rows = nullptr;
 };
 
 #ifdef KVMEM_WITH_FLASHINFER  // defined by kvmem::flashinfer, a Cuda build only
 /// Launches FlashInfer's FA2 paged prefill for `launch` on `stream` (no host synchronization, capturable in
 /// a CUDA graph). Throws std::invalid_argument for a head_dim not instantiated (head_dim_instantiated) or a
-/// cta_tile_q other than 16, 64, 128, and std::runtime_error with FlashInfer's or CUDA's message when the
-/// launch fails (e.g. the GPU lacks the shared memory of the tile, or an architecture below sm_80).
+/// cta_tile_q other than 16, 64, 128, and std::runtime_error naming the kernel, the segment and FlashInfer's
+/// or CUDA's message when the launch fails (e.g. the GPU lacks the shared memory of the tile, or an
+/// architecture below sm_80).
 void launch_segment(const SegmentLaunch& launch, cudaStream_t stream);
 #endif
 
