@@ -262,3 +262,35 @@ TEST_CASE("the log-sum-exp merge of two segments is the float64 merge, and copie
   CHECK(worst_lse <= 1e-5);
   CHECK(copies_differ == 0);
 }
+
+TEST_CASE("the tensor-core buffers only grow: a prefill after reserve() leaves them fit for decode", "[flashinfer][schedule]") {
+  kk::FlashInferWork<space, kvmem::bfloat16> work;
+  const long B = 2, R = 2048, S = 1344;
+  const int Hq = 8, Hkv = 2, D = 16;
+  const kk::FlashInferShape decode(B, 1, Hq / Hkv, R, S), prefill(B, 300, Hq / Hkv, R, S);
+  REQUIRE(decode.most_chunks() == 2);
+  REQUIRE(prefill.most_chunks() == 1);
+  auto reserve = [&](const kk::FlashInferShape& sh) {
+    work.reserve(exec(), B, sh.M, Hq, Hkv, R, S, D, sh.most_blocks(), sh.most_chunks());
+  };
+  auto holds = [&](const kk::FlashInferShape& sh) {
+    return work.holds(B, sh.M, Hq, Hkv, R, S, D, sh.most_blocks(), sh.most_chunks());
+  };
+  CHECK_FALSE(holds(decode));
+  reserve(decode);
+  CHECK(holds(decode));
+  const auto* chunk_out = work.chunk_out.data();
+  const auto* window_pages = work.window_pages.data();
+  const auto* partials = work.partials.data();
+  reserve(decode);  // nothing grows: the same addresses (what a captured decode step relies on)
+  CHECK(work.chunk_out.data() == chunk_out);
+  CHECK(work.partials.data() == partials);
+  CHECK_FALSE(holds(prefill));
+  reserve(prefill);  // the query buffers grow; the partition's and the page tables stay
+  CHECK(holds(prefill));
+  CHECK(holds(decode));
+  CHECK(work.chunk_out.data() == chunk_out);
+  CHECK(work.window_pages.data() == window_pages);
+  CHECK(work.partials.data() != partials);
+  CHECK(work.holds(B, 1, Hq, Hkv, R, S, D, prefill.most_blocks(), 1));  // unpartitioned steps need no chunk buffers
+}

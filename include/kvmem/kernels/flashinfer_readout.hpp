@@ -14,6 +14,7 @@
 /// docs/cuda.md, "Tensor cores"; docs/numerics.md, "The readout on tensor cores".
 
 #include <Kokkos_Core.hpp>
+#include <array>
 #include <cstdint>
 #include <stdexcept>
 #include <string>
@@ -81,38 +82,54 @@ struct FlashInferWork {
   Kokkos::View<float*, MemorySpace> row_bias;
   Kokkos::View<T**, Kokkos::LayoutRight, MemorySpace> partials, chunk_out;
 
-  /// Whether the buffers hold a step of these sizes (see the struct comment).
+  /// The length each buffer needs for a step of these sizes (see the struct comment), in the order
+  /// lens, indptr, tiles, state_pages, window_pages, valid, scales, lse, chunk_lse, row_bias, partials,
+  /// chunk_out (the last extent of each; the leading ones are fixed).
+  [[nodiscard]] static std::array<long, 12> needs(long batch, long max_queries, int hq, int hkv, long row_capacity,
+                                                  long slots, int d, long blocks, long chunks) {
+    const long out_rows = batch * max_queries * hq, chunk_rows = chunks > 1 ? batch * hq * chunks : 0L;
+    return {batch, batch + 1, blocks, batch, batch * slots, blocks, out_rows, out_rows, chunk_rows,
+            batch * hkv * row_capacity, out_rows * d, chunk_rows * d};
+  }
+  /// Whether every buffer holds a step of these sizes.
   [[nodiscard]] bool holds(long batch, long max_queries, int hq, int hkv, long row_capacity, long slots, int d,
                            long blocks, long chunks) const {
-    const long out_rows = batch * max_queries * hq;
-    return static_cast<long>(lens.extent(1)) >= batch && static_cast<long>(window_pages.extent(0)) >= batch * slots &&
-           static_cast<long>(tiles.extent(2)) >= blocks && static_cast<long>(scales.extent(1)) >= out_rows &&
-           static_cast<long>(row_bias.extent(0)) >= batch * hkv * row_capacity &&
-           static_cast<long>(partials.extent(1)) >= out_rows * d &&
-           static_cast<long>(chunk_lse.extent(1)) >= batch * hq * chunks &&
-           static_cast<long>(chunk_out.extent(1)) >= batch * hq * chunks * d;
+    const auto n = needs(batch, max_queries, hq, hkv, row_capacity, slots, d, blocks, chunks);
+    const long have[12] = {last(lens), last(indptr), last(tiles), last(state_pages), last(window_pages), last(valid),
+                           last(scales), last(lse), last(chunk_lse), last(row_bias), last(partials), last(chunk_out)};
+    for (int i = 0; i < 12; ++i)
+      if (have[i] < n[i]) return false;
+    return chunk_size.extent(0) >= 1 && rows.extent(0) >= 1;
   }
-  /// Allocates buffers for a step of these sizes (contents undefined) unless they hold() it already.
+  /// Grows each buffer that is shorter than a step of these sizes needs, to that length (contents
+  /// undefined); the others keep their allocation and address, so buffers only ever grow: after a decode
+  /// step's reserve() (Memory::reserve) a prefill of any size still leaves them fit for decode steps.
   template <class ExecSpace>
   void reserve(const ExecSpace& exec, long batch, long max_queries, int hq, int hkv, long row_capacity, long slots,
                int d, long blocks, long chunks) {
-    if (holds(batch, max_queries, hq, hkv, row_capacity, slots, d, blocks, chunks)) return;
-    const long out_rows = batch * max_queries * hq, chunk_rows = chunks > 1 ? batch * hq * chunks : 0;
+    const auto n = needs(batch, max_queries, hq, hkv, row_capacity, slots, d, blocks, chunks);
     auto a = [&](const char* label) { return Kokkos::view_alloc(exec, Kokkos::WithoutInitializing, std::string(label)); };
-    lens = ints(a("kvmem::fi_lens"), 4, batch);
-    indptr = ints(a("kvmem::fi_indptr"), 6, batch + 1);
-    tiles = decltype(tiles)(a("kvmem::fi_tiles"), 2, 3, blocks);
-    state_pages = decltype(state_pages)(a("kvmem::fi_state_pages"), batch);
-    window_pages = decltype(window_pages)(a("kvmem::fi_window_pages"), batch * slots);
-    chunk_size = decltype(chunk_size)(a("kvmem::fi_chunk_size"), 1);
-    rows = decltype(rows)(a("kvmem::fi_rows"), 1);
-    valid = decltype(valid)(a("kvmem::fi_valid"), 2, blocks);
-    scales = decltype(scales)(a("kvmem::fi_scales"), 2, out_rows);
-    lse = decltype(lse)(a("kvmem::fi_lse"), 2, out_rows);
-    chunk_lse = decltype(chunk_lse)(a("kvmem::fi_chunk_lse"), 2, chunk_rows);
-    row_bias = decltype(row_bias)(a("kvmem::fi_row_bias"), batch * hkv * row_capacity);
-    partials = decltype(partials)(a("kvmem::fi_partials"), 2, out_rows * d);
-    chunk_out = decltype(chunk_out)(a("kvmem::fi_chunk_out"), 2, chunk_rows * d);
+    if (last(lens) < n[0]) lens = ints(a("kvmem::fi_lens"), 4, n[0]);
+    if (last(indptr) < n[1]) indptr = ints(a("kvmem::fi_indptr"), 6, n[1]);
+    if (last(tiles) < n[2]) tiles = decltype(tiles)(a("kvmem::fi_tiles"), 2, 3, n[2]);
+    if (last(state_pages) < n[3]) state_pages = decltype(state_pages)(a("kvmem::fi_state_pages"), n[3]);
+    if (last(window_pages) < n[4]) window_pages = decltype(window_pages)(a("kvmem::fi_window_pages"), n[4]);
+    if (last(valid) < n[5]) valid = decltype(valid)(a("kvmem::fi_valid"), 2, n[5]);
+    if (last(scales) < n[6]) scales = decltype(scales)(a("kvmem::fi_scales"), 2, n[6]);
+    if (last(lse) < n[7]) lse = decltype(lse)(a("kvmem::fi_lse"), 2, n[7]);
+    if (last(chunk_lse) < n[8]) chunk_lse = decltype(chunk_lse)(a("kvmem::fi_chunk_lse"), 2, n[8]);
+    if (last(row_bias) < n[9]) row_bias = decltype(row_bias)(a("kvmem::fi_row_bias"), n[9]);
+    if (last(partials) < n[10]) partials = decltype(partials)(a("kvmem::fi_partials"), 2, n[10]);
+    if (last(chunk_out) < n[11]) chunk_out = decltype(chunk_out)(a("kvmem::fi_chunk_out"), 2, n[11]);
+    if (chunk_size.extent(0) < 1) chunk_size = decltype(chunk_size)(a("kvmem::fi_chunk_size"), 1);
+    if (rows.extent(0) < 1) rows = decltype(rows)(a("kvmem::fi_rows"), 1);
+  }
+
+ private:
+  /// The last extent of a buffer (0 before its first allocation).
+  template <class View>
+  static long last(const View& v) {
+    return v.data() == nullptr ? 0L : static_cast<long>(v.extent(View::rank() - 1));
   }
 };
 
@@ -161,9 +178,17 @@ template <StorageType T, class QueriesIn>
   constexpr long vec = 16 / static_cast<long>(sizeof(T));  // elements per 16 bytes
   if (sb % st != 0 || st % vec != 0 || sh % vec != 0 || reinterpret_cast<std::uintptr_t>(q.data()) % 16 != 0)
     return false;
-  const long B = static_cast<long>(q.extent(0)), T_in = static_cast<long>(q.extent(2));
+  const long B = static_cast<long>(q.extent(0)), Hq = static_cast<long>(q.extent(1)), T_in = static_cast<long>(q.extent(2));
   const long q_rows = (B - 1) * (sb / st) + T_in;  // q_indptr + query index, in token strides
-  return q_rows * st < fi_int32_max && sh < fi_int32_max;
+  // FlashInfer forms each offset term as a 32-bit product (IdType and uint32): the whole of q within int32.
+  const long last = (B - 1) * sb + (Hq - 1) * sh + (T_in - 1) * st + static_cast<long>(q.extent(3));
+  return q_rows * st < fi_int32_max && sh < fi_int32_max && last < fi_int32_max;
+}
+
+/// Whether FlashInfer's outputs of a step of B sequences of up to M queries, Hq heads of D channels stay
+/// within int32 (its row offsets o_indptr * Hq D are 32-bit products).
+[[nodiscard]] inline bool fi_outputs_addressable(long batch, long max_queries, long hq, long d) {
+  return batch * max_queries * hq * d < fi_int32_max;
 }
 
 /// A launch of segment s: the fields every segment shares (storage type, sizes, the queries in place, the
@@ -392,8 +417,11 @@ template <class ExecSpace, StorageType T, class QueriesIn>
     if (path != ReadoutPath::automatic || needs_lse) return false;
     if (cfg.head_dim != cfg.value_dim || !backend::cuda::flashinfer::head_dim_instantiated(cfg.head_dim)) return false;
     const long Hkv = cfg.kv_heads, D = cfg.head_dim, R = rows.capacity(), S = ring.slots();
-    return detail::fi_queries_addressable<T>(q) && static_cast<long>(q.extent(0)) * Hkv * S < detail::fi_int32_max &&
-           Hkv * R * D < detail::fi_uint32_max && S * D < detail::fi_uint32_max;
+    return detail::fi_queries_addressable<T>(q) &&
+           detail::fi_outputs_addressable(static_cast<long>(q.extent(0)), static_cast<long>(q.extent(2)),
+                                          cfg.query_heads, D) &&
+           static_cast<long>(q.extent(0)) * Hkv * S < detail::fi_int32_max && Hkv * R * D < detail::fi_uint32_max &&
+           S * D < detail::fi_uint32_max;
   }
 }
 
@@ -412,7 +440,10 @@ template <class ExecSpace, class In, class InKV>
     if (path != ReadoutPath::automatic) return false;
     const int D = static_cast<int>(q.extent(3));
     if (static_cast<int>(v.extent(3)) != D || !backend::cuda::flashinfer::head_dim_instantiated(D)) return false;
-    if (!detail::fi_queries_addressable<T>(q)) return false;
+    if (!detail::fi_queries_addressable<T>(q) ||
+        !detail::fi_outputs_addressable(static_cast<long>(q.extent(0)), static_cast<long>(q.extent(2)),
+                                        static_cast<long>(q.extent(1)), D))
+      return false;
     constexpr long vec = 16 / static_cast<long>(sizeof(T));
     for (int i = 0; i < 3; ++i) {
       const long sk = static_cast<long>(k.stride(i));

@@ -156,6 +156,10 @@ cudaError_t run_head_dim(const SegmentLaunch& s, cudaStream_t stream) {
 }  // namespace
 
 void launch_segment(const SegmentLaunch& launch, cudaStream_t stream) {
+  if (launch.kv_chunks > 1 && launch.max_queries != 1)
+    throw std::invalid_argument("kvmem flashinfer readout: kv_chunks = " + std::to_string(launch.kv_chunks) +
+                                " with max_queries = " + std::to_string(launch.max_queries) +
+                                " (a KV partition takes one query per sequence)");
   const std::string kernel = std::string("kvmem::backend::cuda::flashinfer::launch_segment (FlashInfer's "
                                          "BatchPrefillWithPagedKVCacheKernel") +
                              (launch.kv_chunks > 1 ? " and VariableLengthMergeStates" : "") + " over the " +

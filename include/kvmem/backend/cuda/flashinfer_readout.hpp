@@ -89,8 +89,8 @@ struct SegmentLaunch {
 
 #ifdef KVMEM_WITH_FLASHINFER  // defined by kvmem::flashinfer, a Cuda build only
 /// Launches FlashInfer's FA2 paged prefill for `launch` on `stream` (no host synchronization, capturable in
-/// a CUDA graph). Throws std::invalid_argument for a head_dim not instantiated (head_dim_instantiated) or a
-/// cta_tile_q other than 16, 64, 128, and std::runtime_error naming the kernel, the segment and FlashInfer's
+/// a CUDA graph). Throws std::invalid_argument for a head_dim not instantiated (head_dim_instantiated), a
+/// cta_tile_q other than 16, 64, 128, or kv_chunks > 1 with max_queries != 1, and std::runtime_error naming the kernel, the segment and FlashInfer's
 /// or CUDA's message when the launch fails (e.g. the GPU lacks the shared memory of the tile, or an
 /// architecture below sm_80).
 void launch_segment(const SegmentLaunch& launch, cudaStream_t stream);
