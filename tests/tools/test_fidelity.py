@@ -182,11 +182,15 @@ def test_sizing():
 
 
 def test_every_memory_of_the_study_is_built():
-    """Each id of LABELS builds its memory; the merging evictions and proportional merge are what they say."""
+    """Each id of the study builds its memory; the merging evictions and proportional merge are what they say;
+    KVPOP, which needs trained scorers, is refused without them."""
     shape = dict(head_dim=16, query_heads=4, kv_heads=2, value_dim=16, batch=1)
-    for m in lm_memories.LABELS:
+    assert set(lm_memories.STUDY) | set(lm_memories.WEIGHTS_ONLY) == set(lm_memories.LABELS)
+    for m in lm_memories.STUDY:
         mem = lm_memories.factory(m, 1000, 0.25)(0, **shape)
         assert mem.allocated_bytes() > 0, m
+    with pytest.raises(ValueError, match="needs trained scorers"):
+        lm_memories.factory("kvpop", 1000, 0.25)
     plain = lm_memories.factory("h2o", 1000, 0.25)(0, **shape)
     merged = lm_memories.factory("h2o-merge", 1000, 0.25)(0, **shape)
     assert merged.held_bytes() == plain.held_bytes() + 2 * (250 + 1) * 4  # one float32 count per row

@@ -278,7 +278,7 @@ def main(argv=None) -> int:
     ap.add_argument("--haystack2", default=None, help="a second haystack (doubles the needle cases)")
     ap.add_argument("--calibration", default=None, help="calibrate.py fit JSON (adds calibrated KVM/OVQ rows)")
     ap.add_argument("--fractions", default="1/4,1/8,1/16")
-    ap.add_argument("--memories", default=",".join(lm_memories.LABELS))
+    ap.add_argument("--memories", default=",".join(lm_memories.STUDY))
     ap.add_argument("--ppl-tokens", type=int, default=2048)
     ap.add_argument("--needle-tokens", type=int, default=512, help="tokens of each haystack")
     ap.add_argument("--depths", default="0.1,0.5,0.9", help="where the needle goes, as shares of the haystack")

@@ -42,6 +42,10 @@ LABELS = {"kvm-fixed": "KVM fixed", "kvm-sqrt": "KVM a*sqrt(N)", "kvm-h2o": "KVM
           "streaming": "StreamingLLM", "knorm": "KNorm", "h2o": "H2O", "tova": "TOVA",
           "streaming-merge": "StreamingLLM + merge", "knorm-merge": "KNorm + merge", "h2o-merge": "H2O + merge",
           "tova-merge": "TOVA + merge", "kvpop": "KVPOP (trained)"}
+#: memories that run only with trained weights (factory(..., weights=...)), not in the study's default runs
+WEIGHTS_ONLY = ("kvpop",)
+#: the memories end_to_end.py runs by default (every id of LABELS but WEIGHTS_ONLY)
+STUDY = tuple(m for m in LABELS if m not in WEIGHTS_ONLY)
 EVICTIONS = ("streaming", "knorm", "h2o", "tova")  # scorers of the eviction memories (and of their "-merge" forms)
 CALIBRATED = ("kvm-fixed", "kvm-sqrt", "kvm-h2o", "ovq")  # the memories with learned scalars
 
