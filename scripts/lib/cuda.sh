@@ -102,3 +102,19 @@ kvmem_flashinfer_ensure() {
   mv "$prefix.tmp" "$prefix"
   printf '%s' "$KVMEM_FLASHINFER_WHEEL" >"$stamp"
 }
+
+# Compile the readout on tensor cores (src/backend/cuda/flashinfer_readout.cu, the one translation unit that
+# instantiates FlashInfer's templates; it includes no Kokkos header) with nvcc alone, for the GPU
+# architecture $1 (default sm_90): the check of the FlashInfer path where no Kokkos with Cuda is installed
+# (CI). Warnings are errors on kvmem's code; FlashInfer's headers and its bundled CCCL come first as system
+# headers -- the include folders and flags that cmake/kvmemFlashInfer.cmake gives this file (keep the two
+# in step). Host code at -O1, as scripts/cuda-check compiles it. Nothing is linked.
+kvmem_flashinfer_compile_check() {
+  local arch=${1:-sm_90}
+  kvmem_flashinfer_ensure || return 1
+  local data=$KVMEM_FLASHINFER_PREFIX/flashinfer/data
+  (cd "$KVMEM_REPO" && kvmem_in_cuda_env nvcc -std=c++20 -arch="$arch" -O1 --expt-relaxed-constexpr \
+    -Werror all-warnings -Xcompiler=-Wall,-Wextra,-Werror -DNDEBUG -Iinclude \
+    -isystem "$data/include" -isystem "$data/cccl/libcudacxx/include" -isystem "$data/cccl/cub" \
+    -isystem "$data/cccl/thrust" -c src/backend/cuda/flashinfer_readout.cu -o /tmp/kvmem-flashinfer-check.o)
+}

@@ -17,7 +17,11 @@
 - storage types: with --dtype bf16 / f16 (or a BF16 input file) the memories run in that type against the
   float32 reference; a window holding every token gives exact attention over the tokens rounded to the
   type, its output rounded to the type (NumPy float64), and the held bytes count 2-byte tokens;
-- --plot writes a PNG (when matplotlib is available).
+- --plot writes a PNG (when matplotlib is available);
+- trained weights (--weights, kvmem weights files of kvm and ovq): the KVM rows read the gate x . W_g, the
+  LayerNorm and temperatures of the file's layer, the OVQ rows its beta, each row's numbers equal to the
+  float64 reference on the input holding them, while exact attention and the other rows keep the input's own
+  parameters; bad weights files exit 2 naming the problem.
 
   python3 test_eval.py --runner PATH/TO/kvmem-eval
 Prints one line per check and a final line "N passed, M failed"; exits 1 on failure.
@@ -36,6 +40,7 @@ sys.dont_write_bytecode = True  # no __pycache__ in the source tree
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [HERE, os.path.join(HERE, "..", "reference")]
 import safetensors_np as stn  # noqa: E402
+import weights_np as wn  # noqa: E402
 import eviction_reference  # noqa: E402
 import ovq_reference  # noqa: E402
 import trellis_reference  # noqa: E402
@@ -377,6 +382,59 @@ def main():
             sq = [x for x in rep["results"] if x["memory"] == "kvm-sqrt"]
             check("reference: kvm-sqrt grows its rows (a > 0)", all(x["params"]["budget"]["growth_factor"] > 0
                                                                     for x in sq), json.dumps([x["params"] for x in sq]))
+
+        # 2b. Trained weights: the KVM and OVQ rows read the weights files' layer, exact attention and H2O the
+        #     input's own parameters.
+        t = inputs(B=2, Hq=4, Hkv=2, T=64, lengths=[64, 45], seed=3)
+        t["x"] = np.random.default_rng(4).standard_normal((2, 64, 10)).astype(np.float32)
+        shape = wn.shape_of(2, 10, 4, 2, 8)
+        wrng = np.random.default_rng(5)
+        kvm_w = {i: wn.random_layer(wrng, "kvm", shape) for i in range(2)}
+        ovq_w = {i: wn.random_layer(wrng, "ovq", shape) for i in range(2)}
+        wn.save(path("kvm_w.safetensors"), "kvm", shape, kvm_w)
+        wn.save(path("ovq_w.safetensors"), "ovq", shape, ovq_w)
+        stn.save(path("in_w.safetensors"), t, {"layer": "1", "source_model": "tiny-test"})
+        flags = ["--memories", "kvm-fixed,ovq,h2o", "--fractions", "1/2", "--buckets", "4"]
+        r = run(a.runner, path("in_w.safetensors"), *flags, "--weights", path("kvm_w.safetensors"), "--weights",
+                path("ovq_w.safetensors"), "--json", path("w.json"))
+        r0 = run(a.runner, path("in_w.safetensors"), *flags, "--json", path("w0.json"))
+        ok = r.returncode == 0 and r0.returncode == 0
+        check("weights: exit 0 with and without --weights", ok, r.stdout + r.stderr + r0.stderr)
+        if ok:
+            rep, rep0 = json.load(open(path("w.json"))), json.load(open(path("w0.json")))
+            ref = exact(t)  # the input's own tau_bswa: the model's attention, not the trained temperatures
+            trained = {"kvm-fixed": wn.apply_kvm(t, kvm_w[1]), "ovq": dict(t, tau_bswa=ovq_w[1]["beta"])}
+            for x, x0 in zip(rep["results"], rep0["results"]):
+                name = f'weights: {x["memory"]}'
+                if x["memory"] in trained:
+                    y, rows, lengths = reference_y(trained[x["memory"]], x)
+                    want = metrics(y, ref, lengths, rep["buckets"])
+                    got_ok = all(close(x[k], want[k]) for k in ("rel_l2", "cosine_mean", "cosine_min"))
+                    got_ok &= all(close(g, w) for g, w in zip(x["head_rel_l2"], want["head_rel_l2"]))
+                    check(name + ": the numbers of the float64 reference on the input holding layer 1's weights, "
+                          "against exact attention with the input's parameters",
+                          got_ok and x["rel_l2"] != x0["rel_l2"], f"got {x['rel_l2']}, want {want['rel_l2']}, "
+                          f"untrained {x0['rel_l2']}")
+                    check(name + ": labelled (trained), the file in its row",
+                          x["label"].endswith(" (trained)") and x["weights"] == rep["weights"][x["memory"][:3]],
+                          json.dumps({k: x[k] for k in ("label", "weights")}))
+                else:
+                    check(name + ": no weights, the same numbers as without --weights",
+                          x["rel_l2"] == x0["rel_l2"] and x["weights"] is None, f'{x["rel_l2"]} {x0["rel_l2"]}')
+        wn.save(path("kvpop_w.safetensors"), "kvpop", shape, {0: {"theta": np.zeros(2, np.float32)}})
+        for args, message in [
+                (["--weights", path("kvpop_w.safetensors")], "metadata memory"),
+                (["--weights", path("kvm_w.safetensors"), "--weights", path("kvm_w.safetensors")], "a second weights file"),
+                (["--weights", path("kvm_w.safetensors"), "--layer", "2"], "outside [0, 2)"),
+                (["--layer", "1"], "--layer")]:
+            r = run(a.runner, path("in_w.safetensors"), *flags, *args)
+            check(f"weights: {' '.join(os.path.basename(x) for x in args)} -> exit 2 naming {message!r}",
+                  r.returncode == 2 and message in r.stderr, r.stderr)
+        t_nox = {n: v for n, v in t.items() if n != "x"}
+        stn.save(path("in_nox.safetensors"), t_nox, {"layer": "1"})
+        r = run(a.runner, path("in_nox.safetensors"), *flags, "--weights", path("kvm_w.safetensors"))
+        check("weights: KVM weights for an input without x -> exit 2 naming tensor 'x'",
+              r.returncode == 2 and "tensor 'x'" in r.stderr, r.stderr)
 
         # 3. Sizing rule: rows + window = f * T at power-of-two budgets (T = 256, one sequence).
         t = inputs(B=1, Hq=2, Hkv=1, T=256, D=8, Dv=8, seed=2)

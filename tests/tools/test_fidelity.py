@@ -86,6 +86,23 @@ def test_capture_cli(tiny, tmp_path, monkeypatch, capsys):
     assert "does not exist" in capsys.readouterr().err
 
 
+def test_capture_attention_input(tiny, tmp_path, monkeypatch):
+    """--attention-input writes x [B, T, hidden], the attention module's input: its value projection is the
+    captured v (v has no RoPE)."""
+    monkeypatch.setattr(causal_lm, "load_model", lambda name: (tiny, WordTokenizer(), "tiny"))
+    text = tmp_path / "t.txt"
+    text.write_text("attention memory keys and values")
+    assert causal_lm.main(["--text", str(text), "--output-dir", str(tmp_path), "--max-tokens", "20", "--layers", "1",
+                           "--attention-input"]) == 0
+    t, meta = read_safetensors(str(tmp_path / "layer1.safetensors"))
+    assert t["x"].shape == (1, 20, 64) and "attention_input" in meta
+    with torch.no_grad():
+        v = tiny.model.layers[1].self_attn.v_proj(torch.from_numpy(t["x"])).reshape(1, 20, 2, 16).transpose(1, 2)
+    torch.testing.assert_close(v, torch.from_numpy(t["v"]), rtol=1e-5, atol=1e-6)
+    assert causal_lm.main(["--text", str(text), "--output-dir", str(tmp_path), "--max-tokens", "20", "--layers", "0"]) == 0
+    assert "x" not in read_safetensors(str(tmp_path / "layer0.safetensors"))[0]
+
+
 def test_model_not_found(capsys, tmp_path):
     text = tmp_path / "t.txt"
     text.write_text("x")

@@ -12,11 +12,14 @@ scaled_dot_product_attention gets) and then calls SDPA. Each text is one sequenc
   lengths    [B] int64                  tokens of each text (rows past a length are zeros and never read)
   gate       [B, Hkv, T] zeros, ln_weight [D] ones, ln_bias [D] zeros, tau_state/tau_bswa [Hq] ones
              (neutral stand-ins; tools/fidelity/calibrate.py sets them from a calibration text)
+  x          [B, T, hidden] float32     with --attention-input: the attention module's input (what the q, k, v
+                                        projections read), from which trained KVM weights compute the merge
+                                        gate (kvmem-run kvm --weights, kvmem-eval --weights)
 
 and one file per layer, DIR/layer<L>.safetensors.
 
   python3 tools/capture/causal_lm.py --text FILE [--text FILE ...] --output-dir DIR \
-      [--model smollm2 | --model HF_DIR] [--layers 0,5,29] [--max-tokens 8192]
+      [--model smollm2 | --model HF_DIR] [--layers 0,5,29] [--max-tokens 8192] [--attention-input]
 
 Errors (model or text not found, an empty text, a layer out of range, --max-tokens beyond the model's
 context) print one line that names the problem and exit with status 2.
@@ -76,10 +79,15 @@ def read_text(path: str, tok, max_tokens: int | None) -> tuple[list[int], dict]:
 
 class Recorder:
     """The attention function "kvmem_capture": records q, k, v of the layers in `layers` (as float32 NumPy
-    arrays [Hq|Hkv, T, D] of the current sequence) and returns SDPA's output."""
+    arrays [Hq|Hkv, T, D] of the current sequence) and returns SDPA's output. keep_input, a forward
+    pre-hook of the attention modules, records their input x ([T, hidden]) in `inputs`."""
 
     def __init__(self, layers):
-        self.layers, self.seen = set(layers), {}
+        self.layers, self.seen, self.inputs = set(layers), {}, {}
+
+    def keep_input(self, module, args, kwargs):
+        x = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
+        self.inputs[module.layer_idx] = x[0].detach().float().numpy().copy()
 
     def __call__(self, module, query, key, value, attention_mask, **kwargs):
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -89,14 +97,24 @@ class Recorder:
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
 
 
-def capture(model, sequences, layers):
+def capture(model, sequences, layers, attention_input=False):
     """{layer: (q [B, Hq, T, D], k [B, Hkv, T, D], v [B, Hkv, T, Dv])} for token sequences (lists of ids),
-    rows past each sequence's length zero."""
+    rows past each sequence's length zero; with `attention_input` each tuple also ends with x [B, T, hidden],
+    the attention module's input. Raises CaptureError when the model has no attention module with a
+    layer_idx and a q_proj to hook for x."""
     import torch
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
     rec = Recorder(layers)
+    hooks = []
+    if attention_input:
+        modules = {m.layer_idx: m for m in model.modules() if hasattr(m, "layer_idx") and hasattr(m, "q_proj")}
+        missing = [layer for layer in layers if layer not in modules]
+        if missing:
+            raise CaptureError(f"--attention-input: layer {missing[0]} has no attention module with a layer_idx and "
+                               f"a q_proj to hook")
+        hooks = [modules[layer].register_forward_pre_hook(rec.keep_input, with_kwargs=True) for layer in layers]
     AttentionInterface.register("kvmem_capture", rec)
     AttentionMaskInterface.register("kvmem_capture", sdpa_mask)
     previous = model.config._attn_implementation
@@ -104,16 +122,24 @@ def capture(model, sequences, layers):
     out, T = {}, max(len(s) for s in sequences)
     try:
         for b, ids in enumerate(sequences):
-            rec.seen = {}
+            rec.seen, rec.inputs = {}, {}
             with torch.no_grad():
                 model(torch.tensor([ids]), use_cache=False)
             for layer, (q, k, v) in rec.seen.items():
                 if layer not in out:
                     out[layer] = tuple(np.zeros((len(sequences), t.shape[0], T, t.shape[2]), np.float32)
                                        for t in (q, k, v))
-                for dst, src in zip(out[layer], (q, k, v)):
+                    if attention_input:
+                        x = rec.inputs[layer]
+                        out[layer] += (np.zeros((len(sequences), T, x.shape[1]), np.float32),)
+                for dst, src in zip(out[layer][:3], (q, k, v)):
                     dst[b, :, :src.shape[1]] = src
+                if attention_input:
+                    x = rec.inputs[layer]
+                    out[layer][3][b, :x.shape[0]] = x
     finally:
+        for h in hooks:
+            h.remove()
         model.set_attn_implementation(previous)
     return out
 
@@ -139,6 +165,8 @@ def main(argv=None) -> int:
     ap.add_argument("--output-dir", required=True, help="directory for layer<L>.safetensors")
     ap.add_argument("--layers", default=None, help="comma-separated layers (default: all)")
     ap.add_argument("--max-tokens", type=int, default=None, help="cap on each text's tokens (default: the model's context)")
+    ap.add_argument("--attention-input", action="store_true",
+                    help="also write x [B, T, hidden], each layer's attention input (trained KVM weights read it)")
     args = ap.parse_args(argv)
     try:
         if not os.path.isdir(args.output_dir):
@@ -152,14 +180,14 @@ def main(argv=None) -> int:
         cfg = model.config.get_text_config()
         layers = parse_layers(args.layers, cfg.num_hidden_layers)
         texts = [read_text(p, tok, args.max_tokens or limit) for p in args.text]
-        got = capture(model, [ids for ids, _ in texts], layers)
+        got = capture(model, [ids for ids, _ in texts], layers, attention_input=args.attention_input)
     except CaptureError as e:
         print(f"capture: error: {e}", file=sys.stderr)
         return 2
     lengths = [len(ids) for ids, _ in texts]
     head_dim = got[layers[0]][0].shape[3]
     for layer in layers:
-        q, k, v = got[layer]
+        q, k, v = got[layer][:3]
         meta = {
             "kvmem_input": "kvm", "source_model": name, "source_model_type": cfg.model_type,
             "source_layers": str(cfg.num_hidden_layers), "query_heads": str(q.shape[1]), "kv_heads": str(k.shape[1]),
@@ -172,8 +200,12 @@ def main(argv=None) -> int:
             "neutral_parameters": NEUTRAL_NOTE,
             "tool": "tools/capture/causal_lm.py",
         }
+        tensors = neutral_kvm_inputs(q, k, v, lengths)
+        if args.attention_input:
+            tensors["x"] = got[layer][3]
+            meta["attention_input"] = "x [B, T, hidden]: the attention module's input (forward pre-hook), float32"
         out = os.path.join(args.output_dir, f"layer{layer}.safetensors")
-        write_safetensors(out, neutral_kvm_inputs(q, k, v, lengths), meta)
+        write_safetensors(out, tensors, meta)
     print(f"capture: {name}: layers {layers[0]}..{layers[-1]} ({len(layers)}), {len(texts)} texts of "
           f"{', '.join(map(str, lengths))} tokens, Hq {got[layers[0]][0].shape[1]}, Hkv {got[layers[0]][1].shape[1]}, "
           f"head_dim {head_dim} -> {args.output_dir}")

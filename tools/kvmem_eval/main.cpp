@@ -5,11 +5,16 @@
 ///   kvmem-eval --input layer.safetensors [--fractions 1/4,1/8,1/16,1/32] [--memories kvm-fixed,ovq,...]
 ///              [--dtype f32|bf16|f16] [--json out.json] [--plot out.png] [--buckets 8] [--label NAME]
 ///              [--window-share 0.25] [--window-chunks 1] [--sinks 1] [--rope-dims 0] [--no-progress]
-///              [--list-memories]
+///              [--weights FILE ...] [--layer L] [--list-memories]
 ///
 /// The memories run in the input's token dtype (F32, BF16 or F16; F64 runs as F32) or the one --dtype
 /// names; the reference is exact causal attention in float32 over the same tokens widened to float32, so a
 /// bf16 run's error includes what rounding the tokens to bf16 costs when the input was float32.
+///
+/// --weights (repeatable, one file per memory: kvm, ovq) gives trained parameters (kvmem weights files from
+/// tools/distill/distill.py; tools/kvmem_run/trained_inputs.hpp) to the rows of that memory (trained_memory_of):
+/// KVM's gate from the input's attention input x, its LayerNorm and temperatures; OVQ's beta. Exact attention
+/// and the other rows keep the input's own parameters; the rows with weights say "(trained)".
 ///
 /// Exit status: 0 on success, 2 for bad options or inputs (the message names the parameter and value),
 /// 1 for any other failure (a plot that could not be drawn included).
@@ -27,11 +32,13 @@
 #include <exception>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <string>
 #include <vector>
 
 #include <nlohmann/json.hpp>
 
+#include "../kvmem_run/trained_inputs.hpp"
 #include "memories.hpp"
 #include "metrics.hpp"
 
@@ -51,7 +58,28 @@ struct Options {
   int buckets = 8;
   bool no_progress = false, list = false;
   SizingOptions sizing;
+  std::vector<std::string> weights;  ///< --weights: kvmem weights files, at most one per memory
+  long layer = -1;                   ///< --layer: their layer (-1: the input's metadata 'layer')
 };
+
+/// The memory whose trained weights (--weights) a table row reads: "kvm" for the KVM rows (the KVM merge
+/// with its gate, LayerNorm and temperatures: kvm-fixed, kvm-sqrt, kvm-16sqrt, kvm-h2o), "ovq" for the OVQ
+/// rows, "" for rows without learned parameters here (the proportional merge, Trellis untrained, evictions).
+inline std::string trained_memory_of(const std::string& id) {
+  if (id.rfind("kvm", 0) == 0) return "kvm";
+  if (id.rfind("ovq", 0) == 0) return "ovq";
+  return "";
+}
+
+/// The inputs of `file` for a run in `dtype`: float32 tokens (the reference's, any float dtype widened) and,
+/// for a 16-bit run, the tokens in that type.
+inline StoredInputs load_stored(const io::SafetensorsFile& file, const TokenDtype& dtype) {
+  StoredInputs stored;
+  stored.f32 = Inputs::load(file, TokenDtype::of(file, "f32"));
+  if (dtype.name == "BF16") stored.bf16 = InputsOf<bfloat16>::load(file, dtype);
+  if (dtype.name == "F16") stored.f16 = InputsOf<float16>::load(file, dtype);
+  return stored;
+}
 
 /// "1/8", "0.125" or "12.5%" -> 0.125. Throws kvmem::invalid_argument naming --fractions.
 inline double parse_fraction(const std::string& s) {
@@ -167,15 +195,29 @@ inline nlohmann::json evaluate(const Options& o) {
 
   const auto file = io::SafetensorsFile::read(o.input);
   const auto dtype = TokenDtype::of(file, o.dtype);  // the memories' storage type
-  StoredInputs stored;
-  stored.f32 = Inputs::load(file, TokenDtype::of(file, "f32"));  // the reference's tokens: any float dtype, widened
-  if (dtype.name == "BF16") stored.bf16 = InputsOf<bfloat16>::load(file, dtype);
-  if (dtype.name == "F16") stored.f16 = InputsOf<float16>::load(file, dtype);
+  const StoredInputs stored = load_stored(file, dtype);
   const Inputs& in = stored.f32;
+  // Trained weights: the input with one memory's trained parameters, read by that memory's rows only.
+  std::map<std::string, StoredInputs> trained;
+  std::map<std::string, std::string> trained_files;
+  require_weights_for_layer({o.weights.empty() ? "" : o.weights.front(), o.layer});
+  for (const auto& path : o.weights) {
+    auto raw = io::SafetensorsFile::read(path);
+    const auto m = raw.metadata.count("memory") ? raw.metadata.at("memory") : std::string("(none)");
+    require(m == "kvm" || m == "ovq", "--weights " + path + " metadata memory", m,
+            "kvmem-eval applies the weights of kvm or ovq");
+    require(!trained.count(m), "--weights", path, "a second weights file of memory " + m + " (the first: " +
+                                                      (trained_files.count(m) ? trained_files.at(m) : "") + ")");
+    const auto w = io::MemoryWeightsFile::from(std::move(raw), path, m);
+    trained[m] = load_stored(with_trained_weights(file, w, weights_layer(file, o.layer)), dtype);
+    trained_files[m] = path;
+  }
   const auto all = memory_kinds_of(dtype);
   std::vector<MemoryKind> kinds;
-  for (const auto& id : o.memories)
+  for (const auto& id : o.memories) {
     kinds.push_back(*std::find_if(all.begin(), all.end(), [&](const MemoryKind& k) { return k.id == id; }));
+    if (trained.count(trained_memory_of(id))) kinds.back().label += " (trained)";
+  }
   require(o.sizing.rope_dims >= 0 && o.sizing.rope_dims <= in.D, "--rope-dims", o.sizing.rope_dims,
           "must be in [0, head_dim = " + std::to_string(in.D) + "]");
   require_finite(in.q, "q");
@@ -236,6 +278,8 @@ inline nlohmann::json evaluate(const Options& o) {
   report["buckets"] = nlohmann::json::array();
   for (const auto& [b, e] : buckets) report["buckets"].push_back({b, e});
   report["exact"] = {{"seconds", exact_seconds}};
+  report["weights"] = nlohmann::json::object();  // memory -> the weights file its rows read
+  for (const auto& [m, path] : trained_files) report["weights"][m] = path;
   report["results"] = nlohmann::json::array();
 
   OutView y("y", in.B, in.Hq, in.T, in.Dv);
@@ -243,7 +287,8 @@ inline nlohmann::json evaluate(const Options& o) {
     progress.step(job.kind->id + " at " + job.fraction_label);
     RunStats s;
     try {
-      s = job.plan.run(stored, y);
+      const auto t = trained.find(trained_memory_of(job.kind->id));
+      s = job.plan.run(t == trained.end() ? stored : t->second, y);
     } catch (const invalid_argument& e) {
       rethrow_with_flag(e);
     }
@@ -255,6 +300,9 @@ inline nlohmann::json evaluate(const Options& o) {
     nlohmann::json r;
     r["memory"] = job.kind->id;
     r["label"] = job.kind->label;
+    r["weights"] = trained_files.count(trained_memory_of(job.kind->id))
+                       ? nlohmann::json(trained_files.at(trained_memory_of(job.kind->id)))
+                       : nlohmann::json(nullptr);
     r["fraction_label"] = job.fraction_label;
     r["fraction"] = std::isnan(job.fraction) ? nlohmann::json(nullptr) : nlohmann::json(job.fraction);
     r["params"] = job.plan.params;
@@ -365,6 +413,10 @@ int main(int argc, char** argv) {
   app.add_option("--sinks", o.sizing.sinks, "S: protected sink rows of KVM (eviction rows keep 4)")->capture_default_str();
   app.add_option("--rope-dims", o.sizing.rope_dims, "r: key channels with RoPE (0 for models without RoPE)")->capture_default_str();
   app.add_flag("--no-progress", o.no_progress, "no progress bar (it is drawn on stderr only when that is a terminal)");
+  app.add_option("--weights", o.weights,
+                 "trained weights (kvmem weights files of kvm or ovq, from tools/distill/distill.py) for that memory's "
+                 "rows; kvm's gate needs the input's attention input x [B, T, hidden]");
+  app.add_option("--layer", o.layer, "the layer of --weights (default: the input's metadata 'layer')");
   app.add_flag("--list-memories", o.list, "list the memories and how each is sized for a fraction, then exit");
   try {
     app.parse(argc, argv);

@@ -20,6 +20,7 @@
 #include "batch.hpp"
 #include "run_tokens.hpp"
 #include "tensors.hpp"
+#include "trained_inputs.hpp"
 
 namespace kvmem::tools {
 
@@ -28,6 +29,7 @@ struct EvictOptions {
   std::string input, output, mode = "prefill", scorer = "h2o", weights, normalizer = "xlstm", dtype;
   int sinks = 4, window = 64, top_k = 448, decay_interval = 1;
   bool h2o_normalize = false, tova_layer_mean = false, mask = false, merge_evicted = false;
+  long layer = -1;  ///< the layer of a kvmem weights file (--weights); -1: the input's metadata 'layer'
 };
 
 /// Registers the `evict` subcommand and its flags on `app`.
@@ -45,7 +47,10 @@ inline CLI::App* add_evict_command(CLI::App& app, EvictOptions& o) {
   cmd->add_option("--scorer", o.scorer, "eviction scorer")
       ->check(CLI::IsMember({"streaming", "knorm", "h2o", "tova", "snapkv", "kvpop"}))
       ->capture_default_str();
-  cmd->add_option("--weights", o.weights, "kvpop: safetensors with w_q, w_k, w_v, w_i, b_i, w_f, b_f, w_s, b_s, theta");
+  cmd->add_option("--weights", o.weights,
+                  "kvpop: safetensors with w_q, w_k, w_v, w_i, b_i, w_f, b_f, w_s, b_s, theta, or a kvmem weights file "
+                  "of memory kvpop (tools/distill/distill.py --memory kvpop; its layer: --layer)");
+  cmd->add_option("--layer", o.layer, "kvpop: the layer of a kvmem weights file (default: the input's metadata 'layer')");
   cmd->add_option("--decay-interval", o.decay_interval, "n of the per-head decay floor((q - t) / n) log gamma (kvpop)")
       ->capture_default_str();
   cmd->add_option("--normalizer", o.normalizer, "kvpop mLSTM normaliser")->check(CLI::IsMember({"xlstm", "plain"}))
@@ -202,6 +207,7 @@ void run_evict(const EvictOptions& o, const io::SafetensorsFile& file, const Tok
           static_cast<long>(o.sinks) + o.window + o.top_k, "must be at most 2^30 rows");
   require(o.decay_interval >= 1, "--decay-interval", o.decay_interval, "must be >= 1");
   require(o.scorer == "kvpop" || o.weights.empty(), "--weights", o.weights, "only the kvpop scorer takes weights");
+  require(o.scorer == "kvpop" || o.layer == -1, "--layer", o.layer, "selects the layer of the kvpop scorer's weights");
   require(o.scorer == "kvpop" || o.decay_interval == 1, "--decay-interval", o.decay_interval,
           "only the kvpop scorer has a decay (training-free scorers use log gamma = 0)");
   require(!o.mask || o.scorer == "streaming" || o.scorer == "knorm" || o.scorer == "kvpop", "--mask", o.scorer,
@@ -242,7 +248,22 @@ void run_evict(const EvictOptions& o, const io::SafetensorsFile& file, const Tok
   }
   require(in.D % 2 == 0, "tensor 'k' shape", shape_string({in.B, in.Hkv, in.T, in.D}),
           "head_dim D must be even for the kvpop scorer (h = D / 2, spec EVICTION.md §3)");
-  const auto weights = score::load_mlstm_weights<mem_space>(io::SafetensorsFile::read(o.weights), cfg);
+  auto weights_file = io::SafetensorsFile::read(o.weights);
+  const auto format = weights_file.metadata.find("format");
+  score::MLstmWeights<mem_space> weights;
+  if (format != weights_file.metadata.end() && format->second == io::memory_weights_format) {
+    const auto trained = io::MemoryWeightsFile::from(std::move(weights_file), o.weights, "kvpop");
+    const auto model = file.metadata.find("source_model");
+    if (model != file.metadata.end()) trained.expect_model(model->second);
+    require(trained.shape().kv_heads == in.Hkv && trained.shape().head_dim == in.D,
+            "--weights " + o.weights + " metadata shape", "kv_heads " + std::to_string(trained.shape().kv_heads) +
+                ", head_dim " + std::to_string(trained.shape().head_dim),
+            "the input has Hkv = " + std::to_string(in.Hkv) + ", D = " + std::to_string(in.D));
+    weights = load_kvpop_layer<mem_space>(trained, weights_layer(file, o.layer), cfg);
+  } else {
+    require(o.layer == -1, "--layer", o.layer, "selects a layer of a kvmem weights file; " + o.weights + " holds one layer");
+    weights = score::load_mlstm_weights<mem_space>(weights_file, cfg);
+  }
   detail::run_eviction(o, cfg,
                        score::MLstm<mem_space>(weights, o.normalizer == "plain" ? score::MLstmNormalizer::plain
                                                                                 : score::MLstmNormalizer::xlstm),

@@ -16,6 +16,7 @@
 #include "budget_options.hpp"
 #include "run_memory.hpp"
 #include "tensors.hpp"
+#include "trained_inputs.hpp"
 
 namespace kvmem::tools {
 
@@ -25,6 +26,7 @@ struct KvmOptions {
   int chunk = 256, window_chunks = 2, rope_dims = 64, sinks = 1;
   long max_chunks = 1, evict_rows_above = 0;
   BudgetOptions budget{.kind = "fixed"};
+  TrainedWeightsOptions trained;  ///< --weights, --layer: KVM's trained parameters instead of the input's
 };
 
 /// Registers the `kvm` subcommand and its flags on `app`.
@@ -51,6 +53,7 @@ inline CLI::App* add_kvm_command(CLI::App& app, KvmOptions& o) {
   cmd->add_option("--evict-rows-above", o.evict_rows_above,
                   "also evict state rows by H2O (accumulated attention) down to this many after every fold (0 = off)")
       ->capture_default_str();
+  add_trained_weights_options(cmd, o.trained, "kvm");
   return cmd;
 }
 
@@ -92,7 +95,10 @@ template <StorageType Storage>
 void run_kvm(const KvmOptions& o, const io::SafetensorsFile& file, const TokenDtype& dtype) {
   using exec = Kokkos::DefaultExecutionSpace;
   using mem_space = exec::memory_space;
-  const auto in = KvmInputs<mem_space, Storage>::load(file, dtype);
+  require_weights_for_layer(o.trained);
+  const auto in = o.trained.path.empty()
+                      ? KvmInputs<mem_space, Storage>::load(file, dtype)
+                      : KvmInputs<mem_space, Storage>::load(with_trained_weights(file, o.trained, "kvm"), dtype);
   MemoryConfig cfg;
   cfg.head_dim = static_cast<int>(in.D);
   cfg.value_dim = static_cast<int>(in.Dv);

@@ -12,6 +12,7 @@
 #include "budget_options.hpp"
 #include "run_memory.hpp"
 #include "tensors.hpp"
+#include "trained_inputs.hpp"
 
 namespace kvmem::tools {
 
@@ -22,6 +23,7 @@ struct OvqOptions {
   long max_centroids = 2048;
   bool normalize_centroids = false;
   BudgetOptions budget{.kind = "plateau"};
+  TrainedWeightsOptions trained;  ///< --weights, --layer: OVQ's trained beta instead of the input's
 };
 
 /// Registers the `ovq` subcommand and its flags on `app`.
@@ -38,16 +40,23 @@ inline CLI::App* add_ovq_command(CLI::App& app, OvqOptions& o) {
   cmd->add_option("--max-centroids", o.max_centroids, "N: centroid cap and plateau parameter")->capture_default_str();
   cmd->add_flag("--normalize-centroids", o.normalize_centroids, "L2-normalize centroids after every commit");
   add_budget_options(cmd, o.budget, {"plateau", "linear", "min", "fixed", "power-law", "saturating"});
+  add_trained_weights_options(cmd, o.trained, "ovq");
   return cmd;
 }
 
 /// `kvmem-run ovq`: reads q, k [B, H, T, D], v [B, H, T, Dv] (as `dtype`, of storage type Storage), beta [H]
-/// and optional lengths [B] of `f`, runs an OvqMemory (window of one chunk, no sinks, row cap N, tau = beta)
+/// (or the trained beta of --weights) and optional lengths [B] of `f`, runs an OvqMemory (window of one chunk, no sinks, row cap N, tau = beta)
 /// under the chosen budget schedule and writes y [B, H, T, Dv] (Storage), centroid_keys [B, H, M, D],
 /// centroid_values [B, H, M, Dv], counts [B, H, M] (float32), centroid_rows [B, H]. Throws
 /// kvmem::invalid_argument naming the tensor or flag for bad input. One instantiation per storage type.
 template <StorageType Storage>
 void run_ovq(const OvqOptions& o, const io::SafetensorsFile& f, const TokenDtype& dtype) {
+  require_weights_for_layer(o.trained);
+  if (!o.trained.path.empty()) {  // the trained beta in place of the input's, then the same run
+    OvqOptions plain = o;
+    plain.trained = {};
+    return run_ovq<Storage>(plain, with_trained_weights(f, o.trained, "ovq"), dtype);
+  }
   using exec = Kokkos::DefaultExecutionSpace;
   using mem_space = exec::memory_space;
   const auto& q = token_tensor(f, "q", 4, "[B, H, T, D]", dtype);

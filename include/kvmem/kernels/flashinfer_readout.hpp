@@ -552,8 +552,8 @@ void flashinfer_exact_attention(
     const ExecSpace& exec, const In& q, const InKV& k, const InKV& v, const Out& y, const float* tau,
     long first_position,
     FlashInferWork<typename ExecSpace::memory_space, std::remove_const_t<typename InKV::value_type>>& work) {
-  using T = std::remove_const_t<typename InKV::value_type>;
 #if defined(KVMEM_WITH_FLASHINFER) && defined(KOKKOS_ENABLE_CUDA)
+  using T = std::remove_const_t<typename InKV::value_type>;
   if constexpr (!flashinfer_readout_built<ExecSpace, T>) {
 #endif
     (void)exec, (void)q, (void)k, (void)v, (void)y, (void)tau, (void)first_position, (void)work;

@@ -70,16 +70,21 @@ struct MLstmWeights {
   }
 };
 
-/// Reads the mLSTM weights (names and shapes of MLstmWeights) from a parsed safetensors file into
-/// float32 views of `MemorySpace`, and validates them against `cfg`. Throws kvmem::invalid_argument
-/// naming the tensor for a missing tensor, a dtype other than F32 or F64, or a wrong shape.
+/// Reads the mLSTM weights (names and shapes of MLstmWeights, each name after `prefix`: "" for a file of
+/// one layer, "layers.<L>." in a kvmem weights file, policy/trained_weights.hpp) from a parsed safetensors
+/// file into float32 views of `MemorySpace`, and validates them against `cfg`. Throws
+/// kvmem::invalid_argument naming the tensor for a missing tensor, a dtype other than F32 or F64, or a
+/// wrong shape.
 template <class MemorySpace>
-MLstmWeights<MemorySpace> load_mlstm_weights(const io::SafetensorsFile& file, const EvictionConfig& cfg) {
-  auto load = [&](const char* name, auto rank_tag) {
+MLstmWeights<MemorySpace> load_mlstm_weights(const io::SafetensorsFile& file, const EvictionConfig& cfg,
+                                             const std::string& prefix = "") {
+  auto load = [&](const char* short_name, auto rank_tag) {
     constexpr int R = decltype(rank_tag)::value;
-    if (!file.has(name))
+    const std::string full = prefix + short_name;
+    const char* name = full.c_str();
+    if (!file.has(full))
       throw invalid_argument(std::string("mLSTM weight '") + name + "': missing from the weights file (spec EVICTION.md §3)");
-    const auto& t = file.at(name);
+    const auto& t = file.at(full);
     require(t.dtype == "F32" || t.dtype == "F64", std::string("mLSTM weight '") + name + "' dtype", t.dtype,
             "must be F32 or F64");
     require(t.shape.size() == static_cast<std::size_t>(R), std::string("mLSTM weight '") + name + "' rank", t.shape.size(),

@@ -1,0 +1,108 @@
+// Trained memory weights files (io/memory_weights.hpp, policy/trained_weights.hpp): each memory's layer as
+// the views a memory reads, the merge gate x . W_g on a hand-computed case, and errors that name the file,
+// the tensor and the shape expected.
+#include <catch2/catch_test_macros.hpp>
+#include <catch2/matchers/catch_matchers_string.hpp>
+#include <Kokkos_Core.hpp>
+#include <string>
+#include <vector>
+
+#include <kvmem/io/memory_weights.hpp>
+#include <kvmem/policy/trained_weights.hpp>
+
+using Catch::Matchers::ContainsSubstring;
+using kvmem::io::MemoryWeightsFile;
+using kvmem::io::SafetensorsFile;
+
+namespace {
+using mem_space = Kokkos::DefaultExecutionSpace::memory_space;
+
+/// A weights file of `memory` for a model with 2 layers, hidden 3, Hq 4, Hkv 2, D 4, holding `tensors` of
+/// every layer (layer L's values are the base values + 10 L).
+SafetensorsFile weights_of(const std::string& memory, const std::vector<std::pair<std::string, std::vector<std::int64_t>>>& tensors,
+                           const std::string& shape = R"({"layers":2,"hidden":3,"query_heads":4,"kv_heads":2,"head_dim":4,"adapter_rank":0})") {
+  SafetensorsFile f;
+  f.metadata = {{"format", "kvmem-memory-weights-1"}, {"memory", memory}, {"model", "tiny"}, {"shape", shape}};
+  for (int layer = 0; layer < 2; ++layer)
+    for (const auto& [name, dims] : tensors) {
+      long n = 1;
+      for (auto d : dims) n *= d;
+      std::vector<float> v(static_cast<std::size_t>(n));
+      for (long i = 0; i < n; ++i) v[static_cast<std::size_t>(i)] = 0.5f + 0.25f * static_cast<float>(i) + 10.0f * layer;
+      f.put("layers." + std::to_string(layer) + "." + name, dims, v.data());
+    }
+  return SafetensorsFile::parse(f.serialize(), "w.safetensors");  // as read from a file
+}
+
+const std::vector<std::pair<std::string, std::vector<std::int64_t>>> kvm_tensors = {
+    {"gate_weight", {3, 2}}, {"ln_weight", {4}}, {"ln_bias", {4}}, {"tau_state", {4}}, {"tau_window", {4}}};
+
+template <class View>
+std::vector<float> host(const View& v) {
+  const auto h = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), v);
+  return std::vector<float>(h.data(), h.data() + h.size());
+}
+}  // namespace
+
+TEST_CASE("a KVM weights file's layer: LayerWeights views and the merge gate x . W_g", "[io][weights]") {
+  const auto w = MemoryWeightsFile::from(weights_of("kvm", kvm_tensors), "w.safetensors", "kvm");
+  REQUIRE(w.model() == "tiny");
+  REQUIRE(w.shape().hidden == 3);
+  const auto kvm = kvmem::load_kvm_layer<mem_space>(w, 1);
+  REQUIRE(host(kvm.weights.ln_weight) == std::vector<float>{10.5f, 10.75f, 11.0f, 11.25f});
+  REQUIRE(host(kvm.weights.tau_window) == std::vector<float>{10.5f, 10.75f, 11.0f, 11.25f});
+  // W_g of layer 1 = [[10.5, 10.75], [11, 11.25], [11.5, 11.75]]; x [B=1, T=2, hidden=3] = [[1, 0, 2], [0, -1, 1]]:
+  // z[h=0] = (1*10.5 + 2*11.5, -11 + 11.5) = (33.5, 0.5); z[h=1] = (10.75 + 23.5, -11.25 + 11.75) = (34.25, 0.5).
+  const auto z = kvmem::merge_gate_preactivation(kvm, {1, 0, 2, 0, -1, 1}, 1, 2);
+  REQUIRE(z == std::vector<float>{33.5f, 0.5f, 34.25f, 0.5f});
+  REQUIRE_THROWS_WITH(kvmem::merge_gate_preactivation(kvm, {1, 0, 2}, 1, 2), ContainsSubstring("x size"));
+}
+
+TEST_CASE("OVQ's beta and KVPOP's scorer from weights files", "[io][weights]") {
+  const auto ovq = MemoryWeightsFile::from(weights_of("ovq", {{"beta", {4}}}), "o.safetensors", "ovq");
+  const auto beta = kvmem::load_ovq_layer<mem_space>(ovq, 0);
+  REQUIRE(host(beta.tau_state) == std::vector<float>{0.5f, 0.75f, 1.0f, 1.25f});
+  REQUIRE(host(beta.tau_window) == host(beta.tau_state));
+  // KVPOP: Hkv = 2, X = D + Dv = 8, h = D / 2 = 2.
+  const auto kvpop = MemoryWeightsFile::from(
+      weights_of("kvpop", {{"w_q", {2, 8, 2}}, {"w_k", {2, 8, 2}}, {"w_v", {2, 8, 2}}, {"w_i", {2, 8}}, {"b_i", {2}},
+                           {"w_f", {2, 8}}, {"b_f", {2}}, {"w_s", {2, 2}}, {"b_s", {2}}, {"theta", {2}}}),
+      "p.safetensors", "kvpop");
+  kvmem::EvictionConfig cfg;
+  cfg.head_dim = cfg.value_dim = 4;
+  cfg.query_heads = 4;
+  cfg.kv_heads = 2;
+  const auto m = kvmem::load_kvpop_layer<mem_space>(kvpop, 1, cfg);
+  REQUIRE(host(m.theta) == std::vector<float>{10.5f, 10.75f});
+  REQUIRE(host(m.w_q)[31] == 10.5f + 0.25f * 31);
+  REQUIRE_THROWS_WITH(kvmem::load_kvpop_layer<mem_space>(kvpop, 2, cfg), ContainsSubstring("outside [0, 2)"));
+  REQUIRE_THROWS_WITH(kvmem::load_kvm_layer<mem_space>(ovq, 0), ContainsSubstring("memory kvm"));
+}
+
+TEST_CASE("bad weights files name the file, the key or the tensor and the shape expected", "[io][weights][errors]") {
+  const auto from = [](SafetensorsFile f, const std::string& memory = "kvm") {
+    return MemoryWeightsFile::from(std::move(f), "w.safetensors", memory);
+  };
+  auto plain = weights_of("kvm", kvm_tensors);
+  plain.metadata.erase("format");
+  REQUIRE_THROWS_WITH(from(plain), ContainsSubstring("weights file 'w.safetensors' metadata format") &&
+                                       ContainsSubstring("kvmem-memory-weights-1"));
+  REQUIRE_THROWS_WITH(from(weights_of("kvm", kvm_tensors), "ovq"), ContainsSubstring("expected ovq"));
+  REQUIRE_THROWS_WITH(from(weights_of("kvm", kvm_tensors, "[1, 2]")), ContainsSubstring("metadata shape"));
+  REQUIRE_THROWS_WITH(from(weights_of("kvm", kvm_tensors, R"({"layers":2,"hidden":3})")),
+                      ContainsSubstring("shape.query_heads"));
+  REQUIRE_THROWS_WITH(from(weights_of("kvm", kvm_tensors, R"({"layers":0,"hidden":3,"query_heads":4,"kv_heads":2,"head_dim":4,"adapter_rank":0})")),
+                      ContainsSubstring("shape.layers"));
+  const auto w = from(weights_of("kvm", kvm_tensors));
+  REQUIRE_THROWS_WITH(w.expect_model("other"), ContainsSubstring("another model than other"));
+  REQUIRE_THROWS_WITH(w.expect_sizes(4, 1, 4), ContainsSubstring("shape.kv_heads"));
+  REQUIRE_THROWS_WITH(w.layer_tensor(0, "tau_state", {5}), ContainsSubstring("layers.0.tau_state") &&
+                                                              ContainsSubstring("expected dtype F32 and shape [5]"));
+  REQUIRE_THROWS_WITH(w.layer_tensor(1, "beta", {4}), ContainsSubstring("layers.1.beta") && ContainsSubstring("(missing)"));
+  REQUIRE_THROWS_WITH(w.layer_tensor(-1, "tau_state", {4}), ContainsSubstring("layer"));
+  auto short_ln = weights_of("kvm", kvm_tensors);
+  const float three[] = {1, 2, 3};
+  short_ln.put("layers.1.ln_bias", {3}, three);
+  REQUIRE_THROWS_WITH(kvmem::load_kvm_layer<mem_space>(from(short_ln), 1),
+                      ContainsSubstring("layers.1.ln_bias") && ContainsSubstring("shape [4]"));
+}

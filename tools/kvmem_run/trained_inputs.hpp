@@ -1,0 +1,136 @@
+#pragma once
+/// \file trained_inputs.hpp
+/// Trained memory weights (a kvmem weights file, io/memory_weights.hpp) applied to a captured layer:
+/// `--weights FILE [--layer L]` of `kvmem-run kvm`, `kvmem-run ovq` and kvmem-eval. The weights replace the
+/// input's stand-ins for the memory's learned parameters before the memory reads them:
+///  - kvm: gate [B, Hkv, T] = x . W_g from the input's attention input x [B, T, hidden] (a capture with
+///    tools/capture/causal_lm.py --attention-input), ln_weight, ln_bias [D], tau_state, tau_bswa [Hq]
+///    (tau_bswa = the file's tau_window);
+///  - ovq: beta [Hq], also written as tau_state and tau_bswa (what kvmem-eval's OVQ rows read as beta).
+/// Everything else in the input (q, k, v, lengths, metadata) stays as it was.
+
+#include <CLI/CLI.hpp>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include <kvmem/dtype.hpp>
+#include <kvmem/errors.hpp>
+#include <kvmem/io/memory_weights.hpp>
+#include <kvmem/io/safetensors.hpp>
+#include <kvmem/policy/trained_weights.hpp>
+
+#include "tensors.hpp"
+
+namespace kvmem::tools {
+
+/// `--weights FILE` and `--layer L` of a command.
+struct TrainedWeightsOptions {
+  std::string path;  ///< a kvmem weights file; empty: the input's own parameters
+  long layer = -1;   ///< the model layer whose weights apply; -1: the input's metadata `layer`
+};
+
+/// Registers --weights and --layer on `cmd`; `memories` says which memories' weights the command takes.
+inline void add_trained_weights_options(CLI::App* cmd, TrainedWeightsOptions& o, const std::string& memories) {
+  cmd->add_option("--weights", o.path,
+                  "trained weights of " + memories +
+                      " (a kvmem weights file from tools/distill/distill.py): replace the input's parameters; kvm's "
+                      "merge gate needs the input's attention input x [B, T, hidden]");
+  cmd->add_option("--layer", o.layer, "the layer of --weights to apply (default: the input's metadata 'layer')");
+}
+
+/// The layer the weights apply to: `layer` when given (>= 0), else the input's metadata `layer` (which
+/// tools/capture/causal_lm.py writes). Throws kvmem::invalid_argument naming --layer when neither is there
+/// or the metadata is not a non-negative integer.
+inline long weights_layer(const io::SafetensorsFile& input, long layer) {
+  if (layer >= 0) return layer;
+  require(layer == -1, "--layer", layer, "must be >= 0");
+  const auto it = input.metadata.find("layer");
+  require(it != input.metadata.end(), "--layer", "(none)",
+          "give the layer: the input's metadata has no 'layer' to take it from");
+  long parsed = -1;
+  try {
+    std::size_t used = 0;
+    parsed = std::stol(it->second, &used);
+    if (used != it->second.size()) parsed = -1;
+  } catch (const std::exception&) {
+    parsed = -1;
+  }
+  require(parsed >= 0, "input metadata 'layer'", it->second, "must be a non-negative integer (or give --layer)");
+  return parsed;
+}
+
+/// `input` with the trained parameters of layer `layer` of the weights `w` (memory kvm or ovq) in place of
+/// its own (the list at the top of this file). Throws kvmem::invalid_argument naming the weights file, the
+/// input tensor or the option: weights trained for another model than the input's metadata
+/// `source_model` (when it has one), other query heads, kv-heads or head_dim than q and k, a layer the file
+/// lacks, a missing or misshapen tensor, low-rank adapters (they act on the model's projections: apply them
+/// when capturing), a KVM file for an input without x [B, T, hidden], or weights of another memory.
+inline io::SafetensorsFile with_trained_weights(io::SafetensorsFile input, const io::MemoryWeightsFile& w, long layer) {
+  const auto model = input.metadata.find("source_model");
+  if (model != input.metadata.end()) w.expect_model(model->second);
+  const auto& q = float_tensor(input, "q", 4, "[B, Hq, T, D]");
+  const auto& k = float_tensor(input, "k", 4, "[B, Hkv, T, D]");
+  w.expect_sizes(q.shape[1], k.shape[1], q.shape[3]);
+  w.expect_layer(layer);
+  require(w.shape().adapter_rank == 0, "--weights " + w.path() + " shape.adapter_rank", w.shape().adapter_rank,
+          "low-rank adapters change the model's q and k projections, which a captured layer already holds: "
+          "capture q and k with the adapters applied and pass a file without them");
+  const long B = q.shape[0], T = q.shape[2];
+  const std::vector<std::int64_t> hq{q.shape[1]}, d{q.shape[3]};
+  if (w.memory() == "ovq") {
+    const auto beta = load_ovq_layer<Kokkos::HostSpace>(w, layer).tau_state;
+    for (const char* name : {"beta", "tau_state", "tau_bswa"}) input.put(name, hq, beta.data());
+    return input;
+  }
+  require(w.memory() == "kvm", "--weights " + w.path() + " metadata memory", w.memory(),
+          "this command applies kvm or ovq weights");
+  const auto kvm = load_kvm_layer<Kokkos::HostSpace>(w, layer);
+  require(input.has("x"), "tensor 'x'", "(missing)",
+          "KVM's trained merge gate is z = x . W_g of the layer's attention input x [B, T, hidden = " +
+              std::to_string(kvm.hidden) + "]: capture it (tools/capture/causal_lm.py --attention-input)");
+  const auto& xt = float_tensor(input, "x", 3, "[B, T, hidden]");
+  expect_dim(xt, "x", 0, B, "B (from q)");
+  expect_dim(xt, "x", 1, T, "T (from q)");
+  expect_dim(xt, "x", 2, kvm.hidden, "hidden (from the weights file)");
+  const auto x = io::to_double(xt, "x");
+  const auto z = merge_gate_preactivation(kvm, std::vector<float>(x.begin(), x.end()), B, T);
+  const std::vector<std::int64_t> gate_shape{B, kvm.kv_heads, T};
+  // The gate is a token tensor: q's dtype (a 16-bit run rounds z once, as it rounds q, k and v).
+  const auto run = TokenDtype::run_dtype(q.dtype);
+  if (run == dtype_name<bfloat16> || run == dtype_name<float16>) {
+    std::vector<bfloat16> b16(z.size());
+    std::vector<float16> f16(z.size());
+    for (std::size_t i = 0; i < z.size(); ++i) {
+      b16[i] = from_float<bfloat16>(z[i]);
+      f16[i] = from_float<float16>(z[i]);
+    }
+    if (run == dtype_name<bfloat16>) input.put("gate", gate_shape, b16.data());
+    else input.put("gate", gate_shape, f16.data());
+  } else {
+    input.put("gate", gate_shape, z.data());
+  }
+  input.put("ln_weight", d, kvm.weights.ln_weight.data());
+  input.put("ln_bias", d, kvm.weights.ln_bias.data());
+  input.put("tau_state", hq, kvm.weights.tau_state.data());
+  input.put("tau_bswa", hq, kvm.weights.tau_window.data());
+  return input;
+}
+
+/// Throws kvmem::invalid_argument naming --layer when it is given without --weights.
+inline void require_weights_for_layer(const TrainedWeightsOptions& o) {
+  require(!o.path.empty() || o.layer == -1, "--layer", o.layer, "selects the layer of --weights, which is not given");
+}
+
+/// `input` with the weights of `o` applied (with_trained_weights; the file must hold `memory`'s weights),
+/// or `input` itself when o.path is empty.
+inline io::SafetensorsFile with_trained_weights(io::SafetensorsFile input, const TrainedWeightsOptions& o,
+                                                const std::string& memory) {
+  require_weights_for_layer(o);
+  if (o.path.empty()) return input;
+  const auto w = io::MemoryWeightsFile::read(o.path, memory);
+  const long layer = weights_layer(input, o.layer);
+  return with_trained_weights(std::move(input), w, layer);
+}
+
+}  // namespace kvmem::tools
