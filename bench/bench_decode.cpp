@@ -147,7 +147,7 @@ void bm_memory(benchmark::State& st, const std::string& memory, Shape s, long po
   std::vector<Work> work(kWindows);
   for (long j = 0; j < i; ++j) work[j / g_steps] += mem.model.step();
   const double sec = win.step_seconds(), scale = sec / win.mean_step_seconds();
-  KernelClock::report(st.name(), i);
+  KernelClock::report(running_benchmark(), i);
   set_counters(st, memory, s, pos, work[win.best()], g_steps, sec,
                KernelClock::seconds(mem.readout_kernels()) / i * scale, double(mem.held_bytes()));
   st.counters["state_rows"] = double(mem.rows());
@@ -158,7 +158,7 @@ void bm_memory(benchmark::State& st, const std::string& memory, Shape s, long po
 }
 
 void add(const std::string& memory, const Shape& s, long pos, long steps, std::function<void(benchmark::State&)> fn) {
-  benchmark::RegisterBenchmark("decode/" + memory + "/" + Key::of(s, pos), [fn](benchmark::State& st) { fn(st); })
+  register_benchmark("decode/" + memory + "/" + Key::of(s, pos), fn)
       ->UseRealTime()
       ->Iterations(kWindows * steps)
       ->Unit(benchmark::kMicrosecond);

@@ -213,7 +213,7 @@ void bm_decode(benchmark::State& st, const std::string& row, Shape s, long pos) 
 template <template <class> class Memory>
 void add_memory(const Shape& shape, long pos, long T) {
   auto types = [&]<class... S>(std::type_identity<S>...) {
-    (benchmark::RegisterBenchmark("dtype/decode/" + std::string(Memory<S>::name) + "/" +
+    (kvbench::register_benchmark("dtype/decode/" + std::string(Memory<S>::name) + "/" +
                                       std::string(kvmem::dtype_name<S>) + "/pos:" + std::to_string(pos) + "/" + shape.key(),
                                   [shape, pos](benchmark::State& st) {
                                     bm_decode<Memory, S>(st, std::string("decode/") + Memory<S>::name + shape.key(), shape, pos);
@@ -224,7 +224,7 @@ void add_memory(const Shape& shape, long pos, long T) {
      ...);
     Shape ps = shape;
     ps.T = T;
-    (benchmark::RegisterBenchmark("dtype/prefill/" + std::string(Memory<S>::name) + "/" +
+    (kvbench::register_benchmark("dtype/prefill/" + std::string(Memory<S>::name) + "/" +
                                       std::string(kvmem::dtype_name<S>) + "/" + ps.key(),
                                   [ps](benchmark::State& st) {
                                     bm_prefill<Memory, S>(st, std::string("prefill/") + Memory<S>::name + ps.key(), ps);

@@ -94,7 +94,7 @@ void bm_memory(benchmark::State& st, Shape s, Make make, bool record) {
     timer.add(seconds_since(t0));
   }
   const double sec = timer.best;
-  KernelClock::report(st.name(), timer.count);
+  KernelClock::report(running_benchmark(), timer.count);
   if (record) kvm_fixed_seconds()[s.key()] = sec;
   const Work w = mem.model.prefill(s.T);
   set_counters(st, s, w.readout_flops(s), w.update_flops(s), sec, timer.scaled(KernelClock::seconds(mem.readout_kernels())),
@@ -145,7 +145,7 @@ void bm_reference(benchmark::State& st, Shape s) {
 }
 
 void add(const std::string& memory, const Shape& s, std::function<void(benchmark::State&)> fn) {
-  benchmark::RegisterBenchmark("prefill/" + memory + "/" + s.key(), [fn](benchmark::State& st) { fn(st); })
+  register_benchmark("prefill/" + memory + "/" + s.key(), fn)
       ->UseRealTime()
       ->Unit(benchmark::kMillisecond);
 }

@@ -403,6 +403,23 @@ struct KernelClock {
   }
 };
 
+/// The name of the benchmark whose body runs now (register_benchmark sets it): Google Benchmark's own
+/// State::name() needs 1.8, and Debian 12, where a GPU run's tree may be built, has 1.7.1.
+inline std::string& running_benchmark() {
+  static std::string name;
+  return name;
+}
+
+/// benchmark::RegisterBenchmark for Google Benchmark 1.7 and later (the name passed as a C string, which it
+/// copies: 1.7 has no std::string overload), with running_benchmark() set to `name` while `body` runs.
+template <class Body>
+benchmark::internal::Benchmark* register_benchmark(const std::string& name, Body body) {
+  return benchmark::RegisterBenchmark(name.c_str(), [name, body](benchmark::State& st) {
+    running_benchmark() = name;
+    body(st);
+  });
+}
+
 /// Time of exact attention per shape key, recorded by the exact benchmark for the memories that follow
 /// it in the same run (registration order = run order).
 inline std::map<std::string, double>& exact_seconds() {

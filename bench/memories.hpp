@@ -395,9 +395,11 @@ void eviction_family(Reg&& reg, unsigned series) {
 /// its FLOP and byte counts would not be those of the kernels that ran.
 template <class Adapter>
 void check_model(benchmark::State& st, const Adapter& mem) {
-  if (mem.model.rows() != mem.rows())
-    st.SkipWithError("work model out of step with the memory: " + std::to_string(mem.model.rows()) + " rows modelled, " +
-                     std::to_string(mem.rows()) + " held");
+  if (mem.model.rows() != mem.rows()) {
+    const std::string message = "work model out of step with the memory: " + std::to_string(mem.model.rows()) +
+                                " rows modelled, " + std::to_string(mem.rows()) + " held";
+    st.SkipWithError(message.c_str());  // a C string: Google Benchmark 1.7 (Debian 12) takes no std::string
+  }
 }
 
 /// Calls reg(name, make) for every memory series in `series` at shape `s`, family by family.

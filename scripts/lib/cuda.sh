@@ -112,9 +112,12 @@ kvmem_flashinfer_ensure() {
 kvmem_flashinfer_compile_check() {
   local arch=${1:-sm_90}
   kvmem_flashinfer_ensure || return 1
-  local data=$KVMEM_FLASHINFER_PREFIX/flashinfer/data
+  local data=$KVMEM_FLASHINFER_PREFIX/flashinfer/data object=/tmp/kvmem-flashinfer-check.$$.o
   (cd "$KVMEM_REPO" && kvmem_in_cuda_env nvcc -std=c++20 -arch="$arch" -O1 --expt-relaxed-constexpr \
     -Werror all-warnings -Xcompiler=-Wall,-Wextra,-Werror -DNDEBUG -Iinclude \
     -isystem "$data/include" -isystem "$data/cccl/libcudacxx/include" -isystem "$data/cccl/cub" \
-    -isystem "$data/cccl/thrust" -c src/backend/cuda/flashinfer_readout.cu -o /tmp/kvmem-flashinfer-check.o)
+    -isystem "$data/cccl/thrust" -c src/backend/cuda/flashinfer_readout.cu -o "$object")
+  local rc=$?
+  kvmem_in_env rm -f "$object"
+  return "$rc"
 }

@@ -18,10 +18,10 @@
   float32 reference; a window holding every token gives exact attention over the tokens rounded to the
   type, its output rounded to the type (NumPy float64), and the held bytes count 2-byte tokens;
 - --plot writes a PNG (when matplotlib is available);
-- trained weights (--weights, kvmem weights files of kvm and ovq): the KVM rows read the gate x . W_g, the
-  LayerNorm and temperatures of the file's layer, the OVQ rows its beta, each row's numbers equal to the
-  float64 reference on the input holding them, while exact attention and the other rows keep the input's own
-  parameters; bad weights files exit 2 naming the problem.
+- trained weights (--weights, kvmem weights files of kvm-fixed and ovq): the row each file names (metadata
+  memory_id) reads the gate x . W_g, the LayerNorm and temperatures of the file's layer (kvm-fixed) or its beta
+  (ovq), its numbers equal to the float64 reference on the input holding them, while exact attention and the
+  other rows (kvm-sqrt, h2o) keep the input's own parameters; bad weights files exit 2 naming the problem.
 
   python3 test_eval.py --runner PATH/TO/kvmem-eval
 Prints one line per check and a final line "N passed, M failed"; exits 1 on failure.
@@ -394,7 +394,7 @@ def main():
         wn.save(path("kvm_w.safetensors"), "kvm", shape, kvm_w)
         wn.save(path("ovq_w.safetensors"), "ovq", shape, ovq_w)
         stn.save(path("in_w.safetensors"), t, {"layer": "1", "source_model": "tiny-test"})
-        flags = ["--memories", "kvm-fixed,ovq,h2o", "--fractions", "1/2", "--buckets", "4"]
+        flags = ["--memories", "kvm-fixed,kvm-sqrt,ovq,h2o", "--fractions", "1/2", "--buckets", "4"]
         r = run(a.runner, path("in_w.safetensors"), *flags, "--weights", path("kvm_w.safetensors"), "--weights",
                 path("ovq_w.safetensors"), "--json", path("w.json"))
         r0 = run(a.runner, path("in_w.safetensors"), *flags, "--json", path("w0.json"))
@@ -415,19 +415,26 @@ def main():
                           "against exact attention with the input's parameters",
                           got_ok and x["rel_l2"] != x0["rel_l2"], f"got {x['rel_l2']}, want {want['rel_l2']}, "
                           f"untrained {x0['rel_l2']}")
-                    check(name + ": labelled (trained), the file in its row",
-                          x["label"].endswith(" (trained)") and x["weights"] == rep["weights"][x["memory"][:3]],
+                    check(name + ": labelled (trained at 1/2), the file in its row",
+                          x["label"].endswith(" (trained at 1/2)") and x["weights"] == rep["weights"][x["memory"]]["file"],
                           json.dumps({k: x[k] for k in ("label", "weights")}))
                 else:
                     check(name + ": no weights, the same numbers as without --weights",
                           x["rel_l2"] == x0["rel_l2"] and x["weights"] is None, f'{x["rel_l2"]} {x0["rel_l2"]}')
         wn.save(path("kvpop_w.safetensors"), "kvpop", shape, {0: {"theta": np.zeros(2, np.float32)}})
+        wn.save(path("sqrt_w.safetensors"), "kvm", shape, kvm_w, metadata={"memory_id": "kvm-sqrt"})
+        wn.save(path("noid_w.safetensors"), "kvm", shape, kvm_w, metadata={"memory_id": None})
+        stn.save(path("plain_w.safetensors"), kvm_w[0])
         for args, message in [
                 (["--weights", path("kvpop_w.safetensors")], "metadata memory"),
+                (["--weights", path("plain_w.safetensors")], "metadata format"),
+                (["--weights", path("noid_w.safetensors")], "metadata memory_id"),
+                (["--weights", path("sqrt_w.safetensors"), "--memories", "kvm-fixed"], "which --memories does not select"),
                 (["--weights", path("kvm_w.safetensors"), "--weights", path("kvm_w.safetensors")], "a second weights file"),
                 (["--weights", path("kvm_w.safetensors"), "--layer", "2"], "outside [0, 2)"),
                 (["--layer", "1"], "--layer")]:
-            r = run(a.runner, path("in_w.safetensors"), *flags, *args)
+            base = flags[2:] if "--memories" in args else flags  # the case's own --memories replaces the list
+            r = run(a.runner, path("in_w.safetensors"), *base, *args)
             check(f"weights: {' '.join(os.path.basename(x) for x in args)} -> exit 2 naming {message!r}",
                   r.returncode == 2 and message in r.stderr, r.stderr)
         t_nox = {n: v for n, v in t.items() if n != "x"}

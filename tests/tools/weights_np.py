@@ -31,9 +31,12 @@ def random_layer(rng, memory, shape):
 
 
 def save(path, memory, shape, layers, model="tiny-test", metadata=None):
-    """Writes layers {L: {name: array}} of `memory` for `model` to `path`; `metadata` adds or overrides keys."""
-    meta = {"format": FORMAT, "memory": memory, "model": model, "shape": json.dumps(shape)}
+    """Writes layers {L: {name: array}} of `memory` for `model` to `path`, with the metadata distill.py writes
+    (memory_id: kvm-fixed, ovq or kvpop; fraction 1/2); `metadata` adds or overrides keys (None drops one)."""
+    meta = {"format": FORMAT, "memory": memory, "model": model, "shape": json.dumps(shape),
+            "memory_id": {"kvm": "kvm-fixed"}.get(memory, memory), "fraction": "1/2"}
     meta.update(metadata or {})
+    meta = {k: v for k, v in meta.items() if v is not None}
     stn.save(path, {f"layers.{i}.{n}": a for i, layer in layers.items() for n, a in layer.items()}, meta)
 
 

@@ -129,6 +129,17 @@ def main():
               rc == 0 and rc2 == 0 and same(want, got, 0), err + err2)
         rc, err, _ = run("evict", e, {}, "--weights", path("kvpop1.safetensors"), "--layer", "1", *ev_args)
         check("evict kvpop: --layer with a file of one layer exits 2", rc == 2 and "--layer" in err, err)
+        for name, w, m, message in [
+                ("weights of another model", wn.save(path("kvpop_other.safetensors"), "kvpop", shape, kvpop,
+                                                     model="another-model") or path("kvpop_other.safetensors"),
+                 {"source_model": "tiny-test", "layer": "0"}, "another-model"),
+                ("low-rank adapters", wn.save(path("kvpop_lora.safetensors"), "kvpop", wn.shape_of(2, HIDDEN, HQ, HKV, D, 2),
+                                              kvpop) or path("kvpop_lora.safetensors"), {"layer": "0"}, "adapter_rank"),
+                ("other kv-heads", wn.save(path("kvpop_heads.safetensors"), "kvpop", wn.shape_of(2, HIDDEN, HQ, 4, D),
+                                           kvpop) or path("kvpop_heads.safetensors"), {"layer": "0"}, "shape.kv_heads"),
+                ("a layer the file lacks", path("kvpop.safetensors"), {"layer": "7"}, "outside [0, 2)")]:
+            rc, err, _ = run("evict", e, m, "--weights", w, *ev_args)
+            check(f"evict kvpop: {name} -> exit 2 naming {message!r}", rc == 2 and message in err, f"exit {rc}: {err}")
 
         # 4. Bad files and options.
         def bad(name, memory, shape_, layers_, **meta_):
@@ -160,6 +171,9 @@ def main():
             ("not a kvmem weights file", t, meta, ["--weights", path("plain.safetensors")], "metadata format"),
             ("no layer anywhere", t_nolayer, meta_nolayer, ["--weights", path("kvm.safetensors")], "--layer"),
             ("--layer without --weights", t, meta, ["--layer", "1"], "--layer"),
+            ("--layer -1", t, meta, ["--weights", path("kvm.safetensors"), "--layer", "-1"], "--layer"),
+            ("KVM's weights with --merge proportional", t, meta,
+             ["--weights", path("kvm.safetensors"), "--merge", "proportional"], "--merge proportional"),
         ]
         for name, tens, m, args, message in cases:
             rc, err, _ = run("kvm", tens, m, *args, *KVM_ARGS)

@@ -18,17 +18,20 @@ namespace {
 using mem_space = Kokkos::DefaultExecutionSpace::memory_space;
 
 /// A weights file of `memory` for a model with 2 layers, hidden 3, Hq 4, Hkv 2, D 4, holding `tensors` of
-/// every layer (layer L's values are the base values + 10 L).
+/// every layer: element i of the n-th tensor listed is 0.5 + 0.25 i + 100 n + 10 L (L the layer), so that
+/// no two tensors or layers hold the same values.
 SafetensorsFile weights_of(const std::string& memory, const std::vector<std::pair<std::string, std::vector<std::int64_t>>>& tensors,
                            const std::string& shape = R"({"layers":2,"hidden":3,"query_heads":4,"kv_heads":2,"head_dim":4,"adapter_rank":0})") {
   SafetensorsFile f;
   f.metadata = {{"format", "kvmem-memory-weights-1"}, {"memory", memory}, {"model", "tiny"}, {"shape", shape}};
   for (int layer = 0; layer < 2; ++layer)
-    for (const auto& [name, dims] : tensors) {
+    for (std::size_t which = 0; which < tensors.size(); ++which) {
+      const auto& [name, dims] = tensors[which];
       long n = 1;
       for (auto d : dims) n *= d;
       std::vector<float> v(static_cast<std::size_t>(n));
-      for (long i = 0; i < n; ++i) v[static_cast<std::size_t>(i)] = 0.5f + 0.25f * static_cast<float>(i) + 10.0f * layer;
+      for (long i = 0; i < n; ++i)
+        v[static_cast<std::size_t>(i)] = 0.5f + 0.25f * static_cast<float>(i) + 100.0f * static_cast<float>(which) + 10.0f * layer;
       f.put("layers." + std::to_string(layer) + "." + name, dims, v.data());
     }
   return SafetensorsFile::parse(f.serialize(), "w.safetensors");  // as read from a file
@@ -49,8 +52,11 @@ TEST_CASE("a KVM weights file's layer: LayerWeights views and the merge gate x .
   REQUIRE(w.model() == "tiny");
   REQUIRE(w.shape().hidden == 3);
   const auto kvm = kvmem::load_kvm_layer<mem_space>(w, 1);
-  REQUIRE(host(kvm.weights.ln_weight) == std::vector<float>{10.5f, 10.75f, 11.0f, 11.25f});
-  REQUIRE(host(kvm.weights.tau_window) == std::vector<float>{10.5f, 10.75f, 11.0f, 11.25f});
+  // kvm_tensors' order: gate_weight (n = 0), ln_weight (1), ln_bias (2), tau_state (3), tau_window (4).
+  REQUIRE(host(kvm.weights.ln_weight) == std::vector<float>{110.5f, 110.75f, 111.0f, 111.25f});
+  REQUIRE(host(kvm.weights.ln_bias) == std::vector<float>{210.5f, 210.75f, 211.0f, 211.25f});
+  REQUIRE(host(kvm.weights.tau_state) == std::vector<float>{310.5f, 310.75f, 311.0f, 311.25f});
+  REQUIRE(host(kvm.weights.tau_window) == std::vector<float>{410.5f, 410.75f, 411.0f, 411.25f});
   // W_g of layer 1 = [[10.5, 10.75], [11, 11.25], [11.5, 11.75]]; x [B=1, T=2, hidden=3] = [[1, 0, 2], [0, -1, 1]]:
   // z[h=0] = (1*10.5 + 2*11.5, -11 + 11.5) = (33.5, 0.5); z[h=1] = (10.75 + 23.5, -11.25 + 11.75) = (34.25, 0.5).
   const auto z = kvmem::merge_gate_preactivation(kvm, {1, 0, 2, 0, -1, 1}, 1, 2);
@@ -73,8 +79,16 @@ TEST_CASE("OVQ's beta and KVPOP's scorer from weights files", "[io][weights]") {
   cfg.query_heads = 4;
   cfg.kv_heads = 2;
   const auto m = kvmem::load_kvpop_layer<mem_space>(kvpop, 1, cfg);
-  REQUIRE(host(m.theta) == std::vector<float>{10.5f, 10.75f});
   REQUIRE(host(m.w_q)[31] == 10.5f + 0.25f * 31);
+  REQUIRE(host(m.w_k)[0] == 110.5f);
+  REQUIRE(host(m.w_v)[0] == 210.5f);
+  REQUIRE(host(m.w_i)[0] == 310.5f);
+  REQUIRE(host(m.b_i) == std::vector<float>{410.5f, 410.75f});
+  REQUIRE(host(m.w_f)[0] == 510.5f);
+  REQUIRE(host(m.b_f) == std::vector<float>{610.5f, 610.75f});
+  REQUIRE(host(m.w_s)[0] == 710.5f);
+  REQUIRE(host(m.b_s) == std::vector<float>{810.5f, 810.75f});
+  REQUIRE(host(m.theta) == std::vector<float>{910.5f, 910.75f});
   REQUIRE_THROWS_WITH(kvmem::load_kvpop_layer<mem_space>(kvpop, 2, cfg), ContainsSubstring("outside [0, 2)"));
   REQUIRE_THROWS_WITH(kvmem::load_kvm_layer<mem_space>(ovq, 0), ContainsSubstring("memory kvm"));
 }
@@ -99,7 +113,7 @@ TEST_CASE("bad weights files name the file, the key or the tensor and the shape 
   REQUIRE_THROWS_WITH(w.layer_tensor(0, "tau_state", {5}), ContainsSubstring("layers.0.tau_state") &&
                                                               ContainsSubstring("expected dtype F32 and shape [5]"));
   REQUIRE_THROWS_WITH(w.layer_tensor(1, "beta", {4}), ContainsSubstring("layers.1.beta") && ContainsSubstring("(missing)"));
-  REQUIRE_THROWS_WITH(w.layer_tensor(-1, "tau_state", {4}), ContainsSubstring("layer"));
+  REQUIRE_THROWS_WITH(w.layer_tensor(-1, "tau_state", {4}), ContainsSubstring("outside [0, 2)"));
   auto short_ln = weights_of("kvm", kvm_tensors);
   const float three[] = {1, 2, 3};
   short_ln.put("layers.1.ln_bias", {3}, three);

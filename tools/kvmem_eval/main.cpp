@@ -11,10 +11,11 @@
 /// names; the reference is exact causal attention in float32 over the same tokens widened to float32, so a
 /// bf16 run's error includes what rounding the tokens to bf16 costs when the input was float32.
 ///
-/// --weights (repeatable, one file per memory: kvm, ovq) gives trained parameters (kvmem weights files from
-/// tools/distill/distill.py; tools/kvmem_run/trained_inputs.hpp) to the rows of that memory (trained_memory_of):
-/// KVM's gate from the input's attention input x, its LayerNorm and temperatures; OVQ's beta. Exact attention
-/// and the other rows keep the input's own parameters; the rows with weights say "(trained)".
+/// --weights (repeatable) gives trained parameters (kvmem weights files of kvm or ovq from
+/// tools/distill/distill.py; tools/kvmem_run/trained_inputs.hpp) to the row its metadata `memory_id` names
+/// (kvm-fixed, kvm-sqrt or ovq), at every fraction: KVM's gate from the input's attention input x, its
+/// LayerNorm and temperatures; OVQ's beta. Exact attention and the other rows keep the input's own
+/// parameters; the row says "(trained at F)", F the fraction the weights were trained for.
 ///
 /// Exit status: 0 on success, 2 for bad options or inputs (the message names the parameter and value),
 /// 1 for any other failure (a plot that could not be drawn included).
@@ -61,15 +62,6 @@ struct Options {
   std::vector<std::string> weights;  ///< --weights: kvmem weights files, at most one per memory
   long layer = -1;                   ///< --layer: their layer (-1: the input's metadata 'layer')
 };
-
-/// The memory whose trained weights (--weights) a table row reads: "kvm" for the KVM rows (the KVM merge
-/// with its gate, LayerNorm and temperatures: kvm-fixed, kvm-sqrt, kvm-16sqrt, kvm-h2o), "ovq" for the OVQ
-/// rows, "" for rows without learned parameters here (the proportional merge, Trellis untrained, evictions).
-inline std::string trained_memory_of(const std::string& id) {
-  if (id.rfind("kvm", 0) == 0) return "kvm";
-  if (id.rfind("ovq", 0) == 0) return "ovq";
-  return "";
-}
 
 /// The inputs of `file` for a run in `dtype`: float32 tokens (the reference's, any float dtype widened) and,
 /// for a 16-bit run, the tokens in that type.
@@ -197,26 +189,49 @@ inline nlohmann::json evaluate(const Options& o) {
   const auto dtype = TokenDtype::of(file, o.dtype);  // the memories' storage type
   const StoredInputs stored = load_stored(file, dtype);
   const Inputs& in = stored.f32;
-  // Trained weights: the input with one memory's trained parameters, read by that memory's rows only.
-  std::map<std::string, StoredInputs> trained;
-  std::map<std::string, std::string> trained_files;
+  // Trained weights: for the row each file names (metadata memory_id), the inputs with its trained
+  // parameters (the same token views; gate and layer weights replaced).
+  std::map<std::string, StoredInputs> trained;              // row id -> its inputs
+  std::map<std::string, nlohmann::json> trained_files;      // row id -> the file and what it was trained for
   require_weights_for_layer({o.weights.empty() ? "" : o.weights.front(), o.layer});
   for (const auto& path : o.weights) {
     auto raw = io::SafetensorsFile::read(path);
-    const auto m = raw.metadata.count("memory") ? raw.metadata.at("memory") : std::string("(none)");
+    const auto meta = [&](const char* key) {
+      return raw.metadata.count(key) ? raw.metadata.at(key) : std::string("(none)");
+    };
+    require(meta("format") == io::memory_weights_format, "--weights " + path + " metadata format", meta("format"),
+            std::string("must be ") + io::memory_weights_format + " (a kvmem weights file from tools/distill/distill.py)");
+    const auto m = meta("memory"), id = meta("memory_id");
     require(m == "kvm" || m == "ovq", "--weights " + path + " metadata memory", m,
             "kvmem-eval applies the weights of kvm or ovq");
-    require(!trained.count(m), "--weights", path, "a second weights file of memory " + m + " (the first: " +
-                                                      (trained_files.count(m) ? trained_files.at(m) : "") + ")");
+    require(id == "kvm-fixed" || id == "kvm-sqrt" || id == "ovq", "--weights " + path + " metadata memory_id", id,
+            "must name the row the weights were trained for: kvm-fixed, kvm-sqrt or ovq");
+    require(id.rfind(m, 0) == 0, "--weights " + path + " metadata memory_id", id, "is not a row of memory " + m);
+    require(std::find(o.memories.begin(), o.memories.end(), id) != o.memories.end(), "--weights", path,
+            "trained for the row " + id + ", which --memories does not select");
+    if (trained.count(id))
+      require(false, "--weights", path,
+              "a second weights file for the row " + id + " (the first: " + trained_files.at(id)["file"].get<std::string>() + ")");
+    const auto fraction = meta("fraction");
     const auto w = io::MemoryWeightsFile::from(std::move(raw), path, m);
-    trained[m] = load_stored(with_trained_weights(file, w, weights_layer(file, o.layer)), dtype);
-    trained_files[m] = path;
+    // The input's own parameters (gate, LayerNorm, temperatures), with the trained ones in their place.
+    io::SafetensorsFile params;
+    for (const char* name : {"gate", "ln_weight", "ln_bias", "tau_state", "tau_bswa"})
+      if (file.has(name)) params.tensors[name] = file.at(name);
+    auto trained_tensors = trained_parameters(file, w, weights_layer(file, o.layer));
+    for (auto& [name, tensor] : trained_tensors.tensors) params.tensors[name] = std::move(tensor);
+    StoredInputs t = stored;  // views are handles: the tokens are shared, not copied
+    t.f32.load_parameters(params, TokenDtype::of(file, "f32"));
+    if (dtype.name == "BF16") t.bf16.load_parameters(params, dtype);
+    if (dtype.name == "F16") t.f16.load_parameters(params, dtype);
+    trained[id] = t;
+    trained_files[id] = {{"file", path}, {"fraction", fraction}, {"setup", w.metadata().count("setup") ? w.metadata().at("setup") : ""}};
   }
   const auto all = memory_kinds_of(dtype);
   std::vector<MemoryKind> kinds;
   for (const auto& id : o.memories) {
     kinds.push_back(*std::find_if(all.begin(), all.end(), [&](const MemoryKind& k) { return k.id == id; }));
-    if (trained.count(trained_memory_of(id))) kinds.back().label += " (trained)";
+    if (trained.count(id)) kinds.back().label += " (trained at " + trained_files[id]["fraction"].get<std::string>() + ")";
   }
   require(o.sizing.rope_dims >= 0 && o.sizing.rope_dims <= in.D, "--rope-dims", o.sizing.rope_dims,
           "must be in [0, head_dim = " + std::to_string(in.D) + "]");
@@ -279,7 +294,7 @@ inline nlohmann::json evaluate(const Options& o) {
   for (const auto& [b, e] : buckets) report["buckets"].push_back({b, e});
   report["exact"] = {{"seconds", exact_seconds}};
   report["weights"] = nlohmann::json::object();  // memory -> the weights file its rows read
-  for (const auto& [m, path] : trained_files) report["weights"][m] = path;
+  for (const auto& [id, w] : trained_files) report["weights"][id] = w;
   report["results"] = nlohmann::json::array();
 
   OutView y("y", in.B, in.Hq, in.T, in.Dv);
@@ -287,7 +302,7 @@ inline nlohmann::json evaluate(const Options& o) {
     progress.step(job.kind->id + " at " + job.fraction_label);
     RunStats s;
     try {
-      const auto t = trained.find(trained_memory_of(job.kind->id));
+      const auto t = trained.find(job.kind->id);
       s = job.plan.run(t == trained.end() ? stored : t->second, y);
     } catch (const invalid_argument& e) {
       rethrow_with_flag(e);
@@ -300,9 +315,7 @@ inline nlohmann::json evaluate(const Options& o) {
     nlohmann::json r;
     r["memory"] = job.kind->id;
     r["label"] = job.kind->label;
-    r["weights"] = trained_files.count(trained_memory_of(job.kind->id))
-                       ? nlohmann::json(trained_files.at(trained_memory_of(job.kind->id)))
-                       : nlohmann::json(nullptr);
+    r["weights"] = trained_files.count(job.kind->id) ? trained_files.at(job.kind->id)["file"] : nlohmann::json(nullptr);
     r["fraction_label"] = job.fraction_label;
     r["fraction"] = std::isnan(job.fraction) ? nlohmann::json(nullptr) : nlohmann::json(job.fraction);
     r["params"] = job.plan.params;
@@ -414,9 +427,10 @@ int main(int argc, char** argv) {
   app.add_option("--rope-dims", o.sizing.rope_dims, "r: key channels with RoPE (0 for models without RoPE)")->capture_default_str();
   app.add_flag("--no-progress", o.no_progress, "no progress bar (it is drawn on stderr only when that is a terminal)");
   app.add_option("--weights", o.weights,
-                 "trained weights (kvmem weights files of kvm or ovq, from tools/distill/distill.py) for that memory's "
-                 "rows; kvm's gate needs the input's attention input x [B, T, hidden]");
-  app.add_option("--layer", o.layer, "the layer of --weights (default: the input's metadata 'layer')");
+                 "trained weights (kvmem weights files of kvm-fixed, kvm-sqrt or ovq, from tools/distill/distill.py) "
+                 "for the row each names (metadata memory_id); kvm's gate needs the input's attention input x [B, T, hidden]");
+  app.add_option("--layer", o.layer, "the layer of --weights (default: the input's metadata 'layer')")
+      ->check(CLI::NonNegativeNumber);
   app.add_flag("--list-memories", o.list, "list the memories and how each is sized for a fraction, then exit");
   try {
     app.parse(argc, argv);

@@ -249,17 +249,21 @@ void run_evict(const EvictOptions& o, const io::SafetensorsFile& file, const Tok
   require(in.D % 2 == 0, "tensor 'k' shape", shape_string({in.B, in.Hkv, in.T, in.D}),
           "head_dim D must be even for the kvpop scorer (h = D / 2, spec EVICTION.md §3)");
   auto weights_file = io::SafetensorsFile::read(o.weights);
-  const auto format = weights_file.metadata.find("format");
   score::MLstmWeights<mem_space> weights;
-  if (format != weights_file.metadata.end() && format->second == io::memory_weights_format) {
+  // A kvmem weights file (every layer; metadata format, memory, ...), or the tensors of one layer.
+  if (weights_file.metadata.count("format") || weights_file.metadata.count("memory")) {
     const auto trained = io::MemoryWeightsFile::from(std::move(weights_file), o.weights, "kvpop");
     const auto model = file.metadata.find("source_model");
     if (model != file.metadata.end()) trained.expect_model(model->second);
-    require(trained.shape().kv_heads == in.Hkv && trained.shape().head_dim == in.D,
-            "--weights " + o.weights + " metadata shape", "kv_heads " + std::to_string(trained.shape().kv_heads) +
-                ", head_dim " + std::to_string(trained.shape().head_dim),
-            "the input has Hkv = " + std::to_string(in.Hkv) + ", D = " + std::to_string(in.D));
-    weights = load_kvpop_layer<mem_space>(trained, weights_layer(file, o.layer), cfg);
+    trained.expect_sizes(in.Hq, in.Hkv, in.D);
+    require(trained.shape().adapter_rank == 0, "--weights " + o.weights + " shape.adapter_rank",
+            trained.shape().adapter_rank,
+            "low-rank adapters change the model's q and k projections, which a captured layer already holds");
+    try {
+      weights = load_kvpop_layer<mem_space>(trained, weights_layer(file, o.layer), cfg);
+    } catch (const invalid_argument& e) {
+      throw invalid_argument("--weights " + o.weights + ": " + e.what());
+    }
   } else {
     require(o.layer == -1, "--layer", o.layer, "selects a layer of a kvmem weights file; " + o.weights + " holds one layer");
     weights = score::load_mlstm_weights<mem_space>(weights_file, cfg);

@@ -68,6 +68,15 @@ struct KvmInputs : Batch<MemorySpace, Storage> {
   static KvmInputs load(const io::SafetensorsFile& f, const TokenDtype& dtype) {
     KvmInputs in;
     static_cast<Batch<MemorySpace, Storage>&>(in) = Batch<MemorySpace, Storage>::load_qkv(f, dtype);
+    in.load_parameters(f, dtype);
+    return in;
+  }
+
+  /// Reads and checks gate [B, Hkv, T] (as `dtype`), ln_weight, ln_bias [D], tau_state and tau_bswa [Hq]
+  /// of `f` against the sizes of the tokens already loaded, in place of this input's; throws
+  /// kvmem::invalid_argument naming the first bad tensor.
+  void load_parameters(const io::SafetensorsFile& f, const TokenDtype& dtype) {
+    auto& in = *this;
     const auto& g = token_tensor(f, "gate", 3, "[B, Hkv, T]", dtype);
     const auto& lw = float_tensor(f, "ln_weight", 1, "[D]");
     const auto& lb = float_tensor(f, "ln_bias", 1, "[D]");
@@ -84,7 +93,6 @@ struct KvmInputs : Batch<MemorySpace, Storage> {
     in.gate = to_view<3, MemorySpace, Storage>(g, "gate");
     in.weights = {to_view<1, MemorySpace>(lw, "ln_weight"), to_view<1, MemorySpace>(lb, "ln_bias"),
                   to_view<1, MemorySpace>(ts, "tau_state"), to_view<1, MemorySpace>(tb, "tau_bswa")};
-    return in;
   }
 };
 
@@ -96,6 +104,8 @@ void run_kvm(const KvmOptions& o, const io::SafetensorsFile& file, const TokenDt
   using exec = Kokkos::DefaultExecutionSpace;
   using mem_space = exec::memory_space;
   require_weights_for_layer(o.trained);
+  require(o.trained.path.empty() || o.merge == "kvm", "--weights", o.trained.path,
+          "holds KVM's trained parameters; --merge " + o.merge + " was not trained with them");
   const auto in = o.trained.path.empty()
                       ? KvmInputs<mem_space, Storage>::load(file, dtype)
                       : KvmInputs<mem_space, Storage>::load(with_trained_weights(file, o.trained, "kvm"), dtype);

@@ -30,7 +30,7 @@ struct OvqOptions {
 inline CLI::App* add_ovq_command(CLI::App& app, OvqOptions& o) {
   auto* cmd = app.add_subcommand("ovq", "OVQ memory (online vector quantization) over q/k/v of one layer");
   cmd->option_defaults()->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
-  cmd->add_option("--input", o.input, "input safetensors: q, k, v, beta [, lengths]")->required();
+  cmd->add_option("--input", o.input, "input safetensors: q, k, v, beta (or --weights) [, lengths]")->required();
   cmd->add_option("--output", o.output, "output safetensors: y, centroid_keys, centroid_values, counts, centroid_rows")
       ->required();
   cmd->add_option("--mode", o.mode, "prefill (chunk-parallel) or decode (token by token)")

@@ -7,10 +7,12 @@
 ///    tools/capture/causal_lm.py --attention-input), ln_weight, ln_bias [D], tau_state, tau_bswa [Hq]
 ///    (tau_bswa = the file's tau_window);
 ///  - ovq: beta [Hq], also written as tau_state and tau_bswa (what kvmem-eval's OVQ rows read as beta).
-/// Everything else in the input (q, k, v, lengths, metadata) stays as it was.
+/// Everything else in the input (q, k, v, lengths, metadata) stays as it was. The weights were trained
+/// for one configuration (the file's metadata `setup`, `memory_id` and `fraction`): run them with it.
 
 #include <CLI/CLI.hpp>
 #include <cstdint>
+#include <exception>
 #include <string>
 #include <vector>
 
@@ -36,7 +38,8 @@ inline void add_trained_weights_options(CLI::App* cmd, TrainedWeightsOptions& o,
                   "trained weights of " + memories +
                       " (a kvmem weights file from tools/distill/distill.py): replace the input's parameters; kvm's "
                       "merge gate needs the input's attention input x [B, T, hidden]");
-  cmd->add_option("--layer", o.layer, "the layer of --weights to apply (default: the input's metadata 'layer')");
+  cmd->add_option("--layer", o.layer, "the layer of --weights to apply (default: the input's metadata 'layer')")
+      ->check(CLI::NonNegativeNumber);
 }
 
 /// The layer the weights apply to: `layer` when given (>= 0), else the input's metadata `layer` (which
@@ -60,28 +63,31 @@ inline long weights_layer(const io::SafetensorsFile& input, long layer) {
   return parsed;
 }
 
-/// `input` with the trained parameters of layer `layer` of the weights `w` (memory kvm or ovq) in place of
-/// its own (the list at the top of this file). Throws kvmem::invalid_argument naming the weights file, the
-/// input tensor or the option: weights trained for another model than the input's metadata
-/// `source_model` (when it has one), other query heads, kv-heads or head_dim than q and k, a layer the file
-/// lacks, a missing or misshapen tensor, low-rank adapters (they act on the model's projections: apply them
-/// when capturing), a KVM file for an input without x [B, T, hidden], or weights of another memory.
-inline io::SafetensorsFile with_trained_weights(io::SafetensorsFile input, const io::MemoryWeightsFile& w, long layer) {
+/// The tensors that replace `input`'s own parameters with the trained parameters of layer `layer` of the
+/// weights `w` (memory kvm or ovq; the list at the top of this file), as a safetensors file of those
+/// tensors only (gate in q's dtype: a 16-bit run rounds z once, as it rounds q, k and v). Throws
+/// kvmem::invalid_argument naming the weights file, the input tensor or the option: weights trained for
+/// another model than the input's metadata `source_model` (checked when the input names one), other query
+/// heads or head_dim than q (kvm: also other kv-heads than k; OVQ's beta is per query head), a layer the
+/// file lacks, a missing or misshapen tensor, low-rank adapters (they act on the model's projections: apply
+/// them when capturing), a KVM file for an input without x [B, T, hidden], or weights of another memory.
+inline io::SafetensorsFile trained_parameters(const io::SafetensorsFile& input, const io::MemoryWeightsFile& w, long layer) {
   const auto model = input.metadata.find("source_model");
   if (model != input.metadata.end()) w.expect_model(model->second);
   const auto& q = float_tensor(input, "q", 4, "[B, Hq, T, D]");
   const auto& k = float_tensor(input, "k", 4, "[B, Hkv, T, D]");
-  w.expect_sizes(q.shape[1], k.shape[1], q.shape[3]);
+  w.expect_sizes(q.shape[1], w.memory() == "ovq" ? w.shape().kv_heads : k.shape[1], q.shape[3]);
   w.expect_layer(layer);
   require(w.shape().adapter_rank == 0, "--weights " + w.path() + " shape.adapter_rank", w.shape().adapter_rank,
           "low-rank adapters change the model's q and k projections, which a captured layer already holds: "
           "capture q and k with the adapters applied and pass a file without them");
   const long B = q.shape[0], T = q.shape[2];
   const std::vector<std::int64_t> hq{q.shape[1]}, d{q.shape[3]};
+  io::SafetensorsFile out;
   if (w.memory() == "ovq") {
     const auto beta = load_ovq_layer<Kokkos::HostSpace>(w, layer).tau_state;
-    for (const char* name : {"beta", "tau_state", "tau_bswa"}) input.put(name, hq, beta.data());
-    return input;
+    for (const char* name : {"beta", "tau_state", "tau_bswa"}) out.put(name, hq, beta.data());
+    return out;
   }
   require(w.memory() == "kvm", "--weights " + w.path() + " metadata memory", w.memory(),
           "this command applies kvm or ovq weights");
@@ -93,28 +99,23 @@ inline io::SafetensorsFile with_trained_weights(io::SafetensorsFile input, const
   expect_dim(xt, "x", 0, B, "B (from q)");
   expect_dim(xt, "x", 1, T, "T (from q)");
   expect_dim(xt, "x", 2, kvm.hidden, "hidden (from the weights file)");
-  const auto x = io::to_double(xt, "x");
-  const auto z = merge_gate_preactivation(kvm, std::vector<float>(x.begin(), x.end()), B, T);
+  const auto z = merge_gate_preactivation(kvm, stored_values<float>(xt, "x"), B, T);
   const std::vector<std::int64_t> gate_shape{B, kvm.kv_heads, T};
-  // The gate is a token tensor: q's dtype (a 16-bit run rounds z once, as it rounds q, k and v).
   const auto run = TokenDtype::run_dtype(q.dtype);
-  if (run == dtype_name<bfloat16> || run == dtype_name<float16>) {
-    std::vector<bfloat16> b16(z.size());
-    std::vector<float16> f16(z.size());
-    for (std::size_t i = 0; i < z.size(); ++i) {
-      b16[i] = from_float<bfloat16>(z[i]);
-      f16[i] = from_float<float16>(z[i]);
-    }
-    if (run == dtype_name<bfloat16>) input.put("gate", gate_shape, b16.data());
-    else input.put("gate", gate_shape, f16.data());
-  } else {
-    input.put("gate", gate_shape, z.data());
-  }
-  input.put("ln_weight", d, kvm.weights.ln_weight.data());
-  input.put("ln_bias", d, kvm.weights.ln_bias.data());
-  input.put("tau_state", hq, kvm.weights.tau_state.data());
-  input.put("tau_bswa", hq, kvm.weights.tau_window.data());
-  return input;
+  const auto put_gate = [&](auto tag) {
+    using T16 = decltype(tag);
+    std::vector<T16> g(z.size());
+    for (std::size_t i = 0; i < z.size(); ++i) g[i] = from_float<T16>(z[i]);
+    out.put("gate", gate_shape, g.data());
+  };
+  if (run == dtype_name<bfloat16>) put_gate(bfloat16{});
+  else if (run == dtype_name<float16>) put_gate(float16{});
+  else out.put("gate", gate_shape, z.data());
+  out.put("ln_weight", d, kvm.weights.ln_weight.data());
+  out.put("ln_bias", d, kvm.weights.ln_bias.data());
+  out.put("tau_state", hq, kvm.weights.tau_state.data());
+  out.put("tau_bswa", hq, kvm.weights.tau_window.data());
+  return out;
 }
 
 /// Throws kvmem::invalid_argument naming --layer when it is given without --weights.
@@ -122,15 +123,16 @@ inline void require_weights_for_layer(const TrainedWeightsOptions& o) {
   require(!o.path.empty() || o.layer == -1, "--layer", o.layer, "selects the layer of --weights, which is not given");
 }
 
-/// `input` with the weights of `o` applied (with_trained_weights; the file must hold `memory`'s weights),
-/// or `input` itself when o.path is empty.
-inline io::SafetensorsFile with_trained_weights(io::SafetensorsFile input, const TrainedWeightsOptions& o,
+/// A copy of `input` with the weights of `o` (a file of `memory`'s weights, o.path not empty) in place of
+/// its own parameters (trained_parameters). Throws kvmem::invalid_argument as trained_parameters and
+/// io::MemoryWeightsFile::read.
+inline io::SafetensorsFile with_trained_weights(const io::SafetensorsFile& input, const TrainedWeightsOptions& o,
                                                 const std::string& memory) {
-  require_weights_for_layer(o);
-  if (o.path.empty()) return input;
   const auto w = io::MemoryWeightsFile::read(o.path, memory);
-  const long layer = weights_layer(input, o.layer);
-  return with_trained_weights(std::move(input), w, layer);
+  const auto params = trained_parameters(input, w, weights_layer(input, o.layer));
+  io::SafetensorsFile out = input;
+  for (const auto& [name, t] : params.tensors) out.tensors[name] = t;
+  return out;
 }
 
 }  // namespace kvmem::tools
