@@ -36,6 +36,7 @@ from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from . import adapters as adapters_io
 from . import memories, ops
 from . import weights as weights_io
 
@@ -52,9 +53,11 @@ def kvm(weights: weights_io.MemoryWeights | str | os.PathLike | None = None, **k
     ``weights``: trained KVM weights (a kvmem.weights.MemoryWeights or the path of its file, written by
     kvmem.train): layer i's memory takes layer i's ln_weight, ln_bias, tau_state and tau_window, and its
     merge gate z = x . gate_weight from the layer's attention input x (KvmemCache hooks the attention
-    modules to see x). Raises ValueError naming the file, the tensor and the shape expected for a file
-    that is not KVM weights (kvmem.weights.load), and KvmemCache raises it for weights of other sizes than
-    the model's."""
+    modules to see x). Weights with adapters (shape adapter_rank > 0, the "distilled + adapters" variant)
+    also change the model's q and k projections while it runs with a KvmemCache of this factory
+    (kvmem.adapters; see KvmemCache). Raises ValueError naming the file, the tensor and the shape expected
+    for a file that is not KVM weights (kvmem.weights.load), and KvmemCache raises it for weights of other
+    sizes than the model's."""
     if weights is None:
         return lambda layer_idx, **shape: memories.KvmMemory(**shape, **kwargs)
     return _Trained("kvm", weights, kwargs)
@@ -79,6 +82,10 @@ class _Trained:
         elif weights.memory != memory:
             raise ValueError(f"weights: hold {weights.memory!r} weights, expected {memory!r}")
         self.memory, self.weights, self.kwargs = memory, weights, kwargs
+        #: one kvmem.adapters.LayerAdapters per layer when the weights hold adapters, else None
+        self.adapters = None
+        if weights.shape.get("adapter_rank", 0) > 0:
+            self.adapters = [adapters_io.of_tensors(weights.layer(i)) for i in range(weights.shape["layers"])]
 
     def check(self, model) -> None:
         """Raises ValueError when the weights were made for other sizes than ``model``'s."""
@@ -212,7 +219,13 @@ class KvmemCache(Cache):
     ``KvmemCache(model, factory)`` switches ``model`` to the attention function "kvmem" (registered here)
     and builds layer i's memory with ``factory(i, head_dim=, query_heads=, kv_heads=, value_dim=, batch=, dtype=)``
     at its first call (see kvm(), ovq(), eviction()). Pass it as ``past_key_values`` to ``generate`` or to
-    the model's forward. Raises TypeError when ``model`` has no ``set_attn_implementation``."""
+    the model's forward (as a keyword argument, which is how ``generate`` passes it).
+
+    A factory whose trained weights hold adapters (``factory.adapters``) adds them to the model's q and k
+    projections (kvmem.adapters) during each forward of ``model`` whose ``past_key_values`` is this cache,
+    and only then: the same model runs unchanged with its full cache or another KvmemCache. The hooks that
+    do so are installed on ``model`` once and stay (they add nothing outside such a forward). Raises
+    TypeError when ``model`` has no ``set_attn_implementation``."""
 
     def __init__(self, model, factory: MemoryFactory):
         if not hasattr(model, "set_attn_implementation"):
@@ -225,6 +238,10 @@ class KvmemCache(Cache):
         super().__init__(layers=[KvmemLayer(factory, i) for i in range(layers)])
         if any(layer.gate_weight is not None for layer in self.layers):
             _hook_attention_inputs(model)
+        #: the factory's adapters (one kvmem.adapters.LayerAdapters per layer) or None
+        self.adapters = getattr(factory, "adapters", None)
+        if self.adapters is not None:
+            _hook_adapters(model)
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         _current.cache = self
@@ -280,6 +297,32 @@ def _hook_attention_inputs(model) -> None:
     if not hooked:
         raise ValueError(f"model = {type(model).__name__}: no attention module with a layer_idx and a q_proj to "
                          f"hook, so a trained KVM's merge gate cannot see the layer's input")
+
+
+def _forward_cache_push(module, args, kwargs):
+    _current.forwards = getattr(_current, "forwards", []) + [kwargs.get("past_key_values")]
+
+
+def _forward_cache_pop(module, args, output):
+    _current.forwards = _current.forwards[:-1]
+
+
+def _forward_adapters(layer_idx: int):
+    """The adapters of ``layer_idx`` of the KvmemCache the innermost running forward was given, if any."""
+    forwards = getattr(_current, "forwards", [])
+    cache = forwards[-1] if forwards else None
+    return cache.adapters[layer_idx] if isinstance(cache, KvmemCache) and cache.adapters is not None else None
+
+
+def _hook_adapters(model) -> None:
+    """Installs once on ``model``: hooks on its forward that note the ``past_key_values`` each call is given,
+    and on its q and k projections that add that cache's adapters (kvmem.adapters.attach)."""
+    if getattr(model, "_kvmem_adapter_hooks", False):
+        return
+    adapters_io.attach(model, _forward_adapters)
+    model.register_forward_pre_hook(_forward_cache_push, with_kwargs=True)
+    model.register_forward_hook(_forward_cache_pop, always_call=True)
+    model._kvmem_adapter_hooks = True
 
 
 def register() -> None:

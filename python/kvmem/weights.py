@@ -14,12 +14,15 @@ Tensors (float32; L is the layer index, hidden the model's hidden size, Hq/Hkv i
   [Hkv * D, r] (added to the q and k projections: W x + up (down x)).
 
 Metadata (strings): ``format`` (FORMAT), ``memory`` ("kvm" or "ovq"), ``model`` (the model's name),
-``shape`` (JSON: layers, hidden, query_heads, kv_heads, head_dim, adapter_rank), and whatever the trainer
-records (``config``, ``budget``, ``recipe``, ``training_texts`` with their SHA-256, ...).
+``shape`` (JSON: layers, hidden, query_heads, kv_heads, head_dim, adapter_rank), ``tensors_sha256`` (the
+SHA-256 of the tensors, tensors_digest: what names these weights, for example in a layer captured with
+their adapters on, tools/capture/causal_lm.py --adapters), and whatever the trainer records (``config``,
+``budget``, ``recipe``, ``training_texts`` with their SHA-256, ...).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from dataclasses import dataclass, field
@@ -53,7 +56,7 @@ class MemoryWeights:
     ``memory``: "kvm", "ovq" or "kvpop"; ``model``: the model's name; ``shape``: {layers, hidden, query_heads,
     kv_heads, head_dim, adapter_rank} (adapter_rank 0: no adapters); ``layers``: {layer index: {tensor name:
     float32 tensor}} with the names and shapes of TENSORS (and ADAPTER_TENSORS); ``metadata``: further
-    strings to store (config, budget, recipe, training texts)."""
+    strings to store (config, budget, recipe, training texts; as read, also the file's tensors_sha256)."""
 
     memory: str
     model: str
@@ -105,6 +108,16 @@ class MemoryWeights:
             raise ValueError(f"{source}: layer {extra_layers[0]} is beyond shape['layers'] = {self.shape['layers']}")
 
 
+def tensors_digest(layers: dict) -> str:
+    """SHA-256 (hex) of the tensors {layer index: {name: tensor}}: each tensor's full name layers.L.name, its
+    shape and its float32 bytes (little-endian), in the order of the names."""
+    h = hashlib.sha256()
+    for name, t in sorted((f"layers.{i}.{n}", t) for i, layer in layers.items() for n, t in layer.items()):
+        h.update(f"{name}{list(t.shape)}".encode())
+        h.update(t.detach().to(torch.float32).contiguous().cpu().numpy().astype("<f4").tobytes())
+    return h.hexdigest()
+
+
 def save(path: str | os.PathLike, weights: MemoryWeights) -> None:
     """Writes ``weights`` to ``path`` (safetensors): first to a temporary file beside it, then renamed, so a run
     stopped midway leaves no half-written file. Raises ValueError as MemoryWeights.check."""
@@ -113,7 +126,8 @@ def save(path: str | os.PathLike, weights: MemoryWeights) -> None:
     weights.check(f"weights for {os.fspath(path)!r}")
     tensors = {f"layers.{i}.{n}": t.detach().contiguous() for i, layer in weights.layers.items() for n, t in layer.items()}
     meta = {str(k): v if isinstance(v, str) else json.dumps(v) for k, v in weights.metadata.items()}
-    meta.update(format=FORMAT, memory=weights.memory, model=weights.model, shape=json.dumps(weights.shape))
+    meta.update(format=FORMAT, memory=weights.memory, model=weights.model, shape=json.dumps(weights.shape),
+                tensors_sha256=tensors_digest(weights.layers))
     tmp = f"{os.fspath(path)}.tmp-{os.getpid()}"
     try:
         save_file(tensors, tmp, metadata=meta)
@@ -127,8 +141,8 @@ def load(path: str | os.PathLike, *, memory: str | None = None, model: str | Non
          shape: dict | None = None) -> MemoryWeights:
     """Reads a weights file. Raises FileNotFoundError for a missing file and ValueError naming the file (and
     the tensor and the shape expected) for anything else: not a kvmem weights file, a file for another
-    ``memory`` or ``model`` than asked, sizes other than ``shape``'s (any subset of SHAPE_KEYS), or a
-    missing, surplus or misshapen tensor."""
+    ``memory`` or ``model`` than asked, sizes other than ``shape``'s (any subset of SHAPE_KEYS), a
+    missing, surplus or misshapen tensor, or tensors that do not match the file's tensors_sha256."""
     from safetensors import safe_open
 
     path = os.fspath(path)
@@ -162,4 +176,7 @@ def load(path: str | os.PathLike, *, memory: str | None = None, model: str | Non
     extra = {k: v for k, v in meta.items() if k not in ("format", "memory", "model", "shape")}
     w = MemoryWeights(meta.get("memory", ""), meta.get("model", ""), file_shape, layers, extra)
     w.check(f"weights file {path!r}")
+    if "tensors_sha256" in meta and meta["tensors_sha256"] != tensors_digest(layers):
+        raise ValueError(f"weights file {path!r}: its tensors do not match its metadata tensors_sha256 (changed "
+                         f"after it was written)")
     return w

@@ -103,6 +103,49 @@ def test_capture_attention_input(tiny, tmp_path, monkeypatch):
     assert "x" not in read_safetensors(str(tmp_path / "layer0.safetensors"))[0]
 
 
+def test_capture_with_adapters(tiny, tmp_path, monkeypatch, capsys):
+    """--adapters captures the model with a weights file's adapters on every layer's q and k projections: layer 0
+    (whose input no adapter changes) reads q = rope(W_q x + up (down x)), as the adapted model computes it, v
+    stays; the metadata names the file's tensors_sha256; a file without adapters or for another model exits 2."""
+    from kvmem import adapters as ka
+    from kvmem import weights as kw
+    from kvmem.train.capture import capture
+    from kvmem.train.distill import KvmParameters, memory_weights
+
+    monkeypatch.setattr(causal_lm, "load_model", lambda name: (tiny, WordTokenizer(), "tiny"))
+    text = tmp_path / "t.txt"
+    text.write_text("attention memory keys and values")
+    g = torch.Generator().manual_seed(3)
+    adapters = [ka.LayerAdapters.initial(64, 64, 32, 2, seed=i) for i in range(2)]
+    for a in adapters:
+        with torch.no_grad():
+            a.q.up.copy_(torch.randn(64, 2, generator=g))
+            a.k.up.copy_(torch.randn(32, 2, generator=g))
+    layers = [KvmParameters(64, 4, 2, 16).tensors() | a.tensors() for a in adapters]
+    kw.save(tmp_path / "a.safetensors", memory_weights("kvm", "tiny", tiny, layers))
+    assert causal_lm.main(["--text", str(text), "--output-dir", str(tmp_path), "--max-tokens", "20", "--layers", "0",
+                           "--adapters", str(tmp_path / "a.safetensors")]) == 0
+    t, meta = read_safetensors(str(tmp_path / "layer0.safetensors"))
+    assert meta["adapters_sha256"] == kw.load(tmp_path / "a.safetensors").metadata["tensors_sha256"]
+    ids = torch.tensor([[ord(c) % 97 for c in "attention memory keys and values"[:20]]])
+    hooks = ka.attach(tiny, lambda i: adapters[i])
+    try:
+        want = capture(tiny, ids)[0]
+    finally:
+        hooks.remove()
+    torch.testing.assert_close(torch.tensor(t["q"]), want.q, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(torch.tensor(t["v"]), want.v, rtol=1e-5, atol=1e-6)
+    assert not torch.allclose(torch.tensor(t["q"]), capture(tiny, ids)[0].q, atol=1e-3)  # hooks removed
+    kw.save(tmp_path / "plain.safetensors", memory_weights("kvm", "tiny", tiny, [KvmParameters(64, 4, 2, 16).tensors() for _ in range(2)]))
+    kw.save(tmp_path / "other.safetensors", kw.MemoryWeights("kvm", "other", kw.load(tmp_path / "a.safetensors").shape,
+                                                             dict(enumerate(layers))))
+    capsys.readouterr()
+    for name, message in [("plain", "has no adapters"), ("other", "trained for model 'other'")]:
+        assert causal_lm.main(["--text", str(text), "--output-dir", str(tmp_path), "--adapters",
+                               str(tmp_path / f"{name}.safetensors")]) == 2
+        assert message in capsys.readouterr().err
+
+
 def test_model_not_found(capsys, tmp_path):
     text = tmp_path / "t.txt"
     text.write_text("x")
@@ -369,7 +412,49 @@ def test_end_to_end_cli_errors(e2e_cli, tmp_path, capsys):
     assert calls == [] and not os.path.exists(out)
 
 
-def test_distill_then_end_to_end_with_the_weights(e2e_cli, tmp_path, capsys):
+def check_held_out(tiny, tmp_path, plain_path, adapted_path, capsys):
+    """held_out.py on two weights files of KVM fixed at 1/2 (without and with adapters): the rows it names, and
+    each distilled row's per-layer error (kvmem's C++ memories) equal to that of the training form on the same
+    capture (the adapted one through kvmem.train.model.memory_in_layer)."""
+    import json
+
+    import held_out
+    from kvmem import adapters as ka
+    from kvmem import weights as kw
+    from kvmem.train.capture import capture, exact_attention
+    from kvmem.train.distill import parameters_of
+    from kvmem.train.model import memory_in_layer
+
+    out = tmp_path / "held-out.json"
+    assert held_out.main(["--text", str(tmp_path / "ppl.txt"), "--tokens", "64", "--weights", str(plain_path),
+                          "--weights", str(adapted_path), "--output", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["label"], bool(r["distilled"])) for r in rows] == [
+        ("KVM fixed", False), ("H2O", False), ("TOVA", False), ("KVM fixed", True), ("KVM fixed + adapters (rank 2)", True)]
+    setup = lm_memories.setup("kvm-fixed", 64, 0.5)
+    ids, _ = causal_lm.read_text(str(tmp_path / "ppl.txt"), CharTokenizer(), 64)
+    plain, adapted = kw.load(plain_path), kw.load(adapted_path)
+    for layer, inputs in enumerate(capture(tiny, torch.tensor([ids]))):
+        target = exact_attention(inputs.q, inputs.k, inputs.v)
+        rel = lambda y: ((y - target).square().sum() / target.square().sum()).sqrt().item()  # noqa: E731
+        assert rows[3]["errors"][layer] == pytest.approx(rel(parameters_of("kvm", plain.layer(layer))(inputs, setup)),
+                                                         rel=1e-4)
+        with memory_in_layer(tiny, layer, parameters_of("kvm", adapted.layer(layer)), setup,
+                             ka.of_tensors(adapted.layer(layer))) as run:
+            assert rows[4]["errors"][layer] == pytest.approx(rel(run(inputs)), rel=1e-4)
+        assert rows[4]["errors"][layer] != pytest.approx(rows[3]["errors"][layer], rel=1e-3)
+    import report_lm
+    table = report_lm.held_out_table(json.loads(out.read_text())).splitlines()
+    assert table[0] == "| memory | budget | parameters | layer 0 | **mean of 2** |"
+    assert rows[3]["stages"] == "1 + 2" and rows[4]["stages"] == "1 + 2" and rows[0]["stages"] is None
+    assert table[6].startswith(f"| KVM fixed + adapters (rank 2) | 1/2 | distilled, stage 1 + 2 ({rows[4]['distilled'][:8]}) | "
+                               f"{rows[4]['errors'][0]:.3f} |")
+    capsys.readouterr()
+    assert held_out.main(["--text", str(tmp_path / "ppl.txt"), "--output", str(out), "--compare", "snapkv"]) == 2
+    assert "--compare: 'snapkv' unknown" in capsys.readouterr().err
+
+
+def test_distill_then_end_to_end_with_the_weights(tiny, e2e_cli, tmp_path, capsys):
     """tools/distill/distill.py on the tiny Llama writes weights that end_to_end.py --weights runs as a distilled
     row of the memory and fraction the file names; bad arguments exit 2 with the problem named."""
     import json
@@ -412,8 +497,24 @@ def test_distill_then_end_to_end_with_the_weights(e2e_cli, tmp_path, capsys):
     second = json.loads(report2.read_text())
     assert "its --init weights'" in report_lm.distilled_table(json.loads(out.read_text()) | {"results": [
         dict(rows[1], distilled=second["weights_sha256"][:16])]}, [second])
+    w3, report3 = tmp_path / "kvm-adapters.safetensors", tmp_path / "curves-adapters.json"
+    assert distill.main(["--memory", "kvm-fixed", "--fraction", "1/2", "--tokens", "64", "--steps", "2", "--e2e-steps",
+                         "1", "--adapter-rank", "2", "--output", str(w3), "--report", str(report3), *texts]) == 0
+    adapted = kw.load(w3, memory="kvm", model="tiny")
+    assert adapted.shape["adapter_rank"] == 2 and adapted.layers[1]["k_adapter_up"].abs().max() > 0
+    assert json.loads(adapted.metadata["recipe"])["adapter_rank"] == 2
+    assert run("--output", str(out), "--memories", "h2o", "--weights", str(w), "--weights", str(w3)) == 0
+    rows = json.loads(out.read_text())["results"]
+    assert [r["label"] for r in rows] == ["H2O", "KVM fixed", "KVM fixed + adapters (rank 2)"]
+    assert rows[1]["perplexity"] != rows[2]["perplexity"]
+    table = report_lm.distilled_table(json.loads(out.read_text()), [json.loads(report3.read_text())]).splitlines()
+    assert table[2].startswith("| KVM fixed + adapters (rank 2) | 1/2 | ")
+    check_held_out(tiny, tmp_path, w, w3, capsys)
     capsys.readouterr()
     for args, message in [(["--memory", "h2o"], "--memory 'h2o': not trainable"),
+                          (["--memory", "kvpop", "--adapter-rank", "2"], "0 for --memory kvpop"),
+                          (["--memory", "kvm-fixed", "--adapter-rank", "3", "--init", str(w3)],
+                           "has adapters of rank 2"),
                           (["--memory", "ovq", "--init", str(w)], "holds 'kvm' weights, expected 'ovq'"),
                           (["--memory", "ovq", "--fraction", "1/512"], "fraction = 0.001953125"),
                           (["--memory", "ovq", "--text", str(tmp_path / "none.txt")], "none.txt"),

@@ -6,6 +6,8 @@ include/kvmem/io/memory_weights.hpp), against the same run on an input whose par
   the chosen layer (from the input's metadata 'layer', or --layer) give the output and state of the input
   holding them, in prefill and decode; another layer gives another output;
 - ovq: the trained beta gives the output of the input holding it;
+- kvm with low-rank adapters: taken only for an input captured with them (its metadata adapters_sha256 is the
+  file's tensors_sha256), and then the file's memory tensors give what the file without adapters gives;
 - evict --scorer kvpop: a weights file of memory kvpop gives, bit for bit, what its layer's tensors give as a
   file of one layer;
 - bad files and options exit 2 with the tensor, the metadata key or the option named.
@@ -102,6 +104,23 @@ def main():
         _, _, neutral = run("kvm", t, meta, *KVM_ARGS)
         check("kvm: --layer 0 == layer 0's parameters, and differs from the neutral input's output",
               rc == 0 and same(want0, got0, 1e-6) and not same(neutral, got0, 1e-3), err)
+
+        # 1b. A file with low-rank adapters applies to a layer captured with them on (metadata adapters_sha256 =
+        #     the file's tensors_sha256): its memory tensors act as those of the file without adapters.
+        ashape = wn.shape_of(2, HIDDEN, HQ, HKV, D, 2)
+        one = lambda *shape: np.ones(shape, np.float32)  # noqa: E731
+        alayers = {i: dict(l, q_adapter_down=one(2, HIDDEN), q_adapter_up=one(HQ * D, 2), k_adapter_down=one(2, HIDDEN),
+                           k_adapter_up=one(HKV * D, 2)) for i, l in layers.items()}
+        wn.save(path("kvm_adapters.safetensors"), "kvm", ashape, alayers, metadata={"tensors_sha256": "t1"})
+        _, _, plain = run("kvm", t, meta, "--weights", path("kvm.safetensors"), *KVM_ARGS)
+        rc, err, got = run("kvm", t, dict(meta, adapters_sha256="t1"), "--weights", path("kvm_adapters.safetensors"),
+                           *KVM_ARGS)
+        check("kvm: adapters on a layer captured with them (adapters_sha256 = the file's tensors_sha256) == the file "
+              "without adapters", rc == 0 and same(plain, got, 0), err)
+        for name, m in [("no adapters_sha256", meta), ("other adapters", dict(meta, adapters_sha256="t2"))]:
+            rc, err, _ = run("kvm", t, m, "--weights", path("kvm_adapters.safetensors"), *KVM_ARGS)
+            check(f"kvm: adapters on an input captured with {name} -> exit 2 naming adapters_sha256",
+                  rc == 2 and "adapters_sha256" in err and "causal_lm.py --adapters" in err, f"exit {rc}: {err}")
 
         # 2. OVQ: the trained beta.
         f = np.float32

@@ -16,13 +16,19 @@ scaled_dot_product_attention gets) and then calls SDPA. Each text is one sequenc
                                         projections read), from which trained KVM weights compute the merge
                                         gate (kvmem-run kvm --weights, kvmem-eval --weights)
 
-and one file per layer, DIR/layer<L>.safetensors.
+and one file per layer, DIR/layer<L>.safetensors. With --adapters WEIGHTS (a kvmem weights file with low-rank
+adapters, tools/distill/distill.py --adapter-rank), the model runs with the file's adapters on every layer's
+q and k projections (kvmem.adapters), so q and k are the adapted model's; the metadata adapters_sha256 names
+the file's tensors (its tensors_sha256), and kvmem-run and kvmem-eval take that file's --weights only for
+such a capture.
 
   python3 tools/capture/causal_lm.py --text FILE [--text FILE ...] --output-dir DIR \
       [--model smollm2 | --model HF_DIR] [--layers 0,5,29] [--max-tokens 8192] [--attention-input]
+      [--adapters WEIGHTS]
 
 Errors (model or text not found, an empty text, a layer out of range, --max-tokens beyond the model's
-context) print one line that names the problem and exit with status 2.
+context, an --adapters file for another model or without adapters) print one line that names the problem
+and exit with status 2.
 """
 from __future__ import annotations
 
@@ -144,6 +150,24 @@ def capture(model, sequences, layers, attention_input=False):
     return out
 
 
+def with_adapters(model, model_name: str, path: str):
+    """Puts the low-rank adapters of the weights file ``path`` on ``model``'s q and k projections (every layer;
+    kvmem.adapters.attach); returns (the hooks, to remove afterwards, and the file's tensors_sha256). Raises
+    CaptureError naming --adapters for a file that cannot be read, is for another model or has no adapters."""
+    from kvmem import adapters as ka
+    from kvmem import weights as kw
+
+    try:
+        w = kw.load(path, model=model_name)
+    except (ValueError, FileNotFoundError) as e:
+        raise CaptureError(f"--adapters: {e}") from None
+    if w.shape.get("adapter_rank", 0) < 1 or "tensors_sha256" not in w.metadata:
+        raise CaptureError(f"--adapters {path!r}: has no adapters (shape adapter_rank = {w.shape.get('adapter_rank')}) "
+                           f"or no tensors_sha256 (written before kvmem.weights recorded it)")
+    layers = [ka.of_tensors(w.layer(i)) for i in range(w.shape["layers"])]
+    return ka.attach(model, lambda i: layers[i]), w.metadata["tensors_sha256"]
+
+
 def parse_layers(text: str | None, n: int) -> list[int]:
     """'0,5,29' -> [0, 5, 29]; None or 'all' -> every layer. Raises CaptureError for a layer outside [0, n)."""
     if text in (None, "all"):
@@ -167,7 +191,10 @@ def main(argv=None) -> int:
     ap.add_argument("--max-tokens", type=int, default=None, help="cap on each text's tokens (default: the model's context)")
     ap.add_argument("--attention-input", action="store_true",
                     help="also write x [B, T, hidden], each layer's attention input (trained KVM weights read it)")
+    ap.add_argument("--adapters", default=None,
+                    help="a kvmem weights file with adapters: capture the model with them on its q and k projections")
     args = ap.parse_args(argv)
+    hooks = None
     try:
         if not os.path.isdir(args.output_dir):
             raise CaptureError(f"--output-dir {args.output_dir!r}: does not exist")
@@ -180,10 +207,16 @@ def main(argv=None) -> int:
         cfg = model.config.get_text_config()
         layers = parse_layers(args.layers, cfg.num_hidden_layers)
         texts = [read_text(p, tok, args.max_tokens or limit) for p in args.text]
+        adapters_sha = None
+        if args.adapters:
+            hooks, adapters_sha = with_adapters(model, name, args.adapters)
         got = capture(model, [ids for ids, _ in texts], layers, attention_input=args.attention_input)
     except CaptureError as e:
         print(f"capture: error: {e}", file=sys.stderr)
         return 2
+    finally:
+        if hooks is not None:
+            hooks.remove()
     lengths = [len(ids) for ids, _ in texts]
     head_dim = got[layers[0]][0].shape[3]
     for layer in layers:
@@ -200,6 +233,9 @@ def main(argv=None) -> int:
             "neutral_parameters": NEUTRAL_NOTE,
             "tool": "tools/capture/causal_lm.py",
         }
+        if adapters_sha:
+            meta["adapters_sha256"] = adapters_sha
+            meta["adapters"] = f"q and k of the model with the low-rank adapters of {args.adapters} on every layer"
         tensors = neutral_kvm_inputs(q, k, v, lengths)
         if args.attention_input:
             tensors["x"] = got[layer][3]

@@ -7,7 +7,7 @@ next-token distributions (stage 2, KL divergence), on training texts, and writte
 
   distill.py --memory kvm-fixed --fraction 1/8 --output kvm-fixed-8.safetensors [--report curves.json]
              [--model smollm2 | --model HF_DIR] [--text FILE ...] [--tokens 2048] [--steps 40]
-             [--e2e-steps 0] [--e2e-texts 2] [--init WEIGHTS] [--quick]
+             [--e2e-steps 0] [--e2e-texts 2] [--init WEIGHTS] [--adapter-rank 0] [--quick]
 
 - The memory is sized as tools/fidelity/lm_memories.py sizes it for --tokens tokens at --fraction of the cache
   (kvm-fixed, kvm-sqrt, ovq or kvpop): what the weights are trained in is what the evaluation runs.
@@ -22,11 +22,18 @@ next-token distributions (stage 2, KL divergence), on training texts, and writte
   (kvmem.train.distill.fit_kvpop_layer; kvpop-paper Sec. 2.1, App. D), sized as the eviction memories of
   lm_memories.py; it has no stage 2 (its hard top-k gives the model's output no gradient), so --e2e-steps
   and --init are refused with it.
+- --adapter-rank R > 0 (KVM and OVQ): the "distilled + adapters" variant. Each layer also gets rank-R
+  low-rank adapters on its q and k projections (kvmem.adapters: q = W_q x + up (down x), the same for k),
+  trained with the memory's parameters: stage 1 runs the layer's attention module again on its captured
+  input with the adapters (kvmem.train.distill.fit_adapted_layer) against exact attention of the unadapted
+  model, stage 2 trains them end to end with the rest. The weights file holds them (shape adapter_rank = R)
+  and kvmem.transformers' factories apply them.
 - Stage 2 (--e2e-steps > 0): Adam steps on every layer's parameters at once, from stage 1's, on the KL
   divergence of the model with the training form in every layer to the model with its full cache, over the
   first --e2e-texts texts (kvmem.train.distill.fit_end_to_end); one line of progress per step.
 - --init WEIGHTS starts from a weights file of this memory and model (an earlier run's) instead of stage 1,
-  which it skips: stage 2 alone.
+  which it skips: stage 2 alone, with the file's adapters if it has any (--adapter-rank must then be 0 or
+  the file's rank).
 - --report writes the loss curves (JSON); --quick is the whole pipeline small (256 tokens, 2 texts, 3 steps
   per layer, 2 end-to-end steps on one text, none for KVPOP) for tests.
 
@@ -87,21 +94,28 @@ def weights_kind(memory: str) -> str:
     return memory if memory in ("ovq", "kvpop") else "kvm"
 
 
-def distill(model, model_name: str, seqs: list[list[int]], memory: str, setup, steps: int, log=print) -> tuple:
-    """Stage 1: captures every layer on ``seqs`` and fits each layer's parameters; returns (one dict of
-    tensors per layer, one loss curve per layer, seconds per layer)."""
+def distill(model, model_name: str, seqs: list[list[int]], memory: str, setup, steps: int, log=print,
+            adapter_rank: int = 0) -> tuple:
+    """Stage 1: captures every layer on ``seqs`` and fits each layer's parameters (with rank-``adapter_rank``
+    adapters when it is > 0); returns (one dict of tensors per layer, one loss curve per layer, seconds per
+    layer)."""
     from kvmem.train.capture import capture
-    from kvmem.train.distill import fit_kvm_layer, fit_kvpop_layer, fit_ovq_layer
+    from kvmem.train.distill import fit_adapted_layer, fit_kvm_layer, fit_kvpop_layer, fit_ovq_layer
 
     t0 = time.time()
     captured = [capture(model, torch.tensor([ids])) for ids in seqs]  # [text][layer]
     log(f"distill: captured {len(captured[0])} layers of {len(seqs)} texts in {time.time() - t0:.0f} s")
-    fit = {"ovq": fit_ovq_layer, "kvpop": fit_kvpop_layer}.get(memory, fit_kvm_layer)
+    plain = {"ovq": fit_ovq_layer, "kvpop": fit_kvpop_layer}.get(memory, fit_kvm_layer)
+
+    def fit(batches, layer):
+        if adapter_rank:
+            return fit_adapted_layer(model, layer, batches, setup, rank=adapter_rank, steps=steps)
+        return plain(batches, setup, steps=steps)
     what = "ranking loss" if memory == "kvpop" else "relative error"
     tensors, curves, seconds = [], [], []
     for layer in range(len(captured[0])):
         t = time.time()
-        result = fit([c[layer] for c in captured], setup, steps=steps)
+        result = fit([c[layer] for c in captured], layer)
         tensors.append(result.tensors)
         curves.append(result.curve)
         seconds.append(time.time() - t)
@@ -113,18 +127,22 @@ def distill(model, model_name: str, seqs: list[list[int]], memory: str, setup, s
 
 def end_to_end(model, seqs: list[list[int]], memory: str, setup, tensors: list[dict], steps: int, log=print) -> tuple:
     """Stage 2 from stage 1's ``tensors`` on ``seqs``; returns (one dict of tensors per layer, the KL curve)."""
+    from kvmem.adapters import of_tensors
     from kvmem.train.distill import fit_end_to_end, parameters_of
 
     layers = [parameters_of(weights_kind(memory), t) for t in tensors]
+    adapters = [of_tensors(t) for t in tensors]
+    adapters = None if adapters[0] is None else adapters
     t0 = time.time()
 
     def progress(step, loss):
         left = (steps - step - 1) * (time.time() - t0) / (step + 1)
         log(f"distill: end-to-end step {step + 1}/{steps}: KL {loss:.4f} ({left / 60:.0f} min left)")
 
-    curve = fit_end_to_end(model, layers, setup, [torch.tensor([ids]) for ids in seqs], steps=steps, on_step=progress)
+    curve = fit_end_to_end(model, layers, setup, [torch.tensor([ids]) for ids in seqs], steps=steps,
+                           adapters=adapters, on_step=progress)
     log(f"distill: end to end: KL {curve[0]:.4f} -> {curve[-1]:.4f} in {(time.time() - t0) / 60:.1f} min")
-    return [p.tensors() for p in layers], curve
+    return [p.tensors() | (a.tensors() if adapters else {}) for p, a in zip(layers, adapters or layers)], curve
 
 
 def main(argv=None) -> int:
@@ -140,6 +158,7 @@ def main(argv=None) -> int:
     ap.add_argument("--e2e-steps", type=int, default=0, help="stage 2: end-to-end Adam steps (0: none)")
     ap.add_argument("--e2e-texts", type=int, default=2, help="stage 2: the first N training texts")
     ap.add_argument("--init", default=None, help="start from this weights file and skip stage 1")
+    ap.add_argument("--adapter-rank", type=int, default=0, help="rank of the q and k adapters trained too (0: none)")
     ap.add_argument("--quick", action="store_true", help="small: 256 tokens, the first 2 texts, 3 steps, 2 end-to-end steps")
     args = ap.parse_args(argv)
     if args.quick:
@@ -152,6 +171,9 @@ def main(argv=None) -> int:
         if args.memory == "kvpop" and (args.e2e_steps or args.init):
             raise DistillError("--e2e-steps / --init: KVPOP's scorers are trained by their ranking loss only (the hard "
                                "top-k gives the model's output no gradient); leave them out for --memory kvpop")
+        if args.adapter_rank < 0 or (args.adapter_rank and args.memory == "kvpop"):
+            raise DistillError(f"--adapter-rank {args.adapter_rank}: must be >= 0, and 0 for --memory kvpop (adapters "
+                               f"are trained with the KVM and OVQ memories)")
         if args.tokens < 1 or args.steps < 0 or args.e2e_steps < 0 or args.e2e_texts < 1:
             raise DistillError(f"--tokens {args.tokens}, --steps {args.steps}, --e2e-steps {args.e2e_steps}, --e2e-texts "
                                f"{args.e2e_texts}: need tokens >= 1, steps >= 0, e2e-steps >= 0 and e2e-texts >= 1")
@@ -169,6 +191,10 @@ def main(argv=None) -> int:
         attention_modules(model)  # a model whose attention cannot be hooked fails here, before any work
         kind = weights_kind(args.memory)
         init = kw.load(args.init, memory=kind, model=model_name) if args.init else None
+        if init is not None and args.adapter_rank not in (0, init.shape["adapter_rank"]):
+            raise DistillError(f"--adapter-rank {args.adapter_rank}: --init {args.init!r} has adapters of rank "
+                               f"{init.shape['adapter_rank']} (give 0 or that rank)")
+        rank = init.shape["adapter_rank"] if init is not None else args.adapter_rank
     except (DistillError, CalibrationError, CaptureError, ValueError, FileNotFoundError) as e:
         print(f"distill: error: {e}", file=sys.stderr)
         return 2
@@ -176,7 +202,7 @@ def main(argv=None) -> int:
     t0 = time.time()
     if init is None:
         tensors, curves, seconds = distill(model, model_name, seqs, args.memory, setup, args.steps,
-                                           log=lambda s: print(s, file=sys.stderr, flush=True))
+                                           log=lambda s: print(s, file=sys.stderr, flush=True), adapter_rank=rank)
     else:  # stage 2 from an earlier run: its stage-1 curves stay in its own report
         tensors, curves, seconds = [init.layer(i) for i in range(init.shape["layers"])], [], []
     e2e_curve = []
@@ -189,7 +215,7 @@ def main(argv=None) -> int:
                        "stage 1: relative squared error of each layer's attention output against exact attention; "
                        "stage 2: KL(full-cache model || model with the memory in every layer) per next token"),
               "optimizer": "Adam", "e2e_steps": args.e2e_steps, "e2e_texts": min(args.e2e_texts, len(seqs)),
-              "quick": args.quick}
+              "adapter_rank": rank, "quick": args.quick}
     meta = {"memory_id": args.memory, "fraction": args.fraction, "setup": repr(setup), "recipe": recipe,
             "training_texts": records}
     if init is not None:

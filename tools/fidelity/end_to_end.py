@@ -345,8 +345,10 @@ def main(argv=None) -> int:
         cal = calibration if calibrated else None
         t0 = time.time()
         logits, sizes = kvmem_run(model, ppl_ids, memory, f, cal, weights)
-        r = {"memory": memory, "label": lm_memories.LABELS[memory], "fraction_label": label, "fraction": f,
-             "calibrated": calibrated, "distilled": sha, **score_text(logits, ppl_ids, full_argmax), **sizes}
+        rank = weights.shape.get("adapter_rank", 0) if weights is not None else 0
+        r = {"memory": memory, "label": lm_memories.LABELS[memory] + (f" + adapters (rank {rank})" if rank else ""),
+             "fraction_label": label, "fraction": f, "calibrated": calibrated, "distilled": sha, "adapter_rank": rank,
+             **score_text(logits, ppl_ids, full_argmax), **sizes}
         r["needle"] = [score_needle(kvmem_run(model, c["ids"], memory, f, cal, weights)[0], c) for c in cases]
         r["retrieval"] = sum(n["retrieved"] for n in r["needle"]) / len(cases)
         r["seconds"] = time.time() - t0

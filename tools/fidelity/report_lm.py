@@ -1,12 +1,14 @@
 #!/usr/bin/env python3
 """Fill the causal-LM blocks of docs/fidelity.md (lm-headline, lm-e2e-table, lm-layers-calibrated,
-lm-calibration-table, lm-kvm-whole with --whole, lm-distilled with --distilled) from the reports of
-end_to_end.py, calibrate.py fit, kvmem-eval and tools/distill/distill.py, with tools/kvmem_eval/report.py's
+lm-calibration-table, lm-kvm-whole with --whole, lm-distilled with --distilled, lm-distilled-layers with
+--held-out) from the reports of end_to_end.py, calibrate.py fit, kvmem-eval, tools/distill/distill.py and
+tools/distill/held_out.py, with tools/kvmem_eval/report.py's
 block filler (a block missing from the document is an error, exit 2).
 
   report_lm.py --doc docs/fidelity.md --e2e e2e.json --calibration calibration.json \
                --layers layer0.json ... --calibrated layer0-kvm-calibrated.json layer0-ovq-calibrated.json ... \
                [--whole layer0-kvm-whole.json layer0-kvm-whole-calibrated.json ...] [--distilled kvm-fixed-8.json ...]
+               [--held-out held-out.json]
 """
 from __future__ import annotations
 
@@ -181,6 +183,26 @@ def headline(e2e: dict, layers: list[dict], calibrated: list[dict]) -> str:
     return "\n".join(out)
 
 
+#: the layers held_out_table shows one by one (those of a 30-layer model; a smaller one shows its own)
+HELD_OUT_LAYERS = (0, 3, 6, 9, 12, 15, 18, 21, 24, 27, 29)
+
+
+def held_out_table(report: dict) -> str:
+    """tools/distill/held_out.py's rows: each memory's relative L2 error per layer on the held-out text (the
+    layers of HELD_OUT_LAYERS the model has, then the mean over all its layers), with how its parameters
+    were set (neutral, or distilled: its training stages and the weights file's SHA-256 prefix; training-free
+    memories have none)."""
+    shown = [i for i in HELD_OUT_LAYERS if i < report["layers"]]
+    lines = ["| memory | budget | parameters | " + " | ".join(f"layer {i}" for i in shown) +
+             f" | **mean of {report['layers']}** |", "|---|---|---|" + "---:|" * (len(shown) + 1)]
+    for r in report["rows"]:
+        params = (f"distilled, stage {r['stages']} ({r['distilled'][:8]})" if r["distilled"] else
+                  "neutral" if r["memory"] in ("kvm-fixed", "kvm-sqrt", "ovq") else "—")
+        lines.append(f"| {r['label']} | {r['fraction_label']} | {params} | " +
+                     " | ".join(f"{r['errors'][i]:.3f}" for i in shown) + f" | **{r['mean']:.3f}** |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--doc", required=True)
@@ -190,6 +212,7 @@ def main() -> None:
     ap.add_argument("--calibrated", nargs="+", required=True)
     ap.add_argument("--whole", nargs="*", default=[], help="kvmem-eval reports of KVM fixed at fraction 1")
     ap.add_argument("--distilled", nargs="*", default=[], help="tools/distill/distill.py reports (--report)")
+    ap.add_argument("--held-out", default=None, help="tools/distill/held_out.py's report")
     a = ap.parse_args()
     e2e, cal = load(a.e2e), load(a.calibration)
     layers, calibrated = [load(p) for p in a.layers], [load(p) for p in a.calibrated]
@@ -200,6 +223,8 @@ def main() -> None:
         blocks["lm-kvm-whole"] = whole_table([load(p) for p in a.whole], layers, calibrated)
     if a.distilled:
         blocks["lm-distilled"] = distilled_table(e2e, [load(p) for p in a.distilled])
+    if a.held_out:
+        blocks["lm-distilled-layers"] = held_out_table(load(a.held_out))
     fill(a.doc, blocks)
 
 

@@ -256,9 +256,7 @@ void run_evict(const EvictOptions& o, const io::SafetensorsFile& file, const Tok
     const auto model = file.metadata.find("source_model");
     if (model != file.metadata.end()) trained.expect_model(model->second);
     trained.expect_sizes(in.Hq, in.Hkv, in.D);
-    require(trained.shape().adapter_rank == 0, "--weights " + o.weights + " shape.adapter_rank",
-            trained.shape().adapter_rank,
-            "low-rank adapters change the model's q and k projections, which a captured layer already holds");
+    require_adapters_captured(file, trained);
     try {
       weights = load_kvpop_layer<mem_space>(trained, weights_layer(file, o.layer), cfg);
     } catch (const invalid_argument& e) {

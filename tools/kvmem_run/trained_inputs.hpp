@@ -63,14 +63,32 @@ inline long weights_layer(const io::SafetensorsFile& input, long layer) {
   return parsed;
 }
 
+/// Low-rank adapters (`w`'s shape.adapter_rank > 0) act on the model's q and k projections, before the memory:
+/// they apply to a layer captured with them on (tools/capture/causal_lm.py --adapters FILE writes the file's
+/// metadata `tensors_sha256` as the input's `adapters_sha256`), and the memory then reads the file's own
+/// tensors as from a file without adapters. Throws kvmem::invalid_argument naming --weights and the input's
+/// adapters_sha256 for a file with adapters and an input not captured with them (none, or other adapters).
+inline void require_adapters_captured(const io::SafetensorsFile& input, const io::MemoryWeightsFile& w) {
+  if (w.shape().adapter_rank == 0) return;
+  const auto have = input.metadata.find("adapters_sha256");
+  const auto want = w.metadata().find("tensors_sha256");
+  require(have != input.metadata.end() && want != w.metadata().end() && have->second == want->second,
+          "--weights " + w.path() + " (adapter_rank " + std::to_string(w.shape().adapter_rank) +
+              "): input metadata adapters_sha256",
+          have == input.metadata.end() ? std::string("(none)") : have->second,
+          "low-rank adapters change the model's q and k projections: capture the layer with them on "
+          "(tools/capture/causal_lm.py --adapters " + w.path() + "), whose adapters_sha256 is the file's tensors_sha256 " +
+              (want == w.metadata().end() ? std::string("(the file has none)") : want->second));
+}
+
 /// The tensors that replace `input`'s own parameters with the trained parameters of layer `layer` of the
 /// weights `w` (memory kvm or ovq; the list at the top of this file), as a safetensors file of those
 /// tensors only (gate in q's dtype: a 16-bit run rounds z once, as it rounds q, k and v). Throws
 /// kvmem::invalid_argument naming the weights file, the input tensor or the option: weights trained for
 /// another model than the input's metadata `source_model` (checked when the input names one), other query
 /// heads or head_dim than q (kvm: also other kv-heads than k; OVQ's beta is per query head), a layer the
-/// file lacks, a missing or misshapen tensor, low-rank adapters (they act on the model's projections: apply
-/// them when capturing), a KVM file for an input without x [B, T, hidden], or weights of another memory.
+/// file lacks, a missing or misshapen tensor, low-rank adapters for an input not captured with them
+/// (require_adapters_captured), a KVM file for an input without x [B, T, hidden], or weights of another memory.
 inline io::SafetensorsFile trained_parameters(const io::SafetensorsFile& input, const io::MemoryWeightsFile& w, long layer) {
   const auto model = input.metadata.find("source_model");
   if (model != input.metadata.end()) w.expect_model(model->second);
@@ -78,9 +96,7 @@ inline io::SafetensorsFile trained_parameters(const io::SafetensorsFile& input, 
   const auto& k = float_tensor(input, "k", 4, "[B, Hkv, T, D]");
   w.expect_sizes(q.shape[1], w.memory() == "ovq" ? w.shape().kv_heads : k.shape[1], q.shape[3]);
   w.expect_layer(layer);
-  require(w.shape().adapter_rank == 0, "--weights " + w.path() + " shape.adapter_rank", w.shape().adapter_rank,
-          "low-rank adapters change the model's q and k projections, which a captured layer already holds: "
-          "capture q and k with the adapters applied and pass a file without them");
+  require_adapters_captured(input, w);
   const long B = q.shape[0], T = q.shape[2];
   const std::vector<std::int64_t> hq{q.shape[1]}, d{q.shape[3]};
   io::SafetensorsFile out;

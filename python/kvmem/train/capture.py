@@ -10,6 +10,8 @@ from typing import NamedTuple
 
 import torch
 
+from ..adapters import attention_modules  # noqa: F401  (kvmem.train's callers import it from here)
+
 _seen = threading.local()
 
 
@@ -18,12 +20,16 @@ class LayerInputs(NamedTuple):
 
     - ``x`` [B, T, hidden]: the attention module's input (what the q, k, v projections read);
     - ``q`` [B, Hq, T, D] (scaled so that the model's softmax scale is 1 / sqrt(D)), ``k`` [B, Hkv, T, D],
-      ``v`` [B, Hkv, T, Dv]."""
+      ``v`` [B, Hkv, T, Dv];
+    - ``position_embeddings``: what the attention module was given for its RoPE (transformers' (cos, sin),
+      each [B, T, D]), detached, or None where it was given none; the per-layer fit with adapters
+      (kvmem.train.distill.fit_adapted_layer) runs the module again on ``x`` with them."""
 
     x: torch.Tensor
     q: torch.Tensor
     k: torch.Tensor
     v: torch.Tensor
+    position_embeddings: tuple | None = None
 
 
 def _record(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
@@ -31,11 +37,13 @@ def _record(module, query, key, value, attention_mask, scaling=None, dropout=0.0
     D = query.shape[-1]
     if scaling is not None and not math.isclose(scaling, 1.0 / math.sqrt(D), rel_tol=1e-6):
         query = query * (scaling * math.sqrt(D))  # fold the model's scale into q, as kvmem.transformers does
-    x = _seen.inputs.pop(module.layer_idx, None)
-    if x is None:
+    seen = _seen.inputs.pop(module.layer_idx, None)
+    if seen is None:
         raise ValueError(f"layer {module.layer_idx}: its attention input was not seen (no forward pre-hook ran)")
+    x, rope = seen
+    rope = None if rope is None else tuple(t.detach() for t in rope)
     _seen.layers[module.layer_idx] = LayerInputs(x.detach().float(), query.detach().float(), key.detach().float(),
-                                                 value.detach().float())
+                                                 value.detach().float(), rope)
     groups = query.shape[1] // key.shape[1]
     y = torch.nn.functional.scaled_dot_product_attention(query, key.repeat_interleave(groups, 1),
                                                          value.repeat_interleave(groups, 1), is_causal=True)
@@ -43,18 +51,9 @@ def _record(module, query, key, value, attention_mask, scaling=None, dropout=0.0
 
 
 def _keep_input(module, args, kwargs):
-    _seen.inputs[module.layer_idx] = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
-
-
-def attention_modules(model) -> list:
-    """The attention modules of ``model`` in layer order (modules with a layer_idx and a q_proj). Raises
-    ValueError naming the model when it has none (its attention cannot be hooked)."""
-    found = sorted((m for m in model.modules() if hasattr(m, "layer_idx") and hasattr(m, "q_proj")),
-                   key=lambda m: m.layer_idx)
-    if not found:
-        raise ValueError(f"model = {type(model).__name__}: has no attention module with a layer_idx and a q_proj, "
-                         f"so kvmem.train cannot hook its attention")
-    return found
+    x = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
+    rope = kwargs.get("position_embeddings", args[1] if len(args) > 1 else None)
+    _seen.inputs[module.layer_idx] = (x, rope)
 
 
 def capture(model, ids: torch.Tensor) -> list[LayerInputs]:

@@ -250,16 +250,28 @@ def _descend(opt, losses: Callable[[], Iterable[torch.Tensor]], steps: int,
     return curve
 
 
+def _kvm_start(batches: list[LayerInputs], lr: float, gate_lr: float) -> tuple[KvmParameters, list[dict]]:
+    """KVM's neutral parameters for the inputs' sizes and their Adam groups: ``gate_lr`` for W_g, ``lr`` for the
+    LayerNorm affine and the log-temperatures."""
+    first = batches[0]
+    p = KvmParameters(first.x.shape[-1], first.q.shape[1], first.k.shape[1], first.q.shape[-1])
+    return p, [{"params": [p.gate_weight], "lr": gate_lr},
+               {"params": [p.ln_weight, p.ln_bias, p.log_tau_state, p.log_tau_window], "lr": lr}]
+
+
+def _ovq_start(batches: list[LayerInputs], lr: float) -> tuple[OvqParameters, list[dict]]:
+    """OVQ's beta at its closed form (OvqParameters.closed_form, mean over the batches) and its Adam group."""
+    p = OvqParameters(torch.stack([OvqParameters.closed_form(b) for b in batches]).mean(0))
+    return p, [{"params": [p.log_beta], "lr": lr}]
+
+
 def fit_kvm_layer(batches: list[LayerInputs], setup: KvmSetup, *, steps: int, lr: float = 0.02,
                   gate_lr: float = 1e-3, on_step: Callable[[int, float], None] | None = None) -> LayerFit:
     """fit_layer for KVM from the neutral parameters: ``lr`` for the LayerNorm affine and the
     log-temperatures, ``gate_lr`` for W_g. Raises ValueError as fit_layer."""
     if not batches:
         raise ValueError("batches: no captured inputs to fit")
-    first = batches[0]
-    p = KvmParameters(first.x.shape[-1], first.q.shape[1], first.k.shape[1], first.q.shape[-1])
-    groups = [{"params": [p.gate_weight], "lr": gate_lr},
-              {"params": [p.ln_weight, p.ln_bias, p.log_tau_state, p.log_tau_window], "lr": lr}]
+    p, groups = _kvm_start(batches, lr, gate_lr)
     return fit_layer(p, batches, setup, steps=steps, groups=groups, on_step=on_step)
 
 
@@ -269,26 +281,64 @@ def fit_ovq_layer(batches: list[LayerInputs], setup: OvqSetup, *, steps: int, lr
     log beta. Raises ValueError as fit_layer."""
     if not batches:
         raise ValueError("batches: no captured inputs to fit")
-    beta0 = torch.stack([OvqParameters.closed_form(b) for b in batches]).mean(0)
-    p = OvqParameters(beta0)
-    return fit_layer(p, batches, setup, steps=steps, groups=[{"params": [p.log_beta], "lr": lr}], on_step=on_step)
+    p, groups = _ovq_start(batches, lr)
+    return fit_layer(p, batches, setup, steps=steps, groups=groups, on_step=on_step)
 
 
-def model_shape(model) -> dict:
+def fit_adapted_layer(model, layer_idx: int, batches: list[LayerInputs], setup, *, rank: int, steps: int,
+                      adapter_lr: float = 1e-2, seed: int = 0,
+                      on_step: Callable[[int, float], None] | None = None) -> LayerFit:
+    """Stage 1 of the "distilled + adapters" variant for one layer: the memory's parameters (KVM from neutral
+    with fit_kvm_layer's rates when ``setup`` is a KvmSetup, OVQ from beta's closed form with fit_ovq_layer's
+    when it is an OvqSetup) and rank-``rank`` adapters on the layer's q and k projections
+    (kvmem.adapters.LayerAdapters.initial, seeded ``seed`` + layer_idx; Adam rate ``adapter_lr``) fitted
+    together to exact attention on ``batches``: each step runs attention module ``layer_idx`` of ``model``
+    (frozen) again on the captured x and position embeddings with the adapters (model.memory_in_layer), the
+    target is exact attention on the captured (unadapted) q, k, v. The tensors hold the memory's and the
+    adapters' (kvmem.weights names). Raises ValueError as fit_layer, for rank < 1, or for another setup."""
+    from ..adapters import LayerAdapters
+    from .model import memory_in_layer
+
+    if steps < 0:
+        raise ValueError(f"steps = {steps}: must be >= 0")
+    if not batches:
+        raise ValueError("batches: no captured inputs to fit")
+    if isinstance(setup, KvmSetup):
+        p, groups = _kvm_start(batches, 0.02, 1e-3)
+    elif isinstance(setup, OvqSetup):
+        p, groups = _ovq_start(batches, 0.05)
+    else:
+        raise ValueError(f"setup = {setup!r}: adapters are trained with KVM (KvmSetup) or OVQ (OvqSetup)")
+    first = batches[0]
+    D, hidden = first.q.shape[-1], first.x.shape[-1]
+    a = LayerAdapters.initial(hidden, first.q.shape[1] * D, first.k.shape[1] * D, rank, seed=seed + layer_idx)
+    groups.append({"params": list(a.parameters()), "lr": adapter_lr})
+    for w in model.parameters():
+        w.requires_grad_(False)
+    targets = [exact_attention(b.q, b.k, b.v) for b in batches]
+    with memory_in_layer(model, layer_idx, p, setup, a) as run:
+        curve = _descend(torch.optim.Adam(groups), lambda: (relative_error(run(b), t) / len(batches)
+                                                           for b, t in zip(batches, targets)), steps, on_step)
+    return LayerFit(p.tensors() | a.tensors(), curve)
+
+
+def model_shape(model, adapter_rank: int = 0) -> dict:
     """The sizes kvmem.weights records of a transformers model: layers, hidden, query_heads, kv_heads,
-    head_dim and adapter_rank (0)."""
+    head_dim, and ``adapter_rank`` (0: no adapters)."""
     c = model.config.get_text_config()
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     return {"layers": c.num_hidden_layers, "hidden": c.hidden_size, "query_heads": c.num_attention_heads,
-            "kv_heads": c.num_key_value_heads, "head_dim": head_dim, "adapter_rank": 0}
+            "kv_heads": c.num_key_value_heads, "head_dim": head_dim, "adapter_rank": adapter_rank}
 
 
 def memory_weights(memory: str, model_name: str, model, layers: list[dict], metadata: dict | None = None):
     """kvmem.weights.MemoryWeights of ``memory`` ("kvm", "ovq" or "kvpop") for ``model`` (named ``model_name`` in the
-    file) from one dict of tensors per layer, in layer order. Raises ValueError as MemoryWeights.check."""
+    file) from one dict of tensors per layer, in layer order (with adapters when the layers hold them: the
+    rank is q_adapter_down's rows). Raises ValueError as MemoryWeights.check."""
     from ..weights import MemoryWeights
 
-    w = MemoryWeights(memory, model_name, model_shape(model), dict(enumerate(layers)), dict(metadata or {}))
+    rank = layers[0]["q_adapter_down"].shape[0] if layers and "q_adapter_down" in layers[0] else 0
+    w = MemoryWeights(memory, model_name, model_shape(model, rank), dict(enumerate(layers)), dict(metadata or {}))
     w.check(f"{memory} weights for {model_name}")
     return w
 
@@ -303,12 +353,15 @@ def parameters_of(memory: str, tensors: dict[str, torch.Tensor]) -> torch.nn.Mod
 
 
 def fit_end_to_end(model, layers: list[torch.nn.Module], setup, sequences: list[torch.Tensor], *, steps: int,
-                   lr: float = 0.005, on_step: Callable[[int, float], None] | None = None) -> list[float]:
+                   lr: float = 0.005, adapters: list | None = None, adapter_lr: float = 2e-3,
+                   on_step: Callable[[int, float], None] | None = None) -> list[float]:
     """Stage 2: the memories' parameters of every layer (``layers``, one module per attention layer, updated in
-    place) trained end to end, ``model`` frozen: Adam on the KL divergence KL(p_full || p_memory) of the
-    next-token distributions, mean over the positions of ``sequences`` (token ids [1, T] each), the full-cache
-    model's distributions computed once. Returns the loss before each step and after the last (steps + 1
-    values). Raises ValueError for steps < 0 or no sequence, or as model.memories_in_every_layer."""
+    place) and, when given, the layers' adapters (``adapters``, one kvmem.adapters.LayerAdapters per layer,
+    Adam rate ``adapter_lr``, updated in place) trained end to end, ``model`` frozen: Adam on the KL
+    divergence KL(p_full || p_memory) of the next-token distributions, mean over the positions of
+    ``sequences`` (token ids [1, T] each), the full-cache model's distributions computed once. Returns the
+    loss before each step and after the last (steps + 1 values). Raises ValueError for steps < 0 or no
+    sequence, or as model.memories_in_every_layer."""
     from .model import memories_in_every_layer
 
     if steps < 0:
@@ -328,6 +381,9 @@ def fit_end_to_end(model, layers: list[torch.nn.Module], setup, sequences: list[
         student = torch.log_softmax(model(ids, use_cache=False).logits.float(), -1)
         return torch.nn.functional.kl_div(student, teacher, log_target=True, reduction="none").sum(-1).mean()
 
-    opt = torch.optim.Adam([p for layer in layers for p in layer.parameters()], lr=lr)
-    with memories_in_every_layer(model, layers, setup):
+    groups = [{"params": [p for layer in layers for p in layer.parameters()], "lr": lr}]
+    if adapters:
+        groups.append({"params": [p for a in adapters for p in a.parameters()], "lr": adapter_lr})
+    opt = torch.optim.Adam(groups)
+    with memories_in_every_layer(model, layers, setup, adapters):
         return _descend(opt, lambda: (kl(ids, t) / len(sequences) for ids, t in zip(sequences, teachers)), steps, on_step)
