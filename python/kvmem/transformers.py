@@ -259,12 +259,20 @@ class KvmemCache(Cache):
 def attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """The attention function "kvmem" (transformers' AttentionInterface signature): query [B, Hq, T, D],
     key and value [B, Hkv, T, D/Dv] of this call's tokens; returns ([B, T, Hq, Dv], None). Needs a
-    KvmemCache as ``past_key_values``; raises ValueError without one, or for dropout > 0."""
+    KvmemCache as ``past_key_values``; raises ValueError without one, for dropout > 0, or when the cache has
+    adapters and the model's forward was not given it as the keyword ``past_key_values`` (its adapters would
+    not run)."""
     cache = getattr(_current, "cache", None)
     if cache is None:
         raise ValueError("attn_implementation = 'kvmem': needs past_key_values = kvmem.transformers.KvmemCache(model, factory)")
     if dropout:
         raise ValueError(f"dropout = {dropout}: the kvmem attention backend is for inference (dropout 0)")
+    if cache.adapters is not None:
+        forwards = getattr(_current, "forwards", [])
+        if not forwards or forwards[-1] is not cache:
+            raise ValueError("past_key_values: a KvmemCache with adapters must be given to the model's forward as the "
+                             "keyword past_key_values (as generate does), so that its adapters run on the q and k "
+                             "projections; this forward did not receive it that way")
     if scaling is None:
         scaling = 1.0 / math.sqrt(query.shape[-1])
     return cache.layers[module.layer_idx].attend(module, query, key, value, scaling), None

@@ -176,7 +176,7 @@ def load(path: str | os.PathLike, *, memory: str | None = None, model: str | Non
     extra = {k: v for k, v in meta.items() if k not in ("format", "memory", "model", "shape")}
     w = MemoryWeights(meta.get("memory", ""), meta.get("model", ""), file_shape, layers, extra)
     w.check(f"weights file {path!r}")
-    if "tensors_sha256" in meta and meta["tensors_sha256"] != tensors_digest(layers):
-        raise ValueError(f"weights file {path!r}: its tensors do not match its metadata tensors_sha256 (changed "
-                         f"after it was written)")
+    if "tensors_sha256" in meta and meta["tensors_sha256"] != (digest := tensors_digest(layers)):
+        raise ValueError(f"weights file {path!r}: its tensors do not match its metadata tensors_sha256 = "
+                         f"{meta['tensors_sha256']} (their SHA-256 is {digest}: changed after it was written)")
     return w

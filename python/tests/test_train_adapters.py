@@ -94,6 +94,12 @@ def test_adapters_run_in_kvmem_as_in_training_and_only_with_their_cache(model, p
     with memories_in_every_layer(model, layers, SETUP):
         torch.testing.assert_close(other, logits(model, prompt), rtol=1e-4, atol=1e-4)
     assert (other - ran).abs().max() > 1e-3  # the adapters matter
+    out = model.generate(prompt[:1, :20], past_key_values=kt.KvmemCache(model, factory), max_new_tokens=3,
+                         do_sample=False)  # generate gives the cache as a keyword: the adapters run
+    assert out.shape == (1, 23)
+    with pytest.raises(ValueError, match="past_key_values: a KvmemCache with adapters"):
+        with torch.no_grad():  # the inner model's forward does not see the cache given to the outer one's hooks
+            model.model(prompt, past_key_values=kt.KvmemCache(model, factory))
     model.set_attn_implementation("sdpa")
     assert torch.equal(logits(model, prompt), plain)  # no adapter outside its cache's forwards
 

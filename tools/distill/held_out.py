@@ -106,7 +106,8 @@ def main(argv=None) -> int:
         compare = [m for m in args.compare.split(",") if m]
         for m in compare:
             if m not in lm_memories.LABELS or m == "kvpop":
-                raise ValueError(f"--compare: {m!r} unknown or needs weights (known: {', '.join(lm_memories.STUDY)})")
+                raise ValueError(f"--compare: {m!r} unknown or needs weights (known: "
+                                 f"{', '.join(x for x in lm_memories.LABELS if x != 'kvpop')})")
         if args.tokens < 1:
             raise ValueError(f"--tokens {args.tokens}: must be >= 1")
         model, tok, model_name = causal_lm.load_model(args.model)

@@ -295,7 +295,8 @@ def fit_adapted_layer(model, layer_idx: int, batches: list[LayerInputs], setup, 
     together to exact attention on ``batches``: each step runs attention module ``layer_idx`` of ``model``
     (frozen) again on the captured x and position embeddings with the adapters (model.memory_in_layer), the
     target is exact attention on the captured (unadapted) q, k, v. The tensors hold the memory's and the
-    adapters' (kvmem.weights names). Raises ValueError as fit_layer, for rank < 1, or for another setup."""
+    adapters' (kvmem.weights names). Leaves every parameter of ``model`` with requires_grad False (frozen), as
+    fit_end_to_end does. Raises ValueError as fit_layer, for rank < 1, or for another setup."""
     from ..adapters import LayerAdapters
     from .model import memory_in_layer
 

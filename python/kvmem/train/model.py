@@ -92,7 +92,9 @@ def memory_in_layer(model, layer_idx: int, layer, setup, adapters=None):
         if inputs.position_embeddings is None:
             raise ValueError(f"layer {layer_idx}: its inputs were captured without position embeddings (the "
                              f"module received none), so it cannot be run again")
-        module(hidden_states=inputs.x, position_embeddings=inputs.position_embeddings, attention_mask=None)
+        dtype = module.q_proj.weight.dtype  # the capture keeps float32; the module runs in the model's dtype
+        module(hidden_states=inputs.x.to(dtype), position_embeddings=tuple(t.to(dtype) for t in inputs.position_embeddings),
+               attention_mask=None)
         return _active.outputs.pop(layer_idx)
 
     with _training_form(model, [module], {layer_idx: layer}, setup,
