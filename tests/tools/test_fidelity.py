@@ -444,11 +444,17 @@ def check_held_out(tiny, tmp_path, plain_path, adapted_path, capsys):
             assert rows[4]["errors"][layer] == pytest.approx(rel(run(inputs)), rel=1e-4)
         assert rows[4]["errors"][layer] != pytest.approx(rows[3]["errors"][layer], rel=1e-3)
     import report_lm
-    table = report_lm.held_out_table(json.loads(out.read_text())).splitlines()
+    table = report_lm.held_out_table([json.loads(out.read_text())]).splitlines()
     assert table[0] == "| memory | budget | parameters | layer 0 | **mean of 2** |"
     assert rows[3]["stages"] == "1 + 2" and rows[4]["stages"] == "1 + 2" and rows[0]["stages"] is None
     assert table[6].startswith(f"| KVM fixed + adapters (rank 2) | 1/2 | distilled, stage 1 + 2 ({rows[4]['distilled'][:8]}) | "
                                f"{rows[4]['errors'][0]:.3f} |")
+    later = json.loads(out.read_text())  # a second run's report: its rows join the first's, a repeated row replaces it
+    later["rows"] = [dict(rows[4], distilled="f" * 16), dict(rows[1], errors=[9.0, 9.0], mean=9.0)]
+    merged = report_lm.held_out_table([json.loads(out.read_text()), later]).splitlines()
+    assert len(merged) == 2 + 6 and sum("| H2O |" in line for line in merged) == 1 and "**9.000**" in merged[3]
+    with pytest.raises(ValueError, match="different tokens"):
+        report_lm.held_out_table([json.loads(out.read_text()), dict(later, tokens=1)])
     capsys.readouterr()
     assert held_out.main(["--text", str(tmp_path / "ppl.txt"), "--output", str(out), "--compare", "snapkv"]) == 2
     assert "--compare: 'snapkv' unknown" in capsys.readouterr().err

@@ -8,7 +8,7 @@ block filler (a block missing from the document is an error, exit 2).
   report_lm.py --doc docs/fidelity.md --e2e e2e.json --calibration calibration.json \
                --layers layer0.json ... --calibrated layer0-kvm-calibrated.json layer0-ovq-calibrated.json ... \
                [--whole layer0-kvm-whole.json layer0-kvm-whole-calibrated.json ...] [--distilled kvm-fixed-8.json ...]
-               [--held-out held-out.json]
+               [--held-out held-out.json ...]
 """
 from __future__ import annotations
 
@@ -187,15 +187,26 @@ def headline(e2e: dict, layers: list[dict], calibrated: list[dict]) -> str:
 HELD_OUT_LAYERS = (0, 3, 6, 9, 12, 15, 18, 21, 24, 27, 29)
 
 
-def held_out_table(report: dict) -> str:
-    """tools/distill/held_out.py's rows: each memory's relative L2 error per layer on the held-out text (the
-    layers of HELD_OUT_LAYERS the model has, then the mean over all its layers), with how its parameters
-    were set (neutral, or distilled: its training stages and the weights file's SHA-256 prefix; training-free
-    memories have none)."""
-    shown = [i for i in HELD_OUT_LAYERS if i < report["layers"]]
+def held_out_table(reports: list[dict]) -> str:
+    """tools/distill/held_out.py's rows of one or more reports on the same held-out text and model (a row
+    of a later report replaces an earlier one of the same memory, fraction and weights): each memory's
+    relative L2 error per layer (the layers of HELD_OUT_LAYERS the model has, then the mean over all its
+    layers), with how its parameters were set (neutral, or distilled: its training stages and the weights
+    file's SHA-256 prefix; training-free memories have none). Raises ValueError naming the report whose
+    text, tokens or layers differ from the first's."""
+    first = reports[0]
+    rows: dict[tuple, dict] = {}
+    for rep in reports:
+        for key in ("text", "tokens", "layers"):
+            if rep[key] != first[key]:
+                raise ValueError(f"--held-out: reports of different {key} ({rep[key]!r} and {first[key]!r})")
+        for r in rep["rows"]:
+            rows[(r["memory"], r["fraction_label"], r["distilled"])] = r
+    order = sorted(rows.values(), key=lambda r: (-r["fraction"], bool(r["distilled"]), r["memory"] != "kvm-fixed"))
+    shown = [i for i in HELD_OUT_LAYERS if i < first["layers"]]
     lines = ["| memory | budget | parameters | " + " | ".join(f"layer {i}" for i in shown) +
-             f" | **mean of {report['layers']}** |", "|---|---|---|" + "---:|" * (len(shown) + 1)]
-    for r in report["rows"]:
+             f" | **mean of {first['layers']}** |", "|---|---|---|" + "---:|" * (len(shown) + 1)]
+    for r in order:
         params = (f"distilled, stage {r['stages']} ({r['distilled'][:8]})" if r["distilled"] else
                   "neutral" if r["memory"] in ("kvm-fixed", "kvm-sqrt", "ovq") else "—")
         lines.append(f"| {r['label']} | {r['fraction_label']} | {params} | " +
@@ -212,7 +223,7 @@ def main() -> None:
     ap.add_argument("--calibrated", nargs="+", required=True)
     ap.add_argument("--whole", nargs="*", default=[], help="kvmem-eval reports of KVM fixed at fraction 1")
     ap.add_argument("--distilled", nargs="*", default=[], help="tools/distill/distill.py reports (--report)")
-    ap.add_argument("--held-out", default=None, help="tools/distill/held_out.py's report")
+    ap.add_argument("--held-out", nargs="*", default=[], help="tools/distill/held_out.py's reports (one or more runs)")
     a = ap.parse_args()
     e2e, cal = load(a.e2e), load(a.calibration)
     layers, calibrated = [load(p) for p in a.layers], [load(p) for p in a.calibrated]
@@ -224,7 +235,7 @@ def main() -> None:
     if a.distilled:
         blocks["lm-distilled"] = distilled_table(e2e, [load(p) for p in a.distilled])
     if a.held_out:
-        blocks["lm-distilled-layers"] = held_out_table(load(a.held_out))
+        blocks["lm-distilled-layers"] = held_out_table([load(p) for p in a.held_out])
     fill(a.doc, blocks)
 
 
