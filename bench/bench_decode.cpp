@@ -193,8 +193,13 @@ void register_grid(const std::string& grid) {
     return;
   }
   if (grid == "gpu") {  // scripts/gpu-check: the engines' shape (Hq = 32, Hkv = 8, D = 128, B = 8) on one GPU
-    for (long pos : {4096L, 16384L, 65536L, 131072L, 262144L})
-      add_position({0, 128, 4, 8, 8, all}, pos, kExact | kExactUnsplit | kKvmFixed | (pos <= 16384 ? kEvictH2o : 0u));
+    // At 16K also every other memory with GQA (Trellis has none), for the per-kernel profile of one
+    // decode step of each (issue 42).
+    for (long pos : {4096L, 16384L, 65536L, 131072L, 262144L}) {
+      unsigned series = kExact | kExactUnsplit | kKvmFixed | (pos <= 16384 ? kEvictH2o : 0u);
+      if (pos == 16384) series |= kKvmPowerLaw | kKvmH2oRows | kOvq;
+      add_position({0, 128, 4, 8, 8, all}, pos, series);
+    }
     return;
   }
   // standard (bench/README.md).

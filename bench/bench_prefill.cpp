@@ -174,7 +174,7 @@ void register_grid(const std::string& grid) {
   }
   if (grid == "gpu") {  // scripts/gpu-check: the engines' shape (Hq = 32, Hkv = 8, D = 128, B = 8) on one GPU
     for (long T : {4096L, 16384L, 65536L, 131072L})
-      add_shape({T, 128, 4, 8, 8, all}, kKvmFixed | (T <= 16384 ? kExact | kKvmPowerLaw | kEvictH2o : 0u));
+      add_shape({T, 128, 4, 8, 8, all}, kKvmFixed | (T <= 16384 ? kExact | kKvmPowerLaw | kOvq | kEvictH2o : 0u));
     return;
   }
   if (grid == "full") {  // the whole grid; exact attention at 64K takes hours on 2 cores

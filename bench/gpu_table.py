@@ -5,8 +5,9 @@ scaled_dot_product_attention over the full KV cache on the same shapes, with the
     python3 bench/gpu_table.py RESULTS_DIR > RESULTS_DIR/summary.md
 
 RESULTS_DIR holds prefill.json and decode.json (Google Benchmark JSON of kvmem_bench_prefill/_decode
---grid=gpu), dtype.json (kvmem_bench_dtype --grid=gpu: the readout on tensor cores), sdpa.json (bench/torch_sdpa.py) and meta.json (scripts/gpu-check); a missing file leaves its
-columns empty.
+--grid=gpu), dtype.json (kvmem_bench_dtype --grid=gpu: the readout on tensor cores), sdpa.json (bench/torch_sdpa.py), meta.json (scripts/gpu-check) and, from a quick run, the per-kernel
+profile (kernels-prefill.log, kernels-decode.log with prefill-blocking.json, decode-blocking.json) and
+Nsight Compute's details (ncu-*.log); a missing file leaves its columns or section out.
 """
 import json
 import os
@@ -109,6 +110,110 @@ def dtype_lines(path, sdpa):
     return lines
 
 
+KERNEL_LINE = re.compile(r"^\[kernels\] {3}(.+?)\s+([0-9.]+) ms$")  # a name may hold spaces
+
+
+def load_kernels(path):
+    """{benchmark name: [(kernel, ms per prefill or step)]} from the "[kernels]" lines that the benchmarks
+    print with KVMEM_BENCH_KERNELS=1 (scripts/gpu-check's kernels-*.log, launches made synchronous)."""
+    if not os.path.exists(path):
+        return {}
+    runs, current = {}, None
+    with open(path, errors="replace") as f:
+        for line in f:
+            line = line.rstrip("\n")
+            m = KERNEL_LINE.match(line)
+            if m:  # a kernel's line (ignored before any benchmark's)
+                if current is not None:
+                    runs[current].append((m.group(1), float(m.group(2))))
+            elif line.startswith("[kernels] "):
+                current = line[len("[kernels] "):].strip()
+                runs[current] = []
+    return runs
+
+
+def kernel_lines(d):
+    """The per-kernel profile of a quick run: for each benchmark of kernels-prefill.log and
+    kernels-decode.log, its kernels by time (ms per prefill or decode step, each launch synchronous), each
+    kernel's share of their sum, and the blocking run's update share of the step."""
+    lines = []
+    for log, json_name, what in (("kernels-prefill.log", "prefill-blocking.json", "prefill at T = 16K"),
+                                 ("kernels-decode.log", "decode-blocking.json", "decode step at position 16K")):
+        runs = load_kernels(os.path.join(d, log))
+        if not runs:
+            continue
+        # Google Benchmark's run names end in /iterations:N, /min_time:S, /real_time; the kernel clock's do not.
+        rows = {re.sub(r"(/(iterations|min_time|repeats):[^/]*|/real_time)+$", "", b["name"]): b
+                for b in load_kvmem(os.path.join(d, json_name)).values()}
+        lines += ["", f"## Per kernel: {what} (ms; {log}, every launch synchronous)", "",
+                  "| benchmark | kernel | ms | share of kernels | update share of the step |", "|---|---|---|---|---|"]
+        for name, kernels in runs.items():
+            total = sum(t for _, t in kernels) or 1.0
+            share = rows.get(name, {}).get("update_share")
+            for i, (kernel, t) in enumerate(sorted(kernels, key=lambda kt: -kt[1])):
+                lines.append(f"| {name if i == 0 else ''} | {kernel} | {t:.3f} | {t / total * 100:.0f} % | "
+                             f"{'' if i or share is None else f'{share * 100:.0f} %'} |")
+    return lines
+
+
+NCU_METRIC = re.compile(r"^\s{4}(Duration|Grid Size|Block Size|Registers Per Thread|Achieved Occupancy|"
+                        r"Memory Throughput|Compute \(SM\) Throughput|Warp Cycles Per Issued Instruction|"
+                        r"Avg\. Active Threads Per Warp)\s+(\S+)?\s+([0-9.,]+)$")
+NCU_STALL = re.compile(r"each warp of this workload spends ([0-9.]+) cycles being stalled ([^.]*?)(?:\.|$)")
+
+
+def load_ncu(path):
+    """[(kernel, {metric: value}, stall)] from Nsight Compute's details page (scripts/gpu-check's ncu-*.log):
+    one entry per profiled launch, the kernel named by the function whose lambda it runs (or the functor's
+    name), `stall` the first warp-stall finding of its Warp State Statistics."""
+    if not os.path.exists(path):
+        return []
+    launches, current = [], None
+    with open(path, errors="replace") as f:
+        lines = f.read().splitlines()
+    for i, line in enumerate(lines):
+        if line.startswith("  ") and not line.startswith("   ") and "ParallelFor<" in line:
+            m = re.search(r"ParallelFor<(?:void )?(?:\w+::)*(\w+)", line)
+            current = (m.group(1) if m else line.strip()[:40], {}, None)
+            launches.append(current)
+        elif current is not None:
+            m = NCU_METRIC.match(line)
+            if m:
+                current[1][m.group(1)] = float(m.group(3).replace(",", ""))
+            elif current[2] is None and "cycles being stalled" in line:
+                text = " ".join(x.strip() for x in lines[i:i + 2])
+                s = NCU_STALL.search(text)
+                if s:
+                    launches[-1] = current = (current[0], current[1], f"{s.group(1)} cycles {s.group(2).strip()}")
+    return launches
+
+
+def ncu_lines(d):
+    """Nsight Compute's view of a quick run's decode steps at 4K (ncu-<memory>.log): for each kvmem kernel
+    its last profiled launch (the last decode step's), with duration, grid, occupancy, throughputs and
+    the first warp-stall finding."""
+    lines = []
+    for name in sorted(f for f in os.listdir(d) if f.startswith("ncu-") and f.endswith(".log")):
+        last = {}
+        for kernel, metrics, stall in load_ncu(os.path.join(d, name)):
+            last[kernel] = (metrics, stall)
+        if not last:
+            continue
+        lines += ["", f"## Nsight Compute: {name[4:-4]}, last launch of each kernel ({name}; clocks not fixed)", "",
+                  "| kernel | us | grid x block | registers | achieved occupancy | memory % | SM % | "
+                  "cycles per issue | active threads per warp | first stall finding |",
+                  "|---|---|---|---|---|---|---|---|---|---|"]
+        for kernel, (m, stall) in last.items():
+            def g(k, fmt="{:.0f}"):
+                return fmt.format(m[k]) if k in m else "-"
+            lines.append(f"| {kernel} | {g('Duration', '{:.1f}')} | {g('Grid Size')} x {g('Block Size')} | "
+                         f"{g('Registers Per Thread')} | {g('Achieved Occupancy', '{:.1f}')} % | "
+                         f"{g('Memory Throughput', '{:.1f}')} | {g('Compute (SM) Throughput', '{:.1f}')} | "
+                         f"{g('Warp Cycles Per Issued Instruction', '{:.1f}')} | "
+                         f"{g('Avg. Active Threads Per Warp', '{:.1f}')} | {stall or '-'} |")
+    return lines
+
+
 def main():
     if len(sys.argv) != 2:
         sys.exit(__doc__)
@@ -126,10 +231,15 @@ def main():
                "kvmem in float32, SDPA in float32 and bfloat16 (flash) over the full KV cache.")
     if copy_bw:
         out.append(f"Copy bandwidth (PyTorch, read + write): {copy_bw / 1e9:.0f} GB/s.")
-    out += table("## Prefill (ms)", "T", "prefill", pre, sdpa, ("exact", "kvm-fixed256", "kvm-power-law", "evict-h2o256"))
-    out += table("## Decode step (ms)", "position", "decode", dec, sdpa, ("exact", "exact-unsplit", "kvm-fixed256", "evict-h2o256"),
+    out += table("## Prefill (ms)", "T", "prefill", pre, sdpa,
+                 ("exact", "kvm-fixed256", "kvm-power-law", "ovq-plateau256", "evict-h2o256"))
+    out += table("## Decode step (ms)", "position", "decode", dec, sdpa,
+                 ("exact", "exact-unsplit", "kvm-fixed256", "kvm-power-law", "kvm-power-law-h2o256", "ovq-plateau256",
+                  "evict-h2o256"),
                  ("exact readout / copy bandwidth", lambda at: dec.get(("decode", "exact", at), {}).get("frac_copy_bw")))
     out += dtype_lines(os.path.join(d, "dtype.json"), sdpa)
+    out += kernel_lines(d)
+    out += ncu_lines(d)
     out += ["", "Targets (issue 14): decode readout >= 60 % of the copy bandwidth at B = 8; kvm-fixed256 prefill at "
             "T = 64K >= 5x faster than flash SDPA over the full cache; kvm-fixed256 decode at position 128K >= 15x "
             "faster than SDPA decode.", ""]

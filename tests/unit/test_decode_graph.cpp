@@ -17,6 +17,8 @@
 #include <type_traits>
 #include <vector>
 
+#include <kvmem/kernels/step_launch.hpp>
+
 #include "decode_stream.hpp"
 
 namespace {
@@ -24,6 +26,18 @@ namespace {
 using namespace kvmem_test;
 using cuda_t = Kokkos::Cuda;
 static_assert(std::is_same_v<mem, cuda_t::memory_space>, "the test streams live in Cuda's memory space");
+
+// kernels::launches_as_argument tells a step kernel that Kokkos passes as the kernel's argument (its driver
+// under 4 KiB) from one that goes through global memory, which a captured graph cannot replay.
+using step_policy = Kokkos::TeamPolicy<cuda_t, kvmem::kernels::step_launch>;
+template <std::size_t Bytes>
+struct StepOfBytes {
+  std::array<char, Bytes> captured{};
+  KOKKOS_FUNCTION void operator()(const step_policy::member_type&) const {}
+};
+static_assert(kvmem::kernels::launches_as_argument<step_policy, StepOfBytes<64>>());
+static_assert(kvmem::kernels::launches_as_argument<step_policy, StepOfBytes<3072>>());
+static_assert(!kvmem::kernels::launches_as_argument<step_policy, StepOfBytes<4096>>());
 
 /// A stream of its own and a Kokkos::Cuda instance on it; destroyed after the instance.
 struct CaptureStream {

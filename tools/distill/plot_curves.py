@@ -36,6 +36,9 @@ def main(argv=None) -> int:
     s1, s2 = axes[0], axes[1]
     for i, r in enumerate(reports):
         name, color = f"{r['memory_id']} {r['fraction']}", f"C{i}"
+        rank = (r.get("recipe") or {}).get("adapter_rank")
+        if rank:  # distill.py --adapter-rank: the memory with q/k adapters (kvmem.adapters)
+            name += f" + adapters (rank {rank})"
         kvpop = r["memory_id"] == "kvpop"  # KVPOP's scorers: the ranking loss itself, in its own panel
         ax = axes[2] if kvpop else s1
         curves = [list(c) if kvpop else [math.sqrt(x) for x in c] for c in r["curves"]]

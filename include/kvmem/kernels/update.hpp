@@ -232,201 +232,6 @@ void update_state(const ExecSpace& exec, const MemoryConfig& cfg, const LayerWei
   constexpr int L = update_lanes;
   constexpr bool lanes = update_in_lanes<ExecSpace>;
   constexpr bool score_in_lanes = lanes && scores_max_similarity<Scorer>;
-  auto selected = [=] KOKKOS_FUNCTION(long b) { return selected_tokens<Merge>(p, b); };
-  auto must_rank = [=] KOKKOS_FUNCTION(long b) { return ranks_tokens<Merge>(p, b); };
-
-  // 1. stage: the memory key of token j of sequence b's block, into keys(b, h, j).
-  auto stage = [=] KOKKOS_FUNCTION(long b, long h, long j) {
-    Merge::memory_key(cfg, w, &ring.keys(b, h, ring.slot(p(b, block_begin) + j), 0), &keys(b, h, j, 0));
-  };
-  // The rows a token of sequence b may join: [first, end) (step 5).
-  const long sinks = cfg.sinks;
-  auto route_rows = [=] KOKKOS_FUNCTION(long b, long& first, long& end) {
-    const long m = p(b, rows_before);
-    end = Merge::route_after_append ? m + selected(b) : m;
-    first = Kokkos::min(sinks, end);
-  };
-  // Whether the score pass of sequence b also finds each token's best row among the rows it may join
-  // that existed before the append: a max-similarity scorer (score::Novelty) computes kbar_j . read key
-  // of every row, the very products the route compares, so the route pass only continues over the
-  // appended rows (step 5).
-  auto routed_in_score = [=] KOKKOS_FUNCTION(long b) {
-    long first, end;
-    route_rows(b, first, end);
-    const long m = p(b, rows_before);
-    return scores_max_similarity<Scorer> && must_rank(b) && !seeding<Merge>(m) && first < m;
-  };
-  // Tokens [j0, j0 + n) of sequence b's block transposed into `at` [D][L] (zero past n).
-  auto transpose_keys = [=] KOKKOS_FUNCTION(long b, long h, long j0, int n, float* at) {
-    for (int c = 0; c < D; ++c)
-      for (int u = 0; u < L; ++u) at[c * L + u] = u < n ? keys(b, h, j0 + u, c) : 0.0f;
-  };
-  // 2. score: against the existing rows' read keys, or (seeding) against the block's first token.
-  auto seed_score = [=] KOKKOS_FUNCTION(long b, long h, long j) {
-    return j == 0 ? -neg_inf() : dot(&keys(b, h, j, 0), &keys(b, h, 0, 0), D);
-  };
-  // In register tiles: tokens [j0, j0 + n) in lanes (`at`: D x L floats of the thread's scratch).
-  auto score_block = [=] KOKKOS_FUNCTION(long b, long h, long j0, int n, float* at) {
-    const long m = p(b, rows_before);
-    if (seeding<Merge>(m)) {
-      for (int u = 0; u < n; ++u) scores(b, h, j0 + u) = seed_score(b, h, j0 + u);
-      return;
-    }
-    transpose_keys(b, h, j0, n, at);
-    long first, end;
-    route_rows(b, first, end);
-    LaneArgmax<L> novelty, route;
-    novelty.start(neg_inf(), 0);
-    route.start(neg_inf(), first);
-    token_rows_scan<L>(at, D, 0, m, [&](long i) { return st.decision_key(b, h, i); }, [&](long i, int x, const simd::vec& sv) {
-      novelty.keep(i, x, sv, false);
-      if (i >= first) route.keep(i, x, sv, i == first);
-    });
-    float best[L];
-    int row[L];
-    novelty.store(best, row);
-    for (int u = 0; u < n; ++u) scores(b, h, j0 + u) = best[u];
-    if (!routed_in_score(b)) return;
-    route.store(best, row);
-    for (int u = 0; u < n; ++u) route_scores(b, h, j0 + u) = best[u], routes(b, h, j0 + u) = row[u];
-  };
-  // One thread per token.
-  auto score_token = [=] KOKKOS_FUNCTION(long b, long h, long j) {
-    const long m = p(b, rows_before);
-    if (seeding<Merge>(m)) {
-      scores(b, h, j) = seed_score(b, h, j);
-    } else if (routed_in_score(b)) {  // Scorer::score's maximum and the route's argmax in one scan
-      long first, end;
-      route_rows(b, first, end);
-      float novelty = neg_inf(), best = neg_inf();
-      long best_row = first;
-      key_rows_scan(&keys(b, h, j, 0), D, 0, m, [&](long i) { return st.decision_key(b, h, i); }, [&](long i, float sc) {
-        novelty = sc > novelty ? sc : novelty;
-        if (i >= first && (sc > best || i == first)) best = sc, best_row = i;
-      });
-      scores(b, h, j) = novelty;
-      route_scores(b, h, j) = best;
-      routes(b, h, j) = best_row;
-    } else {
-      scores(b, h, j) = Scorer::score(&keys(b, h, j, 0), st.decision_key(b, h, 0), m, D);
-    }
-  };
-  // 3. select: rank by (score asc, token index asc); the first `selected` found rows. NaN scores (from a
-  //    non-finite key) rank after every number (order_key), so the ranks stay a permutation of
-  //    0..count-1: with plain `<` every NaN would rank 0, more tokens than planned would found rows, past
-  //    the rows the host planned and allocated, or several tokens would write one row. Without a ranking
-  //    every token is selected in token order.
-  auto score_key = [=] KOKKOS_FUNCTION(long b, long h, long j) { return order_key(scores(b, h, j)); };
-  auto token_order = [=] KOKKOS_FUNCTION(long b, long h, long j) { ranks(b, h, j) = j; };
-  // 4. append: selected tokens become rows base.. in token or score order (spec KVM.md §5.4, OVQ.md §5.1).
-  auto append = [=] KOKKOS_FUNCTION(long b, long h, long j) {
-    const long n = selected(b), m = p(b, rows_before);
-    if (ranks(b, h, j) >= n) {
-      new_rows(b, h, j) = -1;
-      return;
-    }
-    long order = ranks(b, h, j);
-    if (!Merge::rows_in_score_order) {
-      order = 0;
-      for (long i = 0; i < j; ++i) order += ranks(b, h, i) < n ? 1 : 0;
-    }
-    const long row = (seeding<Merge>(m) ? 1 : m) + order;
-    new_rows(b, h, j) = row;
-    const merge::Row r = st.row(b, h, row);
-    Merge::new_row(cfg, r, &keys(b, h, j, 0), &ring.values(b, h, ring.slot(p(b, block_begin) + j), 0));
-    st.template refresh<Merge>(cfg, w, b, h, row);
-  };
-  // 5. route the other tokens: seeding -> row 0; else the argmax over the rows before or after the append,
-  //    from the first non-sink row, of the ungated memory key's dot product with the read keys (spec KVM.md
-  //    §5.5 and §9 #2-#3, OVQ.md §5.1). The spec's gated key g_j kbar_j has the same argmax for every gate
-  //    g_j > 0; the ungated key also keeps it where float32's gate 1 + expm1(z) rounds to 0 (z below about
-  //    -17). Where the score pass found the best row among the rows that existed before the append
-  //    (routed_in_score), the scan continues from it over the appended rows: the same comparisons in the
-  //    same row order as one scan. A token that founded a row (no append pass ran: none did) is not routed.
-  auto routed = [=] KOKKOS_FUNCTION(long b, long h, long j) { return selected(b) == 0 || new_rows(b, h, j) < 0; };
-  // The route of a token that found a row (after every row, so such tokens group last).
-  constexpr long no_route = Kokkos::Experimental::finite_max_v<long>;
-  // In register tiles: tokens [j0, j0 + n) in lanes.
-  auto route_block = [=] KOKKOS_FUNCTION(long b, long h, long j0, int n, float* at) {
-    bool any = false;
-    for (int u = 0; u < n; ++u) any = any || routed(b, h, j0 + u);
-    if (!any || seeding<Merge>(p(b, rows_before))) {
-      for (int u = 0; u < n; ++u) routes(b, h, j0 + u) = routed(b, h, j0 + u) ? 0 : no_route;
-      return;
-    }
-    long first, end;
-    route_rows(b, first, end);
-    LaneArgmax<L> route;
-    long from = first;
-    if (routed_in_score(b)) {
-      float best[L];
-      int row[L];
-      for (int u = 0; u < L; ++u) {
-        best[u] = u < n ? route_scores(b, h, j0 + u) : neg_inf();
-        row[u] = static_cast<int>(u < n ? routes(b, h, j0 + u) : first);
-      }
-      route.start(best, row);
-      from = p(b, rows_before);
-    } else {
-      route.start(neg_inf(), first);
-    }
-    if (from < end) {
-      // Lanes of tokens that found rows or lie past the block are computed and ignored.
-      transpose_keys(b, h, j0, n, at);
-      token_rows_scan<L>(at, D, from, end, [&](long i) { return st.decision_key(b, h, i); },
-                         [&](long i, int x, const simd::vec& sv) { route.keep(i, x, sv, i == first); });
-    }
-    float best[L];
-    int row[L];
-    route.store(best, row);
-    for (int u = 0; u < n; ++u) routes(b, h, j0 + u) = routed(b, h, j0 + u) ? row[u] : no_route;
-  };
-  // One thread per token.
-  auto route_token = [=] KOKKOS_FUNCTION(long b, long h, long j) {
-    if (!routed(b, h, j)) {
-      routes(b, h, j) = no_route;
-      return;
-    }
-    if (seeding<Merge>(p(b, rows_before))) {
-      routes(b, h, j) = 0;
-      return;
-    }
-    long first, end;
-    route_rows(b, first, end);
-    const bool continued = routed_in_score(b);
-    long best_row = continued ? routes(b, h, j) : first;
-    float best = continued ? route_scores(b, h, j) : neg_inf();
-    key_rows_scan(&keys(b, h, j, 0), D, continued ? p(b, rows_before) : first, end, [&](long i) { return st.decision_key(b, h, i); },
-                  [&](long i, float sc) {
-                    if (sc > best || i == first) best = sc, best_row = i;
-                  });
-    routes(b, h, j) = best_row;
-  };
-  // 6. group the routed tokens by row: position of token j = #{i : (route_i, i) < (route_j, j)} (team_rank
-  //    of the routes as keys), so each row's tokens are one run in token order (tokens that found rows,
-  //    route no_route, come last).
-  auto route_key = [=] KOKKOS_FUNCTION(long b, long h, long j) {
-    constexpr long last = static_cast<long>(~std::uint32_t{0});
-    const long r = routes(b, h, j);
-    KOKKOS_ASSERT(r >= 0);
-    return static_cast<std::uint32_t>(r < last ? r : last);
-  };
-  // 7. fold each row's run of routed tokens into it in token order, then refresh its read caches: one
-  //    thread per run, found at the run's first position k.
-  auto fold = [=] KOKKOS_FUNCTION(long b, long h, long k) {
-    const long count = p(b, block_count);
-    const long i = routes(b, h, grouped(b, h, k));
-    if (i == no_route || (k > 0 && routes(b, h, grouped(b, h, k - 1)) == i)) return;
-    const merge::Row r = st.row(b, h, i);
-    Merge::begin_fold(cfg, r);
-    for (long kk = k; kk < count && routes(b, h, grouped(b, h, kk)) == i; ++kk) {
-      const long j = grouped(b, h, kk), s = ring.slot(p(b, block_begin) + j);
-      Merge::fold(cfg, r, &keys(b, h, j, 0), &ring.values(b, h, s, 0), Merge::gate(ring.gates(b, h, s)));
-    }
-    Merge::end_fold(cfg, r);
-    st.template refresh<Merge>(cfg, w, b, h, i);
-  };
-
   using policy_t = Kokkos::TeamPolicy<ExecSpace, step_launch>;
   using member_t = typename policy_t::member_type;
   using scratch_t = Kokkos::View<float*, typename ExecSpace::scratch_memory_space, Kokkos::MemoryUnmanaged>;
@@ -440,6 +245,203 @@ void update_state(const ExecSpace& exec, const MemoryConfig& cfg, const LayerWei
   const int level =
       bytes * static_cast<std::size_t>(wanted) <= static_cast<std::size_t>(policy_t(exec, 1, 1).scratch_size_max(0)) ? 0 : 1;
   const auto body = KOKKOS_LAMBDA(const member_t& team) {
+    // The passes, defined in the kernel so that it captures each view once: its functor stays under the
+    // 4 KiB that Cuda takes as a kernel argument (step_launch; a CUDA graph replays such a launch).
+    auto selected = [&](long b) { return selected_tokens<Merge>(p, b); };
+    auto must_rank = [&](long b) { return ranks_tokens<Merge>(p, b); };
+
+    // 1. stage: the memory key of token j of sequence b's block, into keys(b, h, j).
+    auto stage = [&](long b, long h, long j) {
+      Merge::memory_key(cfg, w, &ring.keys(b, h, ring.slot(p(b, block_begin) + j), 0), &keys(b, h, j, 0));
+    };
+    // The rows a token of sequence b may join: [first, end) (step 5).
+    const long sinks = cfg.sinks;
+    auto route_rows = [&](long b, long& first, long& end) {
+      const long m = p(b, rows_before);
+      end = Merge::route_after_append ? m + selected(b) : m;
+      first = Kokkos::min(sinks, end);
+    };
+    // Whether the score pass of sequence b also finds each token's best row among the rows it may join
+    // that existed before the append: a max-similarity scorer (score::Novelty) computes kbar_j . read key
+    // of every row, the very products the route compares, so the route pass only continues over the
+    // appended rows (step 5).
+    auto routed_in_score = [&](long b) {
+      long first, end;
+      route_rows(b, first, end);
+      const long m = p(b, rows_before);
+      return scores_max_similarity<Scorer> && must_rank(b) && !seeding<Merge>(m) && first < m;
+    };
+    // Tokens [j0, j0 + n) of sequence b's block transposed into `at` [D][L] (zero past n).
+    auto transpose_keys = [&](long b, long h, long j0, int n, float* at) {
+      for (int c = 0; c < D; ++c)
+        for (int u = 0; u < L; ++u) at[c * L + u] = u < n ? keys(b, h, j0 + u, c) : 0.0f;
+    };
+    // 2. score: against the existing rows' read keys, or (seeding) against the block's first token.
+    auto seed_score = [&](long b, long h, long j) {
+      return j == 0 ? -neg_inf() : dot(&keys(b, h, j, 0), &keys(b, h, 0, 0), D);
+    };
+    // In register tiles: tokens [j0, j0 + n) in lanes (`at`: D x L floats of the thread's scratch).
+    auto score_block = [&](long b, long h, long j0, int n, float* at) {
+      const long m = p(b, rows_before);
+      if (seeding<Merge>(m)) {
+        for (int u = 0; u < n; ++u) scores(b, h, j0 + u) = seed_score(b, h, j0 + u);
+        return;
+      }
+      transpose_keys(b, h, j0, n, at);
+      long first, end;
+      route_rows(b, first, end);
+      LaneArgmax<L> novelty, route;
+      novelty.start(neg_inf(), 0);
+      route.start(neg_inf(), first);
+      token_rows_scan<L>(at, D, 0, m, [&](long i) { return st.decision_key(b, h, i); }, [&](long i, int x, const simd::vec& sv) {
+        novelty.keep(i, x, sv, false);
+        if (i >= first) route.keep(i, x, sv, i == first);
+      });
+      float best[L];
+      int row[L];
+      novelty.store(best, row);
+      for (int u = 0; u < n; ++u) scores(b, h, j0 + u) = best[u];
+      if (!routed_in_score(b)) return;
+      route.store(best, row);
+      for (int u = 0; u < n; ++u) route_scores(b, h, j0 + u) = best[u], routes(b, h, j0 + u) = row[u];
+    };
+    // One thread per token.
+    auto score_token = [&](long b, long h, long j) {
+      const long m = p(b, rows_before);
+      if (seeding<Merge>(m)) {
+        scores(b, h, j) = seed_score(b, h, j);
+      } else if (routed_in_score(b)) {  // Scorer::score's maximum and the route's argmax in one scan
+        long first, end;
+        route_rows(b, first, end);
+        float novelty = neg_inf(), best = neg_inf();
+        long best_row = first;
+        key_rows_scan(&keys(b, h, j, 0), D, 0, m, [&](long i) { return st.decision_key(b, h, i); }, [&](long i, float sc) {
+          novelty = sc > novelty ? sc : novelty;
+          if (i >= first && (sc > best || i == first)) best = sc, best_row = i;
+        });
+        scores(b, h, j) = novelty;
+        route_scores(b, h, j) = best;
+        routes(b, h, j) = best_row;
+      } else {
+        scores(b, h, j) = Scorer::score(&keys(b, h, j, 0), st.decision_key(b, h, 0), m, D);
+      }
+    };
+    // 3. select: rank by (score asc, token index asc); the first `selected` found rows. NaN scores (from a
+    //    non-finite key) rank after every number (order_key), so the ranks stay a permutation of
+    //    0..count-1: with plain `<` every NaN would rank 0, more tokens than planned would found rows, past
+    //    the rows the host planned and allocated, or several tokens would write one row. Without a ranking
+    //    every token is selected in token order.
+    auto score_key = [&](long b, long h, long j) { return order_key(scores(b, h, j)); };
+    auto token_order = [&](long b, long h, long j) { ranks(b, h, j) = j; };
+    // 4. append: selected tokens become rows base.. in token or score order (spec KVM.md §5.4, OVQ.md §5.1).
+    auto append = [&](long b, long h, long j) {
+      const long n = selected(b), m = p(b, rows_before);
+      if (ranks(b, h, j) >= n) {
+        new_rows(b, h, j) = -1;
+        return;
+      }
+      long order = ranks(b, h, j);
+      if (!Merge::rows_in_score_order) {
+        order = 0;
+        for (long i = 0; i < j; ++i) order += ranks(b, h, i) < n ? 1 : 0;
+      }
+      const long row = (seeding<Merge>(m) ? 1 : m) + order;
+      new_rows(b, h, j) = row;
+      const merge::Row r = st.row(b, h, row);
+      Merge::new_row(cfg, r, &keys(b, h, j, 0), &ring.values(b, h, ring.slot(p(b, block_begin) + j), 0));
+      st.template refresh<Merge>(cfg, w, b, h, row);
+    };
+    // 5. route the other tokens: seeding -> row 0; else the argmax over the rows before or after the append,
+    //    from the first non-sink row, of the ungated memory key's dot product with the read keys (spec KVM.md
+    //    §5.5 and §9 #2-#3, OVQ.md §5.1). The spec's gated key g_j kbar_j has the same argmax for every gate
+    //    g_j > 0; the ungated key also keeps it where float32's gate 1 + expm1(z) rounds to 0 (z below about
+    //    -17). Where the score pass found the best row among the rows that existed before the append
+    //    (routed_in_score), the scan continues from it over the appended rows: the same comparisons in the
+    //    same row order as one scan. A token that founded a row (no append pass ran: none did) is not routed.
+    auto routed = [&](long b, long h, long j) { return selected(b) == 0 || new_rows(b, h, j) < 0; };
+    // The route of a token that found a row (after every row, so such tokens group last).
+    constexpr long no_route = Kokkos::Experimental::finite_max_v<long>;
+    // In register tiles: tokens [j0, j0 + n) in lanes.
+    auto route_block = [&](long b, long h, long j0, int n, float* at) {
+      bool any = false;
+      for (int u = 0; u < n; ++u) any = any || routed(b, h, j0 + u);
+      if (!any || seeding<Merge>(p(b, rows_before))) {
+        for (int u = 0; u < n; ++u) routes(b, h, j0 + u) = routed(b, h, j0 + u) ? 0 : no_route;
+        return;
+      }
+      long first, end;
+      route_rows(b, first, end);
+      LaneArgmax<L> route;
+      long from = first;
+      if (routed_in_score(b)) {
+        float best[L];
+        int row[L];
+        for (int u = 0; u < L; ++u) {
+          best[u] = u < n ? route_scores(b, h, j0 + u) : neg_inf();
+          row[u] = static_cast<int>(u < n ? routes(b, h, j0 + u) : first);
+        }
+        route.start(best, row);
+        from = p(b, rows_before);
+      } else {
+        route.start(neg_inf(), first);
+      }
+      if (from < end) {
+        // Lanes of tokens that found rows or lie past the block are computed and ignored.
+        transpose_keys(b, h, j0, n, at);
+        token_rows_scan<L>(at, D, from, end, [&](long i) { return st.decision_key(b, h, i); },
+                           [&](long i, int x, const simd::vec& sv) { route.keep(i, x, sv, i == first); });
+      }
+      float best[L];
+      int row[L];
+      route.store(best, row);
+      for (int u = 0; u < n; ++u) routes(b, h, j0 + u) = routed(b, h, j0 + u) ? row[u] : no_route;
+    };
+    // One thread per token.
+    auto route_token = [&](long b, long h, long j) {
+      if (!routed(b, h, j)) {
+        routes(b, h, j) = no_route;
+        return;
+      }
+      if (seeding<Merge>(p(b, rows_before))) {
+        routes(b, h, j) = 0;
+        return;
+      }
+      long first, end;
+      route_rows(b, first, end);
+      const bool continued = routed_in_score(b);
+      long best_row = continued ? routes(b, h, j) : first;
+      float best = continued ? route_scores(b, h, j) : neg_inf();
+      key_rows_scan(&keys(b, h, j, 0), D, continued ? p(b, rows_before) : first, end, [&](long i) { return st.decision_key(b, h, i); },
+                    [&](long i, float sc) {
+                      if (sc > best || i == first) best = sc, best_row = i;
+                    });
+      routes(b, h, j) = best_row;
+    };
+    // 6. group the routed tokens by row: position of token j = #{i : (route_i, i) < (route_j, j)} (team_rank
+    //    of the routes as keys), so each row's tokens are one run in token order (tokens that found rows,
+    //    route no_route, come last).
+    auto route_key = [&](long b, long h, long j) {
+      constexpr long last = static_cast<long>(~std::uint32_t{0});
+      const long r = routes(b, h, j);
+      KOKKOS_ASSERT(r >= 0);
+      return static_cast<std::uint32_t>(r < last ? r : last);
+    };
+    // 7. fold each row's run of routed tokens into it in token order, then refresh its read caches: one
+    //    thread per run, found at the run's first position k.
+    auto fold = [&](long b, long h, long k) {
+      const long count = p(b, block_count);
+      const long i = routes(b, h, grouped(b, h, k));
+      if (i == no_route || (k > 0 && routes(b, h, grouped(b, h, k - 1)) == i)) return;
+      const merge::Row r = st.row(b, h, i);
+      Merge::begin_fold(cfg, r);
+      for (long kk = k; kk < count && routes(b, h, grouped(b, h, kk)) == i; ++kk) {
+        const long j = grouped(b, h, kk), s = ring.slot(p(b, block_begin) + j);
+        Merge::fold(cfg, r, &keys(b, h, j, 0), &ring.values(b, h, s, 0), Merge::gate(ring.gates(b, h, s)));
+      }
+      Merge::end_fold(cfg, r);
+      st.template refresh<Merge>(cfg, w, b, h, i);
+    };
+
     const long h = team.league_rank() % H, b = team.league_rank() / H;
     const long count = p(b, block_count);
     if (count <= 0) return;  // the whole team: no barrier is left waiting
@@ -487,6 +489,8 @@ void update_state(const ExecSpace& exec, const MemoryConfig& cfg, const LayerWei
   policy_t policy(exec, B * H, Kokkos::min(wanted, most));
   if (bytes > 0) policy.set_scratch_size(level, Kokkos::PerThread(bytes));
   if constexpr (team_select_bytes<ExecSpace> > 0) policy.set_scratch_size(0, Kokkos::PerTeam(team_select_bytes<ExecSpace>));
+  static_assert(launches_as_argument<policy_t, std::remove_const_t<decltype(body)>>(),
+                "kvmem::update's functor must stay under Cuda's kernel-argument limit (step_launch.hpp)");
   Kokkos::parallel_for("kvmem::update", policy, body);
 }
 
