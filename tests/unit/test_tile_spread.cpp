@@ -120,7 +120,7 @@ int widest_team() {
 
 namespace {
 /// Query blocks of every shape the readout forms: full, causal, a GQA decode step, a G = 1 decode step,
-/// ragged lanes.
+/// decode steps that the spread form walks in runs of tiles, ragged lanes.
 std::vector<BlockCase> block_cases() {
   std::vector<BlockCase> v;
   BlockCase full;  // every lane reads every key; a last tile of 4 keys
@@ -130,14 +130,21 @@ std::vector<BlockCase> block_cases() {
   causal.dim = 33, causal.value_dim = 17, causal.keys = 68;
   for (int u = 0; u < 32; ++u) causal.counts.push_back(37 + u);
   v.push_back(causal);
-  BlockCase decode;  // a decode step of a group of 4 query heads (4 live lanes)
-  decode.lanes = 4, decode.dim = 64, decode.value_dim = 64, decode.keys = 300;
-  decode.counts.assign(4, 300);
-  v.push_back(decode);
-  BlockCase one;  // G = 1 decode: one live lane, short count (a tile of 7 keys)
-  one.lanes = 1, one.keys = 7;
-  one.counts.assign(1, 7);
-  v.push_back(one);
+  // Decode steps (one position: every live lane reads every key): `lanes` query heads of a group, D, Dv.
+  auto decode = [&](int lanes, int dim, int value_dim, long keys) {
+    BlockCase c;
+    c.lanes = lanes, c.dim = dim, c.value_dim = value_dim, c.keys = keys;
+    c.counts.assign(lanes, keys);
+    v.push_back(c);
+  };
+  decode(4, 64, 64, 300);  // a group of 4 query heads (4 live lanes)
+  decode(1, 40, 24, 7);    // G = 1: one live lane, a tile of 7 keys
+  // The spread form walks these in runs of several tiles (kernels::attend_run_spread): G = 8 in runs of 4
+  // tiles ending in a partial run and tile, G = 16 in runs of 2, G = 1 in runs of 8 with a last run of one
+  // partial tile, and D, Dv not multiples of the four channels read ahead.
+  decode(8, 64, 40, 301);
+  decode(16, 35, 18, 130);
+  decode(1, 129, 130, 520);
   BlockCase ragged;  // lanes that read nothing in some tiles and nothing at all
   ragged.lanes = 20, ragged.keys = 90;
   for (int u = 0; u < 20; ++u) ragged.counts.push_back(u % 5 == 0 ? 0 : 3 * u + 20);
@@ -214,9 +221,10 @@ struct BlocksPerTeam : Form {
 
 TEST_CASE("exact attention gives the same bits in register tiles and spread, in every storage type",
           "[readout][tiles][exact]") {
-  // GQA G = 4, G = 1 with odd dims, G = 40 (two head groups per kv-head), decode steps at position 100.
+  // GQA G = 4, G = 1 with odd dims, G = 40 (two head groups per kv-head), decode steps at position 100 and
+  // at 2,100 (three splits of readout_split_keys keys, read in runs of tiles by the spread form).
   const ExactShape shapes[] = {{2, 8, 2, 77, 40, 24, 0}, {1, 3, 3, 70, 33, 17, 0}, {1, 40, 1, 9, 16, 8, 0},
-                               {2, 8, 2, 1, 64, 64, 100}};
+                               {2, 8, 2, 1, 64, 64, 100}, {1, 4, 1, 1, 48, 40, 2100}};
   for_each_exact_case(shapes, 21, [](const auto& q, const auto& k, const auto& v, long first) {
     CHECK(first_difference(exact_y<kk::RegisterTiles>(q, k, v, first), exact_y<kk::SpreadTiles>(q, k, v, first)) ==
           -1);

@@ -169,18 +169,27 @@ KOKKOS_INLINE_FUNCTION Value team_single_sum(const Team& team, const Sum& sum) {
 }
 
 /// x(0) + x(1) + ... + x(n - 1) added in that order by one thread of the team, the sum given to every thread
-/// (a softmax normalizer: its bits must not depend on the team size).
+/// (a softmax normalizer: its bits must not depend on the team size). The terms are read eight ahead of
+/// their adds, so a GPU thread waits on eight loads at once rather than on each in turn.
 template <class Value, class Team, class Term>
 KOKKOS_INLINE_FUNCTION Value ordered_sum(const Team& team, long n, const Term& x) {
   return team_single_sum<Value>(team, [&]() {
+    constexpr int A = 8;
     Value sum = 0;
-    for (long i = 0; i < n; ++i) sum += x(i);
+    long i = 0;
+    for (; i + A <= n; i += A) {
+      Value t[A];
+      for (int k = 0; k < A; ++k) t[k] = x(i + k);
+      for (int k = 0; k < A; ++k) sum += t[k];
+    }
+    for (; i < n; ++i) sum += x(i);
     return sum;
   });
 }
 
 /// l[k] = dot(q, rows[k], dim) for k < n <= RW, each in kernels::dot's order: through simd::row_dots (RW
-/// rows' chains in vector lanes) for a full group of RW = simd::width rows, one row at a time otherwise.
+/// rows' chains in vector lanes) for a full group of RW = simd::width rows, one row at a time otherwise
+/// (dot_ahead: its loads four channels ahead).
 template <int RW, class Q, class Row>
 KOKKOS_INLINE_FUNCTION void row_group_dots(const Q* q, int dim, const Row* const* rows, int n, float* l) {
   if constexpr (RW > 1) {
@@ -190,7 +199,7 @@ KOKKOS_INLINE_FUNCTION void row_group_dots(const Q* q, int dim, const Row* const
       return;
     }
   }
-  for (int k = 0; k < n; ++k) l[k] = dot(q, rows[k], dim);
+  for (int k = 0; k < n; ++k) l[k] = dot_ahead(q, 1, rows[k], dim);
 }
 
 /// Steps 4-5 on (b, h): out(g) [Dv] = softmax over the cached rows, in position order, of query(g) [D] .
@@ -279,7 +288,21 @@ KOKKOS_INLINE_FUNCTION void eviction_attend(const Team& team, const EvictionPara
         }
         float acc[CW];
         for (int ch = 0; ch < CW; ++ch) acc[ch] = 0.0f;
-        for (long i = 0; i < live; ++i) {
+        // Rows in row order per channel; four rows' weights, slots and values are read before their
+        // multiply-adds (a GPU thread then waits on four loads at once), which changes no bit.
+        constexpr int A = 4;
+        long i = 0;
+        for (; i + A <= live; i += A) {
+          float e[A];
+          const std::remove_reference_t<decltype(c.values(b, h, 0, 0))>* v[A];
+          for (int k = 0; k < A; ++k) e[k] = c.logits(b, h, i + k), v[k] = &c.values(b, h, c.order(b, h, i + k), cb);
+          for (int ch = 0; ch < n; ++ch) {
+            float x[A];
+            for (int k = 0; k < A; ++k) x[k] = to_float(v[k][ch]);
+            for (int k = 0; k < A; ++k) acc[ch] = mul_add(e[k], x[k], acc[ch]);
+          }
+        }
+        for (; i < live; ++i) {
           const float e = c.logits(b, h, i);
           const auto* v = &c.values(b, h, c.order(b, h, i), cb);
           for (int ch = 0; ch < n; ++ch) acc[ch] = mul_add(e, to_float(v[ch]), acc[ch]);

@@ -323,13 +323,17 @@ struct QueryBlock {
       logits_lanes<NK>(keys, scale, j, j_abs, bias_of);
   }
 
-  /// logits[j][u] = (q_u · key) * scale + bias: one dot chain over the channels in increasing order
-  /// (kernels::dot), then one mul_add; the bits of logits_lanes and logits_one for that key and lane.
+  /// logits[j][u] = logit_value(u, key, scale, bias).
   template <class K>
   KOKKOS_INLINE_FUNCTION void logit(int u, int j, const K* key, float scale, float bias) const {
-    float s = 0.0f;
-    for (int c = 0; c < dim; ++c) s = mul_add(qt[long(c) * lanes + u], to_float(key[c]), s);
-    logits[j * lanes + u] = mul_add(s, scale, bias);
+    logits[j * lanes + u] = logit_value(u, key, scale, bias);
+  }
+  /// (q_u · key) * scale + bias: one dot chain over the channels in increasing order (kernels::dot, read
+  /// four channels ahead: dot_ahead), then one mul_add; the bits of logits_lanes and logits_one for that key
+  /// and lane.
+  template <class K>
+  KOKKOS_INLINE_FUNCTION float logit_value(int u, const K* key, float scale, float bias) const {
+    return mul_add(dot_ahead(qt + u, lanes, key, dim), scale, bias);
   }
 
   /// Folds logits[0, n)[u] (n >= 1) and their values into lane u's softmax (OnlineSoftmax::add_tile).
@@ -661,6 +665,98 @@ KOKKOS_INLINE_FUNCTION void attend_tile_spread(const Member& team, const QueryBl
   team.team_barrier();
 }
 
+/// Key tiles per run of attend_run_spread for a block of `live` lanes: the largest of 8, 4, 2 and 1 whose
+/// probabilities [tiles x readout_key_tile][live] and per-tile maxima and corrections [2][tiles][live]
+/// fit the block's logits and probs (2 x readout_key_tile x readout_query_block floats). A power of two, so
+/// runs from key 0 never cross a split (readout_split_keys).
+KOKKOS_INLINE_FUNCTION constexpr int spread_run_tiles(int live) {
+  constexpr int room = 2 * readout_key_tile * readout_query_block;
+  for (int t = 8; t > 1; t /= 2)
+    if (t * live * (readout_key_tile + 2) <= room) return t;
+  return 1;
+}
+static_assert(readout_split_keys % (spread_run_tiles(1) * readout_key_tile) == 0, "runs start on a split");
+
+/// A run of key tiles in the spread form for a block whose every live lane reads every key of it (a decode
+/// step: one query position, so the lanes' counts agree): keys j0 + [0, n) (n <= spread_run_tiles(queries)
+/// x readout_key_tile; key_at(j), value_at(j), bias_of(j0 + j) for j in [0, n)). Five passes, each spread
+/// over `team` with a barrier after it, where attend_tile_spread takes three per tile: every (key, lane)
+/// logit of the run; each tile's maximum per lane; each lane's running maximum and correction tile by tile;
+/// every probability; then every (lane, output channel) sum over the run's keys beside each lane's
+/// normalizer. Lane u runs attend_tile_spread's operations for it (QueryBlock::softmax_one,
+/// accumulate_channel) tile by tile in the same order, so the bits are the same; only the barriers move.
+/// The run's logits, maxima and corrections live in the block's logits and probs. Ends with a team barrier.
+template <class Member, class KeyAt, class ValueAt, class BiasOf>
+KOKKOS_INLINE_FUNCTION void attend_run_spread(const Member& team, const QueryBlock& blk, const float* scale, long j0,
+                                              int n, KeyAt key_at, ValueAt value_at, BiasOf bias_of) {
+  constexpr int KT = readout_key_tile;
+  const int live = blk.queries, tiles = (n + KT - 1) / KT, dv = blk.value_dim;
+  float* prob = blk.logits;                            // [n][live]: the logits, then their probabilities
+  float* run_max = prob + long(tiles) * KT * live;     // [tiles][live]: a tile's maximum, then the running one
+  float* correction = run_max + long(tiles) * live;    // [tiles][live]: exp(max before the tile - max after)
+  Kokkos::parallel_for(Kokkos::TeamThreadRange(team, n * live), [&](int e) {
+    const int j = e / live, u = e % live;
+    prob[e] = blk.logit_value(u, key_at(j), scale[u], bias_of(j0 + j));
+  });
+  team.team_barrier();
+  Kokkos::parallel_for(Kokkos::TeamThreadRange(team, tiles * live), [&](int e) {
+    const int t = e / live, u = e % live, end = (t + 1) * KT < n ? (t + 1) * KT : n;
+    float m = neg_inf();
+    for (int j = t * KT; j < end; ++j) m = prob[j * live + u] > m ? prob[j * live + u] : m;
+    run_max[e] = m;
+  });
+  team.team_barrier();
+  Kokkos::parallel_for(Kokkos::TeamThreadRange(team, live), [&](int u) {
+    float old_max = blk.max_logit[u];
+    for (int t = 0; t < tiles; ++t) {
+      const float tile_max = run_max[t * live + u];
+      const float new_max = tile_max > old_max ? tile_max : old_max;
+      correction[t * live + u] = softmax_exp(old_max - new_max);
+      run_max[t * live + u] = new_max;
+      old_max = new_max;
+    }
+    blk.max_logit[u] = old_max;
+  });
+  team.team_barrier();
+  Kokkos::parallel_for(Kokkos::TeamThreadRange(team, n * live), [&](int e) {
+    const int j = e / live, u = e % live;
+    prob[e] = softmax_exp(prob[e] - run_max[(j / KT) * live + u]);
+  });
+  team.team_barrier();
+  Kokkos::parallel_for(Kokkos::TeamThreadRange(team, live * dv + live), [&](int e) {
+    if (e >= live * dv) {  // lane u's normalizer, tile by tile (softmax_one's chain)
+      const int u = e - live * dv;
+      float norm = blk.normalizer[u];
+      for (int t = 0; t < tiles; ++t) {
+        const int end = (t + 1) * KT < n ? (t + 1) * KT : n;
+        norm = mul_add(norm, correction[t * live + u], prob[t * KT * live + u]);
+        for (int j = t * KT + 1; j < end; ++j) norm += prob[j * live + u];
+      }
+      blk.normalizer[u] = norm;
+      return;
+    }
+    const int u = e / dv, c = e % dv;  // accumulate_channel's chain, the value rows read four ahead
+    float* a = blk.acc + long(u) * dv + c;
+    float r = *a;
+    for (int t = 0; t < tiles; ++t) {
+      const int end = (t + 1) * KT < n ? (t + 1) * KT : n;
+      r = r * correction[t * live + u];
+      int j = t * KT;
+      for (; j + 4 <= end; j += 4) {
+        const float v0 = to_float(value_at(j)[c]), v1 = to_float(value_at(j + 1)[c]),
+                    v2 = to_float(value_at(j + 2)[c]), v3 = to_float(value_at(j + 3)[c]);
+        r = mul_add(prob[j * live + u], v0, r);
+        r = mul_add(prob[(j + 1) * live + u], v1, r);
+        r = mul_add(prob[(j + 2) * live + u], v2, r);
+        r = mul_add(prob[(j + 3) * live + u], v3, r);
+      }
+      for (; j < end; ++j) r = mul_add(prob[j * live + u], to_float(value_at(j)[c]), r);
+    }
+    *a = r;
+  });
+  team.team_barrier();
+}
+
 /// Folds keys [0, count_of(i, u)) into lane u of block blks[i], for the nb <= NB blocks of a team that read
 /// the same keys (consecutive query positions of one kv-head), tile by tile from key 0 (the tiles of
 /// attend): logit = q_u · key_of(j) * scale_of(i)[u] + bias_of(j), values value_of(j). `max_count` is the
@@ -672,7 +768,9 @@ KOKKOS_INLINE_FUNCTION void attend_tile_spread(const Member& team, const QueryBl
 /// blocks need split room where max_count > readout_split_keys): a lane's softmax over the segment is the
 /// merge of its splits in order once settle_splits has run, the bits a split-KV decode step gives.
 /// Collective over `team`; ends with a team barrier.
-/// `Spread` (TileTraits<ExecSpace>::spread) picks how the team covers a tile, not a bit of the result.
+/// `Spread` (TileTraits<ExecSpace>::spread) picks how the team covers a tile, not a bit of the result; in
+/// the spread form, blocks whose every live lane reads all max_count keys (a decode step) go by runs of
+/// spread_run_tiles tiles (attend_run_spread), others tile by tile (attend_tile_spread).
 template <bool Spread = false, int NB = 1, class Member, class ScaleOf, class CountOf, class KeyOf, class ValueOf,
           class BiasOf>
 KOKKOS_INLINE_FUNCTION void attend_blocks(const Member& team, const QueryBlock* blks, int nb, ScaleOf scale_of,
@@ -690,8 +788,21 @@ KOKKOS_INLINE_FUNCTION void attend_blocks(const Member& team, const QueryBlock* 
     }
   }
   const bool packed = !Spread && blks[0].packs<key_type>();
-  for (long j0 = 0; j0 < max_count; j0 += KT) {
-    const int n = static_cast<int>(max_count - j0 < KT ? max_count - j0 : KT);
+  // The spread form walks runs of tiles (attend_run_spread) where every live lane of every block reads every
+  // key (a decode step), unless a run is one tile (32 live lanes).
+  int step = KT;
+  if constexpr (Spread) {
+    bool uniform = true;
+    int tiles = spread_run_tiles(1);
+    for (int i = 0; i < nb; ++i) {
+      for (int u = 0; u < blks[i].queries; ++u) uniform = uniform && lane_count[i][u] == max_count;
+      const int t = spread_run_tiles(blks[i].queries);
+      tiles = t < tiles ? t : tiles;
+    }
+    if (uniform) step = tiles * KT;
+  }
+  for (long j0 = 0; j0 < max_count; j0 += step) {
+    const int n = static_cast<int>(max_count - j0 < step ? max_count - j0 : step);
     if (j0 > 0 && j0 % readout_split_keys == 0) {  // a split ends: close it in every lane that reads on
       if (blks[0].split_norm == nullptr)
         Kokkos::abort("kvmem::kernels::attend_blocks: a segment past readout_split_keys without split room");
@@ -720,7 +831,10 @@ KOKKOS_INLINE_FUNCTION void attend_blocks(const Member& team, const QueryBlock* 
       };
       const QueryBlock& blk = blks[i];
       if constexpr (Spread) {
-        attend_tile_spread(team, blk, scale_of(i), j0, n, keys_of, key_at, values, bias_of);
+        if (step > KT)
+          attend_run_spread(team, blk, scale_of(i), j0, n, key_at, values, bias_of);
+        else
+          attend_tile_spread(team, blk, scale_of(i), j0, n, keys_of, key_at, values, bias_of);
       } else if (packed) {
         const float* pk = blks[0].tile_keys;
         const float* pv = blks[0].tile_values;

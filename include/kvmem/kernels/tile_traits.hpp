@@ -20,8 +20,10 @@ struct RegisterTiles {
 /// The spread form (GPU execution spaces, where a team is 128 or more threads): every (key, query lane)
 /// logit of the tile is its own thread's dot product, every lane's softmax step its own thread, and every
 /// (lane, output channel) sum its own thread, so a decode step (a query block of G live lanes) keeps the
-/// whole team busy instead of one thread per tile. A team takes one query block (more teams to fill the
-/// device's multiprocessors).
+/// whole team busy instead of one thread per tile. A block whose every lane reads every key (a decode step)
+/// walks runs of up to 8 tiles with five team barriers per run instead of three per tile, its loads read
+/// four channels or value rows ahead (attend_run_spread). A team takes one query block (more teams to fill
+/// the device's multiprocessors).
 struct SpreadTiles {
   static constexpr bool spread = true;
   static constexpr int blocks_per_team = 1;

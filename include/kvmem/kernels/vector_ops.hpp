@@ -33,6 +33,27 @@ KOKKOS_INLINE_FUNCTION float dot(const A* a, const B* b, int n) {
   return s;
 }
 
+/// dot(a, b, n) with `a` read at a stride, sum_c a[c * a_stride] * b[c]: the same chain (increasing c, one
+/// mul_add a step, so the bits of dot), with the operands of four steps loaded before their multiply-adds,
+/// so that a GPU thread waits on four loads at once rather than on each in turn (the spread readout's
+/// logits, the eviction step's).
+template <class A, class B>
+KOKKOS_INLINE_FUNCTION float dot_ahead(const A* a, long a_stride, const B* b, int n) {
+  float s = 0.0f;
+  int c = 0;
+  for (; c + 4 <= n; c += 4) {
+    const float a0 = to_float(a[c * a_stride]), a1 = to_float(a[(c + 1) * a_stride]),
+                a2 = to_float(a[(c + 2) * a_stride]), a3 = to_float(a[(c + 3) * a_stride]);
+    const float b0 = to_float(b[c]), b1 = to_float(b[c + 1]), b2 = to_float(b[c + 2]), b3 = to_float(b[c + 3]);
+    s = mul_add(a0, b0, s);
+    s = mul_add(a1, b1, s);
+    s = mul_add(a2, b2, s);
+    s = mul_add(a3, b3, s);
+  }
+  for (; c < n; ++c) s = mul_add(to_float(a[c * a_stride]), to_float(b[c]), s);
+  return s;
+}
+
 /// s[r] = sum_c (g a[c]) * rows[r * stride + c] for r < NR: NR dot products of one vector with NR
 /// consecutive rows, each summed in increasing c, one mul_add a step, exactly as `dot` of (g a) with
 /// that row (g = 1 gives `dot`'s bits: g a[c] is exact). The NR chains are independent, so a thread
