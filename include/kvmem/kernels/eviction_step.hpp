@@ -288,11 +288,12 @@ KOKKOS_INLINE_FUNCTION void eviction_attend(const Team& team, const EvictionPara
         }
         float acc[CW];
         for (int ch = 0; ch < CW; ++ch) acc[ch] = 0.0f;
-        // Rows in row order per channel; four rows' weights, slots and values are read before their
-        // multiply-adds (a GPU thread then waits on four loads at once), which changes no bit.
-        constexpr int A = 4;
+        // Rows in row order per channel. Without vector registers (a GPU thread, one or a few channels),
+        // four rows' weights, slots and values are read before their multiply-adds, so the thread waits on
+        // four loads at once; on a CPU core the channels of a row stay one vectorized loop. The same bits.
+        constexpr int A = simd::vector_registers ? 1 : 4;
         long i = 0;
-        for (; i + A <= live; i += A) {
+        for (; A > 1 && i + A <= live; i += A) {
           float e[A];
           const std::remove_reference_t<decltype(c.values(b, h, 0, 0))>* v[A];
           for (int k = 0; k < A; ++k) e[k] = c.logits(b, h, i + k), v[k] = &c.values(b, h, c.order(b, h, i + k), cb);
