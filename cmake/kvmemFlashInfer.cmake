@@ -55,6 +55,9 @@ message(STATUS "kvmem: the readout on tensor cores through FlashInfer ${found_ve
 
 add_library(kvmem_flashinfer STATIC src/backend/cuda/flashinfer_readout.cu)
 add_library(kvmem::flashinfer ALIAS kvmem_flashinfer)
+# Position-independent: the static library links into shared objects too (the Python module, an engine's
+# own shared library), which a non-PIC archive cannot join (ld: "recompile with -fPIC").
+set_target_properties(kvmem_flashinfer PROPERTIES POSITION_INDEPENDENT_CODE ON)
 # nvcc_wrapper is the C++ compiler of a Cuda build of Kokkos; it compiles .cu files as CUDA.
 set_source_files_properties(src/backend/cuda/flashinfer_readout.cu PROPERTIES LANGUAGE CXX)
 target_compile_features(kvmem_flashinfer PRIVATE cxx_std_20)
