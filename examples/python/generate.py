@@ -60,6 +60,9 @@ def memories(rows: int):
     return {
         "H2O": kt.eviction("h2o", sinks=4, window=window, top_k=rows - 4 - window),
         "TOVA": kt.eviction("tova", sinks=4, window=window, top_k=rows - 4 - window),
+        # compressed once, when the prompt ends (kvpress's and SnapKV's setting): the question scores the prompt
+        "SnapKV (end)": kt.eviction("snapkv", sinks=4, window=window, top_k=rows - 4 - window, chunk=0,
+                                    observation_window=32),
         "KVM": kt.kvm(chunk=chunk, window_chunks=2, sinks=1, max_rows=rows - 2 * chunk,
                       budget=kvmem.budget.Fixed(rows - 2 * chunk)),
         "OVQ": kt.ovq(chunk=chunk, max_centroids=rows - chunk),
@@ -107,7 +110,6 @@ def main():
         rows = total // f
         for name, factory in memories(rows).items():
             run(f"{name} 1/{f} ({rows})", kt.KvmemCache(model, factory))
-        model.set_attn_implementation("sdpa")
 
 
 if __name__ == "__main__":

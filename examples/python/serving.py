@@ -23,8 +23,10 @@ Latency is measured on the wall clock from each request's arrival: time to first
 output token after the first (TPOT) and end to end. The arrival times are drawn once (seeded), so both runs
 serve the same requests; an engine with nothing to do skips ahead to the next arrival. Memory held: what the
 caches hold for the live requests at each step (kvmem: held_bytes of every layer; full: the live tokens'
-keys and values). With --check, the run fails unless every request's greedy tokens are the full cache's
-(use a budget that holds every token: then the memory must agree with the full cache).
+keys and values). With --check, the run fails unless every request's greedy tokens in the shared batch are
+its tokens served alone (a batch of one through fresh memories of the same kind, the same prefill chunks:
+what a slot holds must not leak into another request, whatever the memory evicts or merges), and, where
+--budget holds every token of every request, the full cache's.
 """
 
 from __future__ import annotations
@@ -239,6 +241,26 @@ def serve(model, caches, requests, slots, prefill_chunk, label, progress=True):
             "peak_held_bytes": max(p["held_bytes"] for p in trace)}
 
 
+def served_alone(model, requests, factory, shape, prefill_chunk):
+    """Each request served on its own: a batch of one through fresh memories of ``factory`` (``shape``: the
+    factory's keywords; its batch is replaced by 1), with the same prefill chunks. Returns {request id:
+    greedy tokens}."""
+    layers = model.config.num_hidden_layers
+    tokens = {}
+    for r in requests:
+        mems = [factory(i, **{**shape, "batch": 1}) for i in range(layers)]
+        run = serve(model, mems, [dict(r, arrival=0.0)], 1, prefill_chunk, "alone", progress=False)
+        tokens[r["id"]] = run["requests"][0]["tokens"]
+    return tokens
+
+
+def diverging(run, tokens) -> list[int]:
+    """The ids of the requests of ``run`` (serve()'s result) whose tokens are not ``tokens[id]``, and of those
+    ``tokens`` has that ``run`` did not serve."""
+    served = {r["id"]: r["tokens"] for r in run["requests"]}
+    return sorted(i for i in served.keys() | tokens.keys() if served.get(i) != tokens.get(i))
+
+
 def percentiles(xs):
     xs = sorted(xs)
     at = lambda p: xs[min(len(xs) - 1, max(0, math.ceil(p / 100 * len(xs)) - 1))]
@@ -291,7 +313,8 @@ def main():
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--plot", default="serving.png", help="the plot (PNG; default serving.png)")
     ap.add_argument("--json", default=None, help="write the summaries and per-request results here")
-    ap.add_argument("--check", action="store_true", help="fail unless every request's tokens are the full cache's")
+    ap.add_argument("--check", action="store_true", help="fail unless every request's tokens are its tokens served "
+                    "alone through the same memory (and the full cache's where --budget holds every token)")
     ap.add_argument("--no-progress", action="store_true")
     ap.add_argument("--replot", metavar="JSON", help="only plot the runs of a JSON file (this script's --json, or "
                     "the C++ example's: kvmem_example_serving) into --plot, and exit")
@@ -344,8 +367,16 @@ def main():
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "summaries": sums, "same_tokens": same,
                        "runs": [{k: r[k] for k in ("label", "requests", "trace")} for r in runs]}, f, indent=1)
-    if args.check and same != args.requests:
-        sys.exit(f"--check: {args.requests - same} of {args.requests} requests' tokens differ from the full cache's")
+    if args.check:
+        apart = diverging(runs[1], served_alone(model, requests, factory, shape, args.prefill_chunk))
+        print(f"requests whose greedy tokens equal their own served alone through {args.memory} {args.budget}: "
+              f"{args.requests - len(apart)} of {args.requests}")
+        if apart:
+            sys.exit(f"--check: requests {apart} give other tokens in the shared batch than alone")
+        holds_all = args.budget >= args.prompt_tokens[1] + args.output_tokens[1]
+        if holds_all and same != args.requests:
+            sys.exit(f"--check: {args.requests - same} of {args.requests} requests' tokens differ from the full cache's "
+                     f"(the budget {args.budget} holds every token)")
 
 
 if __name__ == "__main__":

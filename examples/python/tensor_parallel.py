@@ -100,17 +100,49 @@ def spawned(local_rank, nproc, port, args):
     run(args)
 
 
+def problems(one: dict, tp: dict, tolerance: float) -> tuple[list[str], float]:
+    """What keeps a tensor-parallel run ``tp`` from matching the one-process run ``one`` (both this script's
+    JSON): a ``tp`` of one rank or ``one`` of several; a ``tp`` whose ranks did not each hold their share of
+    the kv-heads (one process's kv-heads / ranks: an unsharded run holds them all); other prompts, other
+    tokens, logits of another shape (nothing is cut to the shorter) or farther apart than ``tolerance``.
+    Returns (the problems, empty when none; the largest absolute logit difference)."""
+    found, worst = [], 0.0
+    ranks = tp["world_size"]
+    if one["world_size"] != 1:
+        found.append(f"the one-process run has world_size {one['world_size']}")
+    if ranks < 2:
+        found.append(f"the tensor-parallel run has world_size {ranks}: not sharded")
+    if len(one["results"]) != len(tp["results"]):
+        found.append(f"{len(one['results'])} prompts against {len(tp['results'])}")
+    for i, (a, b) in enumerate(zip(one["results"], tp["results"])):
+        heads = a["kv_heads_per_rank"]
+        want = [heads[0] // ranks] if len(heads) == 1 and ranks >= 1 and heads[0] % ranks == 0 else None
+        if want is None or b["kv_heads_per_rank"] != want:
+            found.append(f"prompt {i}: kv-heads per rank {b['kv_heads_per_rank']} over {ranks} ranks, expected "
+                         f"{want if want else 'an even share of ' + str(heads)}")
+        if a["prompt_tokens"] != b["prompt_tokens"]:
+            found.append(f"prompt {i}: {a['prompt_tokens']} prompt tokens against {b['prompt_tokens']}")
+        if a["tokens"] != b["tokens"]:
+            found.append(f"prompt {i}: the tokens differ")
+        la, lb = torch.tensor(a["logits"]), torch.tensor(b["logits"])
+        if la.shape != lb.shape:
+            found.append(f"prompt {i}: logits of shape {list(la.shape)} against {list(lb.shape)}")
+            continue
+        diff = float((la - lb).abs().max()) if la.numel() else 0.0
+        if diff != diff or diff > tolerance:  # NaN fails too
+            found.append(f"prompt {i}: largest logit difference {diff:.2e} > {tolerance:g}")
+        worst = max(worst, diff) if diff == diff else float("nan")
+    return found, worst
+
+
 def compare(one_path, tp_path, tolerance):
     one, tp = (json.load(open(p)) for p in (one_path, tp_path))
-    worst, same = 0.0, True
-    for a, b in zip(one["results"], tp["results"]):
-        same = same and a["tokens"] == b["tokens"]
-        la, lb = torch.tensor(a["logits"]), torch.tensor(b["logits"])
-        n = min(la.shape[0], lb.shape[0])
-        worst = max(worst, float((la[:n] - lb[:n]).abs().max()))
-    print(f"{tp['world_size']} ranks against one process ({one['memory']}): tokens "
-          f"{'equal' if same else 'DIFFER'}, largest logit difference {worst:.2e} (tolerance {tolerance:g})")
-    if not same or worst > tolerance:
+    found, worst = problems(one, tp, tolerance)
+    print(f"{tp['world_size']} ranks against one process ({one['memory']}): "
+          f"{'agree' if not found else 'DIFFER'}, largest logit difference {worst:.2e} (tolerance {tolerance:g})")
+    for line in found:
+        print(f"  {line}")
+    if found:
         sys.exit(1)
 
 

@@ -11,4 +11,5 @@
 #include "policy/score/last_query_attention.hpp"
 #include "policy/score/mlstm.hpp"
 #include "policy/score/none.hpp"
+#include "policy/score/observation_window.hpp"
 #include "training/eviction_mask.hpp"

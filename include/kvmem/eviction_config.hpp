@@ -12,8 +12,20 @@ namespace kvmem {
 /// Shape and budget of one layer's eviction memory (spec EVICTION.md §1).
 ///
 /// Units: `sinks`, `window` and `top_k` are tokens (one cache row each) per (sequence, kv-head); the
-/// budget is B = sinks + window + top_k rows. `decay_interval` is tokens (n of §4). `head_dim` and
-/// `value_dim` are channels.
+/// budget is B = sinks + window + top_k rows. `decay_interval`, `chunk` and `observation_window` are tokens
+/// (queries). `head_dim` and `value_dim` are channels.
+///
+/// When the memory evicts (docs/eviction.md "Compression per chunk and at the end of a prompt"):
+/// - `chunk = 1` (the default): at every token, the streaming eviction of spec EVICTION.md §1;
+/// - `chunk = C > 1`: once per chunk of C positions ([iC, (i+1)C) from the sequence's start, whatever the
+///   calls): at the chunk's first token the memory evicts down to the budget, scored by the statistics that
+///   the previous chunk's last `observation_window` queries gave (SnapKV's observation window; H2O, TOVA
+///   and KNorm alike); the chunk's other tokens only append and attend. It holds at most B + C rows;
+/// - `chunk = 0`: at the end of the prompt (kvpress's presses, SnapKV): prefill() and extend() only append
+///   and attend (exact attention over what the memory holds and the prompt), their last
+///   `observation_window` queries of each call score the tokens, and the first decode() step evicts down
+///   to the budget; every decode step then evicts as the streaming memory does. It holds at most B + 1 +
+///   the prompt's tokens (the rows grow at prefill()).
 struct EvictionConfig {
   int head_dim = 0;         ///< D: channels of a query and a key.
   int value_dim = 0;        ///< Dv: channels of a value.
@@ -28,6 +40,13 @@ struct EvictionConfig {
   /// row is read with the logit bias log(count) (kernels::eviction_merge; docs/eviction.md "Merging
   /// eviction"). The budget in rows is the same; each row also holds a float32 count.
   bool merge_evicted = false;
+  /// C >= 0: positions per chunk between compressions; 1 streams (every token), 0 compresses at the end
+  /// of the prompt (see above).
+  int chunk = 1;
+  /// W_obs >= 0: the last queries of each chunk (chunk = 0: of each prefill or extend call) whose attention
+  /// updates the scorer's statistics (SnapKV's observation window; kvpress uses 64); 0: every query of the
+  /// chunk. With chunk = 1 every query observes, whatever its value.
+  int observation_window = 64;
 
   /// Budget B = s + w + k: the most rows a (sequence, kv-head) holds after a step.
   [[nodiscard]] long budget() const { return static_cast<long>(sinks) + window + top_k; }
@@ -47,6 +66,9 @@ struct EvictionConfig {
     require(top_k >= 0, "top_k", top_k, "must be >= 0");
     require(budget() <= (1L << 30), "sinks + window + top_k", budget(), "must be at most 2^30 rows");
     require(decay_interval >= 1, "decay_interval", decay_interval, "must be >= 1 (n of spec EVICTION.md §4)");
+    require(chunk >= 0, "chunk", chunk, "must be >= 0 (1: every token, 0: at the end of the prompt)");
+    require(budget() + chunk <= (1L << 30), "sinks + window + top_k + chunk", budget() + chunk, "must be at most 2^30 rows");
+    require(observation_window >= 0, "observation_window", observation_window, "must be >= 0 (0: every query of a chunk)");
   }
 };
 

@@ -15,7 +15,9 @@
 #include "errors.hpp"
 #include "eviction_config.hpp"
 #include "kernels/decode_plan.hpp"
+#include "kernels/eviction_prompt.hpp"
 #include "kernels/eviction_step.hpp"
+#include "kernels/exact_attention.hpp"
 #include "kernels/zero_tail.hpp"
 #include "policy/score/eviction_scorer.hpp"
 #include "prompt_calls.hpp"
@@ -40,8 +42,15 @@ namespace kvmem {
 /// folded into the kept row (sinks excepted) of most similar key (cosine), as count-weighted means, and
 /// rows are read with the logit bias log(count) (kernels::eviction_merge; docs/eviction.md).
 /// Delayed scorers (score::MLstm) score a token when it leaves the window (§2); scorers that need attention
-/// probabilities (score::AccumulatedAttention, score::LastQueryAttention) get them from the readout, the
-/// others pay nothing for them.
+/// probabilities (score::AccumulatedAttention, score::LastQueryAttention, score::ObservationWindow) get them
+/// from the readout, the others pay nothing for them.
+/// With EvictionConfig::chunk != 1 the memory evicts once per chunk of C positions (C > 1: holds at most
+/// B + C rows) or at the end of each prompt (C = 0, SnapKV's and kvpress's setting: prefill() and extend()
+/// attend exactly, their last observation_window queries score, the first decode() step evicts; holds at
+/// most B + 1 + the prompt, growing its rows at prefill()), scored by the observation window of queries
+/// (docs/eviction.md "Compression per chunk and at the end of a prompt"). A chunk of one token is the
+/// streaming eviction above, bit for bit. With C = 0 a prompt decoded token by token is not a prompt
+/// (each decode step evicts), so prefill and decode then differ by definition.
 ///
 /// Tensors are views in (sequence, head, token, channel) order with unit channel stride and any other
 /// strides (LayoutStride), in ExecSpace's memory space, of the storage type `Storage` (kvmem/dtype.hpp:
@@ -95,22 +104,29 @@ class EvictionMemory : public detail::PromptCalls<EvictionMemory<ExecSpace, Scor
   static constexpr bool softmax_readout = true;
 
   /// An empty memory for `batch` sequences with the scorer `scorer` (its parameters and weights). Throws
-  /// kvmem::invalid_argument for a bad config field (EvictionConfig::validate), `batch` < 1, or what the
-  /// scorer's bind() rejects (e.g. a missing or misshapen mLSTM weight, naming it).
+  /// kvmem::invalid_argument for a bad config field (EvictionConfig::validate), `batch` < 1, a chunk other
+  /// than 1 with a layer-wide scorer (TOVA's layer mean), or what the scorer's bind() rejects (e.g. a
+  /// missing or misshapen mLSTM weight, naming it).
   EvictionMemory(const EvictionConfig& config, int batch, const Scorer& scorer = Scorer{},
                  const ExecSpace& exec = ExecSpace())
       : cfg_(config), scorer_(scorer), exec_(exec) {
     cfg_.validate();
     require(batch >= 1, "batch", batch, "must be >= 1");
+    require(cfg_.chunk == 1 || !scorer_.layer_wide(), "chunk", cfg_.chunk,
+            "must be 1 with a layer-wide scorer (TOVA's layer mean evicts from every kv-head at every token)");
     scorer_.bind(batch, cfg_);
     tokens_.allocate("kvmem::evict_first", batch, 0L);
     lengths_.allocate("kvmem::evict_lengths", batch, 0L);
     active_.allocate("kvmem::evict_active", batch, 1L);
-    cache_.allocate(batch, cfg_.kv_heads, cfg_.budget() + 1, cfg_.head_dim, cfg_.value_dim, Scorer::needs_probabilities,
-                    cfg_.merge_evicted);
+    prompt_zero_.allocate("kvmem::evict_prompt_zero", batch, 0L);
+    observed_.allocate("kvmem::evict_observed", batch, 0L);
+    pending_.assign(static_cast<std::size_t>(batch), 0L);
+    cache_.allocate(batch, cfg_.kv_heads, cfg_.budget() + std::max(cfg_.chunk, 1), cfg_.head_dim, cfg_.value_dim,
+                    Scorer::needs_probabilities, cfg_.merge_evicted, score::pool_width<Scorer> > 1);
     tokens_.upload(exec_);
     lengths_.upload(exec_);
     active_.upload(exec_);
+    prompt_zero_.upload(exec_);
   }
 
   /// Runs T tokens of every sequence through the policy, continuing from the current cache (spec
@@ -144,12 +160,45 @@ class EvictionMemory : public detail::PromptCalls<EvictionMemory<ExecSpace, Scor
     state::check_slots(call, this->strict_slots_, batch(), lengths, T, [&](long b) { return tokens_.host(b); });
     for (long b = 0; b < batch(); ++b) lengths_.set(b, lengths.empty() ? T : lengths[b]);
     lengths_.upload(exec_);
+    if (cfg_.chunk == 0) {  // the prompt is held whole until the first decode step: room for it, once
+      long rows = 0;
+      for (long b = 0; b < batch(); ++b) rows = std::max(rows, pending_[b] + lengths_.host(b));
+      cache_.grow(exec_, cfg_.budget() + 1 + rows);
+      for (long b = 0; b < batch(); ++b) pending_[b] += lengths_.host(b);
+    }
+    // A prompt into sequences that hold nothing, which no step of it evicts (chunk = 0): exact attention.
+    bool whole = cfg_.chunk == 0 && !Scorer::delayed;
+    for (long b = 0; b < batch(); ++b) whole = whole && (lengths_.host(b) == 0 || tokens_.host(b) == 0);
+    if (whole) run_whole_prompt(in, y, lse);
     if (ragged) {
       kernels::zero_tail(exec_, y, lengths_.device());
       if (lse.data() != nullptr)
         kernels::fill_tail(exec_, lse, lengths_.device(), -std::numeric_limits<float>::infinity());
     }
-    run(in, y, lse, lengths_, /*wait=*/true);
+    if (whole) advance(lengths_, /*wait=*/true);
+    else run(in, y, lse, lengths_, /*wait=*/true);
+  }
+
+  /// The prompt of every sequence with lengths_ > 0, each holding nothing, at chunk = 0 (no step of it
+  /// evicts): y (and lse when asked) exact causal attention over the prompt (kernels::exact_causal_attention,
+  /// the tiled readout), the tokens appended in order (kernels::eviction_prompt_append), and the statistics of
+  /// the last observation_window queries (kernels::prompt_observation): what eviction_tokens gives one token
+  /// after the other, in the time of exact attention (tests/unit/test_chunk_eviction.cpp).
+  void run_whole_prompt(const inputs& in, const tokens_out& y, const lse_out& lse) {
+    const auto p = kernels::EvictionParams::of(cfg_);
+    kernels::exact_causal_attention(exec_, in.q, in.k, in.v, y);
+    kernels::eviction_prompt_append(exec_, p, cache_, scorer_, in.k, in.v, lengths_.device());
+    if (lse.data() != nullptr) kernels::prompt_lse(exec_, p, in.q, in.k, lengths_.device(), prompt_zero_.device(), lse);
+    if constexpr (Scorer::needs_probabilities) {
+      const long T = static_cast<long>(in.q.extent(2));
+      const long W = cfg_.observation_window > 0 && cfg_.observation_window < T ? cfg_.observation_window : T;
+      for (long b = 0; b < batch(); ++b) observed_.set(b, std::max(0L, lengths_.host(b) - W));
+      observed_.upload(exec_);
+      if (static_cast<long>(observed_lse_.extent(2)) < W || observed_lse_.extent(1) != static_cast<std::size_t>(cfg_.query_heads))
+        observed_lse_ = decltype(observed_lse_)("kvmem::evict_observed_lse", batch(), cfg_.query_heads, W);
+      kernels::prompt_lse(exec_, p, in.q, in.k, lengths_.device(), observed_.device(), observed_lse_);
+      kernels::prompt_observation(exec_, p, cache_, scorer_, in.q, lengths_.device(), observed_.device(), observed_lse_);
+    }
   }
 
  public:
@@ -167,7 +216,7 @@ class EvictionMemory : public detail::PromptCalls<EvictionMemory<ExecSpace, Scor
     sync();
     state::check_slots(state::SlotCall::decode, this->strict_slots_, batch(), active, [&](long b) { return tokens_.host(b); });
     set_active(active);
-    run(in, y, lse, active_, /*wait=*/true);
+    run(in, y, lse, active_, /*wait=*/true, /*decode=*/true);
   }
   /// decode_async() below with the inputs bundled (the AttentionMemory contract).
   void decode_async(const inputs& in, const tokens_out& y) { decode_async(in, y, lse_out{}); }
@@ -179,10 +228,11 @@ class EvictionMemory : public detail::PromptCalls<EvictionMemory<ExecSpace, Scor
     check_decode(q, k, v, y);
     check_lse(lse, 1, "decode");
     if (tokens_.shared()) {  // a host backend: the host advances the counts the kernel reads
-      run(in, y, lse, active_, /*wait=*/false);
+      run(in, y, lse, active_, /*wait=*/false, /*decode=*/true);
     } else {
+      forget_pending(active_);
       kernels::eviction_tokens(exec_, kernels::EvictionParams::of(cfg_), cache_, scorer_, q, k, v, y, tokens_.device(),
-                               active_.device(), 0, lse);
+                               active_.device(), 0, lse, /*decode=*/true);
       kernels::advance_counts(exec_, tokens_.device(), active_.device());
       tokens_.device_advanced();
     }
@@ -241,6 +291,7 @@ class EvictionMemory : public detail::PromptCalls<EvictionMemory<ExecSpace, Scor
     exec_.fence();
     scorer_.reset();
     Kokkos::fence();
+    std::fill(pending_.begin(), pending_.end(), 0L);
     tokens_.forget_replays();
     for (long b = 0; b < batch(); ++b) tokens_.host(b) = 0;
     tokens_.mark_changed();  // the device's counts may have moved without the host
@@ -261,6 +312,7 @@ class EvictionMemory : public detail::PromptCalls<EvictionMemory<ExecSpace, Scor
     exec_.fence();
     scorer_.reset_sequence(b);
     Kokkos::fence();
+    pending_[b] = 0;
     tokens_.host(b) = 0;
     tokens_.mark_changed();
     tokens_.upload(exec_);
@@ -294,20 +346,23 @@ class EvictionMemory : public detail::PromptCalls<EvictionMemory<ExecSpace, Scor
   }
   /// The device cache (slots, positions, statistics, order), for inspection.
   [[nodiscard]] const state::EvictionCache<memory_space, Storage>& cache() const { return cache_; }
-  /// Bytes of keys and values the batch holds at most: B * Hkv * (budget + 1) * (D + Dv) * sizeof(Storage),
-  /// plus B * Hkv * (budget + 1) * 4 for the float32 counts of a merging eviction (merge_evicted), whatever
-  /// the token count (the + 1 is the row a step holds between its append and its eviction).
+  /// Bytes of keys and values the batch holds at most: B * Hkv * R * (D + Dv) * sizeof(Storage), plus
+  /// B * Hkv * R * 4 for the float32 counts of a merging eviction (merge_evicted), with R the rows of a
+  /// (sequence, kv-head): budget + 1 when streaming (the + 1 is the row a step holds between its append and
+  /// its eviction), whatever the token count; budget + chunk with chunk > 1; with chunk = 0 budget + 1 + the
+  /// longest prompt held so far (the rows grow at prefill()).
   [[nodiscard]] long held_bytes() const {
-    const long rows = batch() * cfg_.kv_heads * (cfg_.budget() + 1);
+    const long rows = batch() * cfg_.kv_heads * cache_.slots();
     return rows * (cfg_.head_dim + cfg_.value_dim) * static_cast<long>(sizeof(Storage)) +
            (cfg_.merge_evicted ? rows * static_cast<long>(sizeof(float)) : 0L);
   }
   /// Bytes this object has allocated on the device for its cache and scratch (the scorer's own state,
-  /// e.g. the mLSTM's, is not counted). Fixed at construction.
+  /// e.g. the mLSTM's, is not counted). Fixed at construction, but with chunk = 0, where prefill() grows
+  /// the rows to hold the prompt.
   [[nodiscard]] long allocated_bytes() const {
     const auto& c = cache_;
     return static_cast<long>((c.keys.span() + c.values.span()) * sizeof(Storage) + (c.logits.span() + c.probabilities.span() + c.counts.span()) * sizeof(float) +
-                             c.stats.span() * sizeof(double) +
+                             (c.stats.span() + c.pooled.span()) * sizeof(double) +
                              (c.positions.span() + c.live.span() + 3 * tokens_.device().span()) * sizeof(long) +
                              (c.order.span() + c.shift.span()) * sizeof(int));
   }
@@ -316,15 +371,27 @@ class EvictionMemory : public detail::PromptCalls<EvictionMemory<ExecSpace, Scor
   /// Runs `lengths`(b) tokens of every sequence from the positions tokens_ holds, and advances those on both
   /// sides (on a host memory space one view): no copy. Fences when `wait`.
   void run(const inputs& in, const tokens_out& y, const lse_out& lse,
-           const state::SequenceCounts<long, memory_space>& lengths, bool wait) {
+           const state::SequenceCounts<long, memory_space>& lengths, bool wait, bool decode = false) {
+    if (decode) forget_pending(lengths);
     kernels::eviction_tokens(exec_, kernels::EvictionParams::of(cfg_), cache_, scorer_, in.q, in.k, in.v, y,
-                             tokens_.device(), lengths.device(), 0, lse);
+                             tokens_.device(), lengths.device(), 0, lse, decode);
+    advance(lengths, wait);
+  }
+  /// Advances the token counts by `lengths`(b) on both sides (on a host memory space one view): no copy.
+  /// Fences when `wait`.
+  void advance(const state::SequenceCounts<long, memory_space>& lengths, bool wait) {
     if (!tokens_.shared()) kernels::advance_counts(exec_, tokens_.device(), lengths.device());
     for (long b = 0; b < batch(); ++b) tokens_.host(b) += lengths.host(b);
     if (wait) {
       static const std::string fence_label = "kvmem::EvictionMemory::step";  // not a heap string per call
       exec_.fence(fence_label);
     }
+  }
+  /// A decode step of the sequences with active(b) != 0 evicts down to the budget: their prompts are no
+  /// longer pending (chunk = 0's room for rows, run_prompt).
+  void forget_pending(const state::SequenceCounts<long, memory_space>& active) {
+    for (long b = 0; b < batch(); ++b)
+      if (active.host(b) != 0) pending_[b] = 0;
   }
   void check_lse(const lse_out& lse, long T, const char* where) const {
     if (lse.data() != nullptr)
@@ -348,6 +415,10 @@ class EvictionMemory : public detail::PromptCalls<EvictionMemory<ExecSpace, Scor
   state::SequenceCounts<long, memory_space> tokens_;   ///< tokens seen per sequence: the next step's first position
   state::SequenceCounts<long, memory_space> lengths_;  ///< a prefill's tokens per sequence
   state::SequenceCounts<long, memory_space> active_;   ///< a decode step's tokens per sequence: 1 or 0
+  std::vector<long> pending_;  ///< chunk = 0: prompt tokens per sequence since its last decode step (rows to hold)
+  state::SequenceCounts<long, memory_space> prompt_zero_;  ///< zeros: run_whole_prompt's lse from the first query
+  state::SequenceCounts<long, memory_space> observed_;     ///< run_whole_prompt: the first observing query
+  Kokkos::View<float***, Kokkos::LayoutRight, memory_space> observed_lse_;  ///< [B, Hq, W_obs] their lse
   state::EvictionCache<memory_space, Storage> cache_;
 };
 

@@ -360,8 +360,17 @@ class EvictionMemory(Memory):
 
     ``scorer``: "streaming" (StreamingLLM: no retained set beyond recency), "knorm" (key norm), "h2o"
     (accumulated attention; ``h2o_normalize`` for the mean), "tova" (last query's attention;
-    ``tova_layer_mean``), "kvpop" (learned mLSTM: ``weights`` maps w_q, w_k, w_v, w_i, b_i, w_f, b_f, w_s, b_s,
-    theta to tensors, copied at construction; ``normalizer`` "xlstm" or "plain"). No extra tensors.
+    ``tova_layer_mean``), "snapkv" (the attention of the observation window of queries, average-pooled over
+    5 neighbouring positions), "kvpop" (learned mLSTM: ``weights`` maps w_q, w_k, w_v, w_i, b_i, w_f, b_f, w_s,
+    b_s, theta to tensors, copied at construction; ``normalizer`` "xlstm" or "plain"). No extra tensors.
+
+    ``chunk`` (tokens): when it evicts. 1 (the default): at every token (streaming). C > 1: once per chunk of
+    C positions, scored by the last ``observation_window`` queries of the chunk before (holds at most
+    budget + C rows). 0: at the end of the prompt, as kvpress and SnapKV compress: ``prefill`` attends the
+    whole prompt exactly, its last ``observation_window`` queries score the tokens, and the first ``decode``
+    step evicts down to the budget (holds the prompt until then). ``observation_window`` (queries, default 64
+    as kvpress; 0: every query of the chunk). SnapKV's own setting: scorer "snapkv", chunk 0, sinks 0,
+    window = observation_window + 1 (docs/eviction.md "Compression per chunk and at the end of a prompt").
 
     ``merge_evicted``: merge where eviction forgets. An evicted row is folded into the kept row (sinks
     excepted) whose key is most similar (cosine), as count-weighted means of keys and values, and every row
@@ -375,13 +384,14 @@ class EvictionMemory(Memory):
                  scorer: str = "h2o", sinks: int = 4, window: int = 64, top_k: int = 448, decay_interval: int = 1,
                  h2o_normalize: bool = False, tova_layer_mean: bool = False,
                  weights: Mapping[str, torch.Tensor] | None = None, normalizer: str = "xlstm",
-                 merge_evicted: bool = False, dtype: torch.dtype = torch.float32):
+                 merge_evicted: bool = False, chunk: int = 1, observation_window: int = 64,
+                 dtype: torch.dtype = torch.float32):
         value_dim = head_dim if value_dim is None else value_dim
         super().__init__(batch=batch, query_heads=query_heads, kv_heads=kv_heads, head_dim=head_dim, value_dim=value_dim,
                          dtype=dtype)
         cfg = _config(_kvmem.EvictionConfig, head_dim=head_dim, value_dim=value_dim, query_heads=query_heads,
                       kv_heads=kv_heads, sinks=sinks, window=window, top_k=top_k, decay_interval=decay_interval,
-                      merge_evicted=bool(merge_evicted))
+                      merge_evicted=bool(merge_evicted), chunk=chunk, observation_window=observation_window)
         w = {}
         for name, t in (weights or {}).items():
             w[name] = _tensor(f"weights['{name}']", t, (1, 2, 3))

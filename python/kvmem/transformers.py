@@ -6,7 +6,10 @@ Two lines of user code run ``generate`` with a kvmem memory in every attention l
     out = model.generate(input_ids, past_key_values=cache, max_new_tokens=64)
 
 ``KvmemCache(model, factory)`` registers the attention function "kvmem" with transformers'
-``AttentionInterface`` and switches ``model`` to it (``model.set_attn_implementation("kvmem")``). Each
+``AttentionInterface`` and hooks ``model``'s forwards (once per model): a forward given a KvmemCache as the
+keyword ``past_key_values`` (as ``generate`` gives it) runs with the attention implementation "kvmem", and
+every other forward of the model runs the model's own attention, exactly as before any kvmem use (the
+implementation is switched at the forward's start and restored at its end, also when it raises). Each
 layer's ``update`` hands the step's new keys and values (after RoPE) straight to the attention function,
 which runs them through that layer's memory: a call of several tokens is a prefill (the first, or a chunk
 that continues what the memory holds, with the meaning of one prefill), a call of one token after that a
@@ -43,7 +46,7 @@ from . import weights as weights_io
 #: Builds a layer's memory: factory(layer_idx, *, head_dim, query_heads, kv_heads, value_dim, batch, dtype) -> Memory.
 MemoryFactory = Callable[..., memories.Memory]
 
-_current = threading.local()  # the KvmemCache whose update() ran last on this thread
+_current = threading.local()  # per thread: the running forwards of hooked models (_forwards())
 
 
 def kvm(weights: weights_io.MemoryWeights | str | os.PathLike | None = None, **kwargs) -> MemoryFactory:
@@ -122,8 +125,12 @@ def proportional(**kwargs) -> MemoryFactory:
 
 def eviction(scorer: str = "h2o", weights: weights_io.MemoryWeights | str | os.PathLike | None = None,
              **kwargs) -> MemoryFactory:
-    """A factory of EvictionMemory (scorer "streaming", "knorm", "h2o", "tova" or "kvpop"; sinks, window,
-    top_k in tokens, merge_evicted to fold evicted rows into their nearest kept row, ...). ``weights``:
+    """A factory of EvictionMemory (scorer "streaming", "knorm", "h2o", "tova", "snapkv" or "kvpop"; sinks,
+    window, top_k in tokens, merge_evicted to fold evicted rows into their nearest kept row, chunk and
+    observation_window for compression per chunk or at the end of the prompt, ...). With ``chunk=0`` the
+    memory holds the prompt whole while ``generate`` prefills it and compresses when generation moves from
+    the prompt to the first new token (its first decode step), as kvpress does; with ``chunk=C`` it compresses
+    once per C positions (a chunked prefill's chunks). ``weights``:
     trained KVPOP scorers (a kvmem.weights.MemoryWeights of memory "kvpop" or its file, written by
     kvmem.train): layer i's memory takes layer i's scorers; only with scorer "kvpop" (ValueError otherwise);
     errors as kvm()'s."""
@@ -221,19 +228,28 @@ class KvmemCache(Cache):
     at its first call (see kvm(), ovq(), eviction()). Pass it as ``past_key_values`` to ``generate`` or to
     the model's forward (as a keyword argument, which is how ``generate`` passes it).
 
+    kvmem's attention runs only in the forwards of ``model`` (or of a model inside it) that are given a
+    KvmemCache as the keyword ``past_key_values``; ``model.config``'s attention implementation is "kvmem"
+    during such a forward only, so plain forwards and ``generate()`` calls of the same model, before and
+    after, run the model's own attention bit for bit, and several caches can be used in turn on one model.
     A factory whose trained weights hold adapters (``factory.adapters``) adds them to the model's q and k
-    projections (kvmem.adapters) during each forward of ``model`` whose ``past_key_values`` is this cache,
-    and only then: the same model runs unchanged with its full cache or another KvmemCache. The hooks that
-    do so are installed on ``model`` once and stay (they add nothing outside such a forward). Raises
-    TypeError when ``model`` has no ``set_attn_implementation``."""
+    projections (kvmem.adapters) during each forward whose ``past_key_values`` is this cache, and only then.
+    The hooks that do so are installed on ``model`` once and stay (they change nothing in other forwards).
+    Raises TypeError when ``model`` has no ``set_attn_implementation`` or cannot switch its attention
+    implementation (a model whose attention does not go through transformers' AttentionInterface); a
+    forward that reaches this cache's ``update`` without having been given it as the keyword
+    ``past_key_values`` (e.g. positionally) raises ValueError."""
 
     def __init__(self, model, factory: MemoryFactory):
         if not hasattr(model, "set_attn_implementation"):
             raise TypeError(f"model = {type(model).__name__}: must be a transformers PreTrainedModel")
+        if hasattr(model, "_can_set_attn_implementation") and not model._can_set_attn_implementation():
+            raise TypeError(f"model = {type(model).__name__}: its attention does not go through transformers' "
+                            f"AttentionInterface, so kvmem's attention cannot run in it")
         register()
         if hasattr(factory, "check"):
             factory.check(model)
-        model.set_attn_implementation("kvmem")
+        _hook_forwards(model)
         layers = model.config.get_text_config().num_hidden_layers
         super().__init__(layers=[KvmemLayer(factory, i) for i in range(layers)])
         if any(layer.gate_weight is not None for layer in self.layers):
@@ -244,7 +260,10 @@ class KvmemCache(Cache):
             _hook_adapters(model)
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
-        _current.cache = self
+        if _forward_cache() is not self:
+            raise ValueError("past_key_values: a KvmemCache must be given to the model's forward as the keyword "
+                             "past_key_values (as generate gives it), so that the forward runs kvmem's attention; "
+                             "this forward did not receive it that way")
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
     def allocated_bytes(self) -> int:
@@ -258,21 +277,15 @@ class KvmemCache(Cache):
 
 def attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """The attention function "kvmem" (transformers' AttentionInterface signature): query [B, Hq, T, D],
-    key and value [B, Hkv, T, D/Dv] of this call's tokens; returns ([B, T, Hq, Dv], None). Needs a
-    KvmemCache as ``past_key_values``; raises ValueError without one, for dropout > 0, or when the cache has
-    adapters and the model's forward was not given it as the keyword ``past_key_values`` (its adapters would
-    not run)."""
-    cache = getattr(_current, "cache", None)
+    key and value [B, Hkv, T, D/Dv] of this call's tokens; returns ([B, T, Hq, Dv], None). Runs in a forward
+    given a KvmemCache as the keyword ``past_key_values`` (KvmemCache switches the model to it there); raises
+    ValueError in any other forward (e.g. a model switched to "kvmem" by hand) and for dropout > 0."""
+    cache = _forward_cache()
     if cache is None:
-        raise ValueError("attn_implementation = 'kvmem': needs past_key_values = kvmem.transformers.KvmemCache(model, factory)")
+        raise ValueError("attn_implementation = 'kvmem': runs only in a forward given past_key_values = "
+                         "kvmem.transformers.KvmemCache(model, factory) as a keyword")
     if dropout:
         raise ValueError(f"dropout = {dropout}: the kvmem attention backend is for inference (dropout 0)")
-    if cache.adapters is not None:
-        forwards = getattr(_current, "forwards", [])
-        if not forwards or forwards[-1] is not cache:
-            raise ValueError("past_key_values: a KvmemCache with adapters must be given to the model's forward as the "
-                             "keyword past_key_values (as generate does), so that its adapters run on the q and k "
-                             "projections; this forward did not receive it that way")
     if scaling is None:
         scaling = 1.0 / math.sqrt(query.shape[-1])
     return cache.layers[module.layer_idx].attend(module, query, key, value, scaling), None
@@ -307,29 +320,73 @@ def _hook_attention_inputs(model) -> None:
                          f"hook, so a trained KVM's merge gate cannot see the layer's input")
 
 
-def _forward_cache_push(module, args, kwargs):
-    _current.forwards = getattr(_current, "forwards", []) + [kwargs.get("past_key_values")]
+def _forwards() -> list:
+    """This thread's running forwards of hooked models, innermost last: (past_key_values, the configs'
+    attention implementations to restore at the forward's end, or None when it changed none)."""
+    if not hasattr(_current, "forwards"):
+        _current.forwards = []
+    return _current.forwards
 
 
-def _forward_cache_pop(module, args, output):
-    _current.forwards = _current.forwards[:-1]
+def _forward_cache() -> KvmemCache | None:
+    """The KvmemCache the innermost running forward of a hooked model was given, None for any other forward."""
+    forwards = _forwards()
+    cache = forwards[-1][0] if forwards else None
+    return cache if isinstance(cache, KvmemCache) else None
+
+
+def _forward_enter(module, args, kwargs):
+    """Forward pre-hook of a hooked model: notes the forward's past_key_values and, for a KvmemCache, switches
+    the model's attention implementation to "kvmem" until the forward ends (_forward_exit)."""
+    cache = kwargs.get("past_key_values")
+    restore = None
+    if isinstance(cache, KvmemCache) and module.config._attn_implementation != "kvmem":
+        restore = [(c, c._attn_implementation_internal) for c in _configs(module.config)]
+        module.config._attn_implementation = "kvmem"  # the setter sets the sub-configs too
+    _forwards().append((cache, restore))
+
+
+def _forward_exit(module, args, output):
+    """Forward hook of a hooked model (also when the forward raised): restores what _forward_enter changed,
+    each config's (and sub-config's) own value as it was."""
+    _, restore = _forwards().pop()
+    for config, value in restore or ():
+        config._attn_implementation_internal = value
+
+
+def _configs(config) -> list:
+    """``config`` and its sub-configs, recursively (transformers' PretrainedConfig.sub_configs)."""
+    found = [config]
+    for key in getattr(config, "sub_configs", {}) or {}:
+        sub = getattr(config, key, None)
+        if sub is not None and hasattr(sub, "_attn_implementation_internal"):
+            found += _configs(sub)
+    return found
+
+
+def _hook_forwards(model) -> None:
+    """Hooks, once, the forward of ``model`` and of every transformers model inside it (e.g. LlamaModel in
+    LlamaForCausalLM, which a caller may run on its own) with _forward_enter and _forward_exit."""
+    for module in model.modules():
+        if hasattr(module, "set_attn_implementation") and hasattr(module, "config") and \
+                not getattr(module, "_kvmem_forward_hooks", False):
+            module.register_forward_pre_hook(_forward_enter, with_kwargs=True)
+            module.register_forward_hook(_forward_exit, always_call=True)
+            module._kvmem_forward_hooks = True
 
 
 def _forward_adapters(layer_idx: int):
     """The adapters of ``layer_idx`` of the KvmemCache the innermost running forward was given, if any."""
-    forwards = getattr(_current, "forwards", [])
-    cache = forwards[-1] if forwards else None
-    return cache.adapters[layer_idx] if isinstance(cache, KvmemCache) and cache.adapters is not None else None
+    cache = _forward_cache()
+    return cache.adapters[layer_idx] if cache is not None and cache.adapters is not None else None
 
 
 def _hook_adapters(model) -> None:
-    """Installs once on ``model``: hooks on its forward that note the ``past_key_values`` each call is given,
-    and on its q and k projections that add that cache's adapters (kvmem.adapters.attach)."""
+    """Installs once on ``model``: hooks on its q and k projections that add the adapters of the KvmemCache
+    the running forward was given (kvmem.adapters.attach; the forwards are hooked by _hook_forwards)."""
     if getattr(model, "_kvmem_adapter_hooks", False):
         return
     adapters_io.attach(model, _forward_adapters)
-    model.register_forward_pre_hook(_forward_cache_push, with_kwargs=True)
-    model.register_forward_hook(_forward_cache_pop, always_call=True)
     model._kvmem_adapter_hooks = True
 
 

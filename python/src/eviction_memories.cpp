@@ -1,7 +1,9 @@
 /// \file eviction_memories.cpp
 /// Python bindings of EvictionMemory (kvpop-paper Sec. 2; spec EVICTION.md) with every eviction scorer:
 /// streaming (StreamingLLM, score::None), knorm (score::KeyNorm), h2o (score::AccumulatedAttention), tova
-/// (score::LastQueryAttention) and kvpop (the learned mLSTM, score::MLstm).
+/// (score::LastQueryAttention), snapkv (SnapKV's observation window, score::ObservationWindow) and kvpop (the
+/// learned mLSTM, score::MLstm); EvictionConfig::chunk and observation_window for compression per chunk
+/// and at the end of a prompt.
 
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/map.h>
@@ -105,13 +107,14 @@ long make_eviction(const EvictionConfig& cfg, int batch, const std::string& scor
     tova.layer_mean = tova_layer_mean;
     return add(cfg, batch, tova, dtype);
   }
+  if (scorer == "snapkv") return add(cfg, batch, score::ObservationWindow{}, dtype);
   if (scorer == "kvpop") {
     require(normalizer == "xlstm" || normalizer == "plain", "normalizer", normalizer, "must be xlstm or plain");
     return add(cfg, batch, score::MLstm<mem_space>(mlstm_weights(weights), normalizer == "plain" ? score::MLstmNormalizer::plain
                                                                                                : score::MLstmNormalizer::xlstm),
                dtype);
   }
-  throw invalid_argument(detail::describe("scorer", scorer, "unknown eviction scorer; expected streaming, knorm, h2o, tova or kvpop"));
+  throw invalid_argument(detail::describe("scorer", scorer, "unknown eviction scorer; expected streaming, knorm, h2o, tova, snapkv or kvpop"));
 }
 
 }  // namespace
@@ -127,7 +130,9 @@ void bind_eviction_memories(nb::module_& m) {
       .def_rw("window", &EvictionConfig::window)
       .def_rw("top_k", &EvictionConfig::top_k)
       .def_rw("decay_interval", &EvictionConfig::decay_interval)
-      .def_rw("merge_evicted", &EvictionConfig::merge_evicted);
+      .def_rw("merge_evicted", &EvictionConfig::merge_evicted)
+      .def_rw("chunk", &EvictionConfig::chunk)
+      .def_rw("observation_window", &EvictionConfig::observation_window);
   m.def("make_eviction", &make_eviction, nb::arg("config"), nb::arg("batch"), nb::arg("scorer"), nb::arg("h2o_normalize"),
         nb::arg("tova_layer_mean"), nb::arg("weights"), nb::arg("normalizer"), nb::arg("dtype"),
         "An eviction memory (EvictionMemory<exec, Scorer, Storage>; spec EVICTION.md) of storage type `dtype`; returns "

@@ -97,10 +97,12 @@ def test_adapters_run_in_kvmem_as_in_training_and_only_with_their_cache(model, p
     out = model.generate(prompt[:1, :20], past_key_values=kt.KvmemCache(model, factory), max_new_tokens=3,
                          do_sample=False)  # generate gives the cache as a keyword: the adapters run
     assert out.shape == (1, 23)
-    with pytest.raises(ValueError, match="past_key_values: a KvmemCache with adapters"):
-        with torch.no_grad():  # the inner model's forward does not see the cache given to the outer one's hooks
-            model.model(prompt, past_key_values=kt.KvmemCache(model, factory))
-    model.set_attn_implementation("sdpa")
+    with torch.no_grad():  # the inner model given the cache on its own runs the adapters too
+        inner = model.lm_head(model.model(prompt, past_key_values=kt.KvmemCache(model, factory)).last_hidden_state)
+    torch.testing.assert_close(inner, ran, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="past_key_values: a KvmemCache must be given"):
+        with torch.no_grad():  # given positionally, the forward's hooks do not see the cache
+            model.model(prompt, None, None, kt.KvmemCache(model, factory))
     assert torch.equal(logits(model, prompt), plain)  # no adapter outside its cache's forwards
 
 

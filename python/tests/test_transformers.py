@@ -1,7 +1,8 @@
 """The transformers backend: generate() of a tiny Llama built here runs with a kvmem memory in every
 layer; an eviction memory whose budget holds every token gives the full cache's tokens; a small memory
 holds fewer bytes than the full cache; bfloat16 and float16 models run in their dtype; padding, a float64
-model and a missing cache are clear errors."""
+model and a missing cache are clear errors; the model is left as it was found (plain forwards and
+generate() before and after a KvmemCache run are bit for bit the model's own, two caches run in turn)."""
 
 import pytest
 import torch
@@ -17,8 +18,6 @@ NEW = 24
 
 
 def generate(model, prompt, cache=None):
-    if cache is None:
-        model.set_attn_implementation("sdpa")  # KvmemCache switched it to "kvmem"
     with torch.no_grad():
         kwargs = {} if cache is None else {"past_key_values": cache}
         return model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=NEW, do_sample=False,
@@ -120,3 +119,89 @@ def test_16_bit_model_runs_in_its_dtype(model, prompt, dtype):
     # (bfloat16) and 0.6 eps (float16) of the largest logit; the bound is 4 eps.
     eps = torch.finfo(dtype).eps
     assert (got.float() - full).abs().max().item() <= 4 * eps * full.abs().max().item()
+
+
+def test_model_is_left_as_found(model, prompt):
+    """kvmem's attention runs only in forwards given a KvmemCache: a plain forward and a plain generate()
+    after a KvmemCache run give the model's own logits and tokens bit for bit, and its attention
+    implementation is the one it had."""
+    model.set_attn_implementation("sdpa")
+    with torch.no_grad():
+        before, before_40 = model(prompt).logits, model(prompt[:, :40]).logits
+    tokens = generate(model, prompt)
+    cache = kt.KvmemCache(model, kt.eviction("h2o", sinks=2, window=8, top_k=8))
+    small = generate(model, prompt, cache)
+    assert model.config._attn_implementation == "sdpa"
+    with torch.no_grad():
+        after = model(prompt[:, :40]).logits  # another prompt, of another length than the cache holds
+        assert torch.equal(model(prompt).logits, before)
+    assert torch.equal(after, before_40)
+    assert torch.equal(generate(model, prompt), tokens)
+    assert not torch.equal(small, tokens)  # the small memory did run (it changes the tokens)
+    assert model.config._attn_implementation == "sdpa"
+
+
+def test_two_caches_in_turn_on_one_model(model, prompt):
+    """Two KvmemCaches of different memories stepped in turn on one model give each the logits it gives run
+    alone, and a plain forward in between is the model's own."""
+    factories = [kt.eviction("h2o", sinks=2, window=8, top_k=8), kt.eviction("tova", sinks=1, window=4, top_k=12)]
+    ids = torch.cat([prompt, torch.randint(3, 96, (2, 6), generator=torch.Generator().manual_seed(9))], dim=1)
+
+    calls = ids.shape[1] - PROMPT + 1  # the prompt, then each of the next tokens
+
+    def step(cache, i):
+        return model(ids[:, :PROMPT] if i == 0 else ids[:, PROMPT + i - 1:PROMPT + i], past_key_values=cache).logits
+
+    with torch.no_grad():
+        plain = model(ids).logits
+        alone = []
+        for f in factories:
+            cache = kt.KvmemCache(model, f)
+            alone.append([step(cache, i) for i in range(calls)])
+        caches = [kt.KvmemCache(model, f) for f in factories]
+        turns = [[], []]
+        for i in range(calls):
+            for got, cache in zip(turns, caches):
+                got.append(step(cache, i))
+            assert torch.equal(model(ids).logits, plain)
+    for got, want in zip(turns, alone):
+        assert len(got) == len(want) and all(torch.equal(a, b) for a, b in zip(got, want))
+    assert not torch.equal(turns[0][-1], turns[1][-1])
+
+
+def test_cache_given_positionally_is_an_error(model, prompt):
+    """A KvmemCache that reaches the layers without a hooked forward having been given it as the keyword
+    past_key_values (here the inner model's, positionally) is an error, not the model's attention over this
+    call's tokens alone. Given positionally to the outer model, it reaches the inner one as a keyword: kvmem."""
+    cache = kt.KvmemCache(model, kt.eviction())
+    with torch.no_grad(), pytest.raises(ValueError, match="past_key_values: a KvmemCache must be given"):
+        model.model(prompt, None, None, cache)
+    with torch.no_grad():
+        model(prompt, None, None, kt.KvmemCache(model, kt.eviction()))
+
+
+def test_kvmem_attention_outside_a_cache_forward_is_an_error(model, prompt):
+    kt.register()
+    model.set_attn_implementation("kvmem")
+    try:
+        with torch.no_grad(), pytest.raises(ValueError, match="runs only in a forward given past_key_values"):
+            model(prompt)
+    finally:
+        model.set_attn_implementation("sdpa")
+
+
+@pytest.mark.parametrize("scorer", ["snapkv", "h2o"])
+def test_compression_at_the_end_of_the_prompt(model, prompt, scorer):
+    """kt.eviction(..., chunk=0): generate's prefill attends the whole prompt exactly (the model's own logits),
+    and the memory evicts down to its budget when generation moves to the first new token."""
+    model.set_attn_implementation("sdpa")
+    with torch.no_grad():
+        full = model(prompt).logits
+    cache = kt.KvmemCache(model, kt.eviction(scorer, sinks=2, window=8, top_k=8, chunk=0, observation_window=8))
+    with torch.no_grad():
+        got = model(prompt, past_key_values=cache).logits
+    torch.testing.assert_close(got, full, rtol=1e-4, atol=1e-5)
+    assert all(int(layer.memory.state()["kept_rows"].max()) == PROMPT for layer in cache.layers)  # held whole
+    with torch.no_grad():
+        model(prompt[:, -1:], past_key_values=cache)  # the first new token: the prompt is compressed
+    assert all(int(layer.memory.state()["kept_rows"].max()) == 18 for layer in cache.layers)

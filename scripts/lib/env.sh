@@ -17,7 +17,7 @@ KVMEM_BUILD_DIR=${KVMEM_BUILD_DIR:-$KVMEM_REPO/build}
 KVMEM_VENV=${KVMEM_VENV:-/opt/kvmem-venv}
 # Debian sid packages of the environment. Changing this list makes the next command install what is
 # new into the existing root (apt-get), or rebuild the root if that fails.
-KVMEM_ENV_PACKAGES="g++,cmake,ninja-build,libkokkos-dev,catch2,libbenchmark-dev,nlohmann-json3-dev,libcli11-dev,libopenblas-dev,python3,python3-numpy,python3-matplotlib,clang,libclang-rt-dev,python3-torch,python3-transformers,python3-safetensors,python3-accelerate,python3-tokenizers,python3-pytest,python3-dev,python3-pip,python3-venv,nanobind-dev,python3-nanobind,python3-scikit-build-core"
+KVMEM_ENV_PACKAGES="g++,cmake,ninja-build,libkokkos-dev,catch2,libbenchmark-dev,nlohmann-json3-dev,libcli11-dev,libopenblas-dev,ccache,python3,python3-numpy,python3-matplotlib,clang,libclang-rt-dev,python3-torch,python3-transformers,python3-safetensors,python3-accelerate,python3-tokenizers,python3-pytest,python3-dev,python3-pip,python3-venv,nanobind-dev,python3-nanobind,python3-scikit-build-core"
 
 kvmem_log() { printf '[kvmem] %s\n' "$*" >&2; }
 
@@ -134,11 +134,23 @@ kvmem_in_env_raw() {
   ' kvmem-env "$root" "$KVMEM_REPO" "$PWD" "${KVMEM_ENV_BINDS:-}" "$@"
 }
 
+# Compiler cache: every build of the scripts (Release, sanitizers, fuzz, the Python module) compiles through
+# ccache (CMake option KVMEM_CCACHE), whose cache lives in the environment's /root/.cache/ccache (on the
+# host: /var/cache/kvmem/sid-root/root/.cache/ccache, kept with the environment between runs on one
+# machine, CI's included): a rebuild of unchanged sources is a cache hit. KVMEM_CCACHE=OFF compiles without.
+KVMEM_CCACHE=${KVMEM_CCACHE:-ON}
+KVMEM_CCACHE_SIZE=${KVMEM_CCACHE_SIZE:-12G}
+kvmem_ccache_size() {
+  [ "$KVMEM_CCACHE" = ON ] || return 0
+  kvmem_in_env bash -c 'command -v ccache >/dev/null && ccache --max-size "$0" >/dev/null' "$KVMEM_CCACHE_SIZE" || true
+}
+
 # Configure (once) and build the project in KVMEM_BUILD_DIR.
 kvmem_build() {
+  kvmem_ccache_size
   if [ ! -f "$KVMEM_BUILD_DIR/build.ninja" ]; then
     (cd "$KVMEM_REPO" && kvmem_in_env cmake -S . -B "$KVMEM_BUILD_DIR" -G Ninja -DCMAKE_BUILD_TYPE=Release \
-      -DKVMEM_PYTHON_VENV="$KVMEM_VENV" "$@") || return 1
+      -DKVMEM_CCACHE="$KVMEM_CCACHE" -DKVMEM_PYTHON_VENV="$KVMEM_VENV" "$@") || return 1
   fi
   (cd "$KVMEM_REPO" && kvmem_in_env cmake --build "$KVMEM_BUILD_DIR" --parallel "${KVMEM_JOBS:-2}")
 }
@@ -157,7 +169,8 @@ kvmem_python_install() {
   fi
   kvmem_log "pip install $KVMEM_REPO (the kvmem package, into $KVMEM_VENV)"
   (cd "$KVMEM_REPO" && kvmem_in_env env CMAKE_BUILD_PARALLEL_LEVEL="${KVMEM_JOBS:-2}" "$py" -m pip install \
-    --quiet --disable-pip-version-check --no-build-isolation --no-deps --no-index .) || return 1
+    --quiet --disable-pip-version-check --no-build-isolation --no-deps --no-index \
+    --config-settings=cmake.define.KVMEM_CCACHE="$KVMEM_CCACHE" .) || return 1
 }
 
 # The real causal LM of the Python example and the fidelity work: SmolLM2-135M-Instruct, which the PyPI

@@ -31,6 +31,7 @@ template class EvictionMemory<exec, score::KeyNorm>;
 template class EvictionMemory<exec, score::AccumulatedAttention>;
 template class EvictionMemory<exec, score::LastQueryAttention>;
 template class EvictionMemory<exec, score::MLstm<mem>>;
+template class EvictionMemory<exec, score::ObservationWindow, bfloat16>;  // SnapKV, compressing at a prompt's end
 
 // Every family keeps the one contract an engine drives (memory_concept.hpp).
 static_assert(AttentionMemory<Memory<exec, merge::WinnerTakeAll, budget::Fixed, score::Novelty>>);

@@ -13,6 +13,11 @@
 //                    every state materialised from scratch (not the recurrence kvmem runs);
 //   topk_row():      one row of the §5 mask straight from its definition with static keys kappa (no Fenwick);
 //   snapkv_keep():   SnapKV's selection (§6) from its definition.
+//   EvictPolicy::chunk, observation, prompt_calls: compression per chunk and at the end of a prompt
+//                    (kvmem's EvictionConfig::chunk and observation_window, docs/eviction.md): the steps that
+//                    evict and the queries whose attention updates the statistics, from their definition;
+//                    EvictKind::snapkv: SnapKV's statistic (§6), the observation window's attention (mean over
+//                    the group), average-pooled over the eligible tokens at t - 2 .. t + 2 when the memory evicts;
 //   EvictPolicy::merge: kvmem's merging eviction (EvictionConfig::merge_evicted, not in the spec): before an
 //                    evicted token's row is dropped, it is folded into the cached row (sinks excepted) of
 //                    highest cosine similarity of keys (0 for a zero norm; ties: the older row), as the
@@ -30,7 +35,7 @@
 
 namespace kvmem_ref {
 
-enum class EvictKind { streaming, knorm, h2o, tova, kvpop, given };
+enum class EvictKind { streaming, knorm, h2o, tova, kvpop, given, snapkv };
 enum class MLstmNorm { xlstm, plain };
 
 /// KVPOP mLSTM weights of one kv-head (§3), float64. X = D + Dv, h = D / 2.
@@ -59,6 +64,14 @@ struct EvictPolicy {
   std::vector<double> given;                                  ///< EvictKind::given: static score per token [T]
   MLstmHead mlstm;                                            ///< EvictKind::kvpop
   bool merge = false;                                         ///< fold evicted rows into their nearest kept row
+  /// C: positions per chunk; step q evicts when q % C == 0 (C = 1: every step, the streaming eviction);
+  /// C = 0: only decode steps evict (the prompt is held whole until the first one).
+  long chunk = 1;
+  /// W_obs: the last W_obs queries of each chunk (C = 0: of each prompt call) update the statistics; 0: all.
+  long observation = 64;
+  /// The first tokens come in prefill/extend calls of these lengths, the others in decode steps; empty: one
+  /// prefill call of all T tokens. Only C = 0 reads it (the other chunks are positions from the start).
+  std::vector<long> prompt_calls;
 };
 
 /// One (sequence, kv-head): G query heads, T tokens.
@@ -256,13 +269,46 @@ inline std::vector<double> static_keys(const EvictHead& x, const EvictPolicy& p)
   return s;
 }
 
+/// Whether step q evicts (after its append), whether its query updates the statistics, and whether it is the
+/// first such query of its chunk (SnapKV's sum restarts there), from EvictPolicy::chunk, observation and
+/// prompt_calls.
+struct StepRoles {
+  std::vector<bool> evicts, observes, first_observer;
+  StepRoles(const EvictPolicy& p, long T) : evicts(T), observes(T), first_observer(T) {
+    const long C = p.chunk, W = p.observation;
+    if (C >= 1) {
+      const long first = W > 0 && W < C ? C - W : 0;  // the first observing place in a chunk
+      for (long q = 0; q < T; ++q) {
+        evicts[q] = q % C == 0;
+        observes[q] = q % C >= first;
+        first_observer[q] = q % C == first;
+      }
+      return;
+    }
+    std::vector<long> calls = p.prompt_calls;
+    if (calls.empty()) calls.push_back(T);
+    long start = 0;
+    for (long len : calls) {  // a prompt call: no eviction; its last W queries observe
+      const long end = start + len, first = W > 0 && end - W > start ? end - W : start;
+      for (long q = start; q < end && q < T; ++q) {
+        evicts[q] = false;
+        observes[q] = q >= first;
+        first_observer[q] = q == first;
+      }
+      start = end;
+    }
+    for (long q = start; q < T; ++q) evicts[q] = observes[q] = first_observer[q] = true;  // decode steps
+  }
+};
+
 /// The decode state machine of §1, one token after the other.
 inline EvictResult evict_decode(const EvictHead& x, const EvictPolicy& p) {
   using namespace evict_detail;
-  if (p.window < 1 || p.top_k < 0 || p.sinks < 0 || p.decay_interval < 1)
+  if (p.window < 1 || p.top_k < 0 || p.sinks < 0 || p.decay_interval < 1 || p.chunk < 0 || p.observation < 0)
     throw std::invalid_argument("evict_decode: bad policy");
   const long T = x.T, G = x.G, D = x.D, Dv = x.Dv, s = p.sinks, w = p.window, k = p.top_k, n = p.decay_interval;
-  const bool dynamic = p.kind == EvictKind::h2o || p.kind == EvictKind::tova;
+  const bool dynamic = p.kind == EvictKind::h2o || p.kind == EvictKind::tova || p.kind == EvictKind::snapkv;
+  const StepRoles roles(p, T);
   EvictResult r;
   r.y.assign(G * T * Dv, 0.0);
   r.lse.assign(G * T, 0.0);
@@ -270,12 +316,14 @@ inline EvictResult evict_decode(const EvictHead& x, const EvictPolicy& p) {
   r.score = dynamic ? Vec(T, nan) : static_scores(x, p);
   const double lg = policy_log_gamma(p);
   Vec acc(T, 0.0), last(T, 0.0);  // H2O accumulated attention; TOVA attention of the previous query
+  Vec window(T, 0.0);             // SnapKV: the observation window's attention, pooled when the memory evicts
   std::vector<long> cache;        // cached positions, ascending
   MergedRows rows(x);             // the rows as they stand (the tokens themselves unless p.merge)
   auto base = [&](long t, long q) -> double {
     switch (p.kind) {
       case EvictKind::h2o: return p.normalize ? acc[t] / (static_cast<double>(G) * static_cast<double>(q - t)) : acc[t];
       case EvictKind::tova: return last[t];
+      case EvictKind::snapkv: return window[t];
       default:
         if (std::isnan(r.score[t])) throw std::logic_error("evict_decode: token evicted before it was scored");
         return r.score[t];
@@ -289,10 +337,24 @@ inline EvictResult evict_decode(const EvictHead& x, const EvictPolicy& p) {
     const long u = q - w + 1;
     if (p.merge && p.kind == EvictKind::kvpop && u >= s && u >= 0)
       r.score[u] = mlstm_scores(x, p.mlstm, w, u, rows.K[u].data(), rows.V[u].data())[u];
-    // 2.-3. R = cached tokens in [s, q - w]; token q - w has joined it. Evict the min of (eff, t).
-    evict_down(cache, s, w, k, q, eff, [&](long t) {
-      if (p.merge) rows.merge(t, cache, s);
-    });
+    // 2.-3. R = cached tokens in [s, q - w]; token q - w has joined it. Evict the min of (eff, t), at the
+    // steps that evict. SnapKV first pools its statistic over R: the mean over t - 2 .. t + 2 of the tokens
+    // of R there (absent ones count 0: always / 5).
+    if (roles.evicts[q]) {
+      std::vector<long> R;
+      for (long t : cache)
+        if (t >= s && t <= q - w) R.push_back(t);
+      if (p.kind == EvictKind::snapkv && static_cast<long>(R.size()) > k) {
+        Vec pooled(T, 0.0);
+        for (long t : R)
+          for (long u : R)
+            if (u >= t - 2 && u <= t + 2) pooled[t] += window[u];
+        for (long t : R) window[t] = pooled[t] / 5.0;
+      }
+      evict_down(cache, s, w, k, q, eff, [&](long t) {
+        if (p.merge) rows.merge(t, cache, s);
+      });
+    }
     r.attended[q] = cache;
     // 4. one softmax per query head over the attended set.
     Vec psum(cache.size(), 0.0);
@@ -310,10 +372,12 @@ inline EvictResult evict_decode(const EvictHead& x, const EvictPolicy& p) {
         for (long c = 0; c < Dv; ++c) r.y[(g * T + q) * Dv + c] += pr[i] * rows.V[cache[i]][c];
       }
     }
-    // 5. dynamic statistics.
+    // 5. dynamic statistics, from the queries that observe.
+    if (!roles.observes[q]) continue;
     for (std::size_t i = 0; i < cache.size(); ++i) {
       acc[cache[i]] += psum[i];
       last[cache[i]] = psum[i] / static_cast<double>(G);
+      window[cache[i]] = (roles.first_observer[q] ? 0.0 : window[cache[i]]) + psum[i] / static_cast<double>(G);
     }
   }
   if (T > 0) r.kept = r.attended[T - 1];

@@ -151,6 +151,12 @@ def evict_cases():
         ["--merge-evicted", "snapkv"], None
     yield "--merge-evicted with --mask", t, ["--scorer", "knorm", "--mask", "--merge-evicted"], \
         ["--mask", "--merge-evicted"], None
+    yield "--chunk -1", t, ["--chunk", "-1"], ["--chunk = -1", ">= 0"], None
+    yield "--observation-window -2", t, ["--chunk", "0", "--observation-window", "-2"], ["--observation-window = -2"], None
+    yield "--prompt with --mode decode", t, ["--chunk", "0", "--prompt", "10", "--mode", "decode"], \
+        ["--prompt = 10", "--mode prefill"], None
+    yield "--prompt with the one-shot snapkv", t, ["--scorer", "snapkv", "--sinks", "0", "--prompt", "10"], \
+        ["--prompt = 10", "one-shot snapkv"], None
     yield "unknown scorer", t, ["--scorer", "oracle"], ["--scorer", "oracle"], None
     yield "unknown normalizer", t, ["--normalizer", "l2"], ["--normalizer", "l2"], wts
     yield "Hq not a multiple of Hkv", lambda: dict(evict_tensors(), q=evict_tensors()["q"][:, :3]), \

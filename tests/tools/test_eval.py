@@ -338,7 +338,7 @@ def main():
                     continue
                 if x["memory"].endswith("-merge"):
                     # The merging eviction's float64 reference is the C++ one (tests/reference/
-                    # eviction_reference.hpp, EvictPolicy::merge; tests/unit/test_eviction.cpp): here, that it
+                    # eviction_reference.hpp, EvictPolicy::merge; tests/unit/test_eviction_merge.cpp): here, that it
                     # merged and what it holds (one float32 count per row besides the keys and values).
                     budget = x["params"]["budget"]
                     peak = sum(min(n, budget + 1) for n in [64, 45]) * 2 * (8 + 6 + 1) * 4

@@ -20,6 +20,7 @@ sys.path.insert(0, os.path.join(ROOT, "tools", "fidelity"))
 sys.path.insert(0, os.path.join(ROOT, "tools", "distill"))
 import calibrate  # noqa: E402
 import causal_lm  # noqa: E402
+import continuation  # noqa: E402
 import end_to_end  # noqa: E402
 import lm_memories  # noqa: E402
 from capture import neutral_kvm_inputs, read_safetensors, write_safetensors  # noqa: E402
@@ -245,8 +246,8 @@ def test_every_memory_of_the_study_is_built():
     """Each id of the study builds its memory; the merging evictions and proportional merge are what they say;
     KVPOP, which needs trained scorers, is refused without them."""
     shape = dict(head_dim=16, query_heads=4, kv_heads=2, value_dim=16, batch=1)
-    assert set(lm_memories.STUDY) | set(lm_memories.WEIGHTS_ONLY) == set(lm_memories.LABELS)
-    for m in lm_memories.STUDY:
+    assert set(lm_memories.STUDY) | set(lm_memories.WEIGHTS_ONLY) | set(lm_memories.COMPRESSING) == set(lm_memories.LABELS)
+    for m in lm_memories.STUDY + lm_memories.COMPRESSING:
         mem = lm_memories.factory(m, 1000, 0.25)(0, **shape)
         assert mem.allocated_bytes() > 0, m
     with pytest.raises(ValueError, match="needs trained scorers"):
@@ -556,3 +557,48 @@ def test_report_counts_needle_cases():
     head = report_lm.headline(e2e, [], [])
     assert "needle found in 2 of 3 cases (mean log-probability of the answer -3.0)" in head
     assert "needle 1 of 3, log-prob -4.0" in head
+
+
+def test_continuation_through_a_memory_that_holds_everything_is_the_full_model(tiny):
+    """continuation.py's protocol (the prompt in one forward, then one forward per token) through an
+    eviction memory at the end of the prompt whose budget holds every token gives the model's own logits."""
+    ids = torch.randint(0, 97, (1, 40), generator=torch.Generator().manual_seed(5))
+    tiny.set_attn_implementation("sdpa")
+    with torch.no_grad():
+        full = tiny(ids).logits[0, 29:]
+    for memory in ("h2o-end", "snapkv-end", "h2o-chunk"):
+        cache = kvmem_transformers().KvmemCache(tiny, lm_memories.factory(memory, 40, 1.0))
+        got = continuation.continuation_logits(tiny, ids, 30, cache)
+        torch.testing.assert_close(got, full, rtol=1e-4, atol=1e-5)
+
+
+def test_continuation_after_a_compressed_prompt(tiny):
+    """At a small fraction the prompt's last position is still exact at the end of the prompt (the prefill
+    attends every token) and the continuation is not: the memory compressed at the first decode step."""
+    ids = torch.randint(0, 97, (1, 60), generator=torch.Generator().manual_seed(6))
+    tiny.set_attn_implementation("sdpa")
+    with torch.no_grad():
+        full = tiny(ids).logits[0, 39:]
+    cache = kvmem_transformers().KvmemCache(tiny, lm_memories.factory("snapkv-end", 40, 0.25))
+    got = continuation.continuation_logits(tiny, ids, 40, cache)
+    torch.testing.assert_close(got[0], full[0], rtol=1e-4, atol=1e-5)
+    assert (got[1:] - full[1:]).abs().max() > 1e-3
+    assert cache.held_bytes() > 0
+    s = continuation.score(got[:-1], ids[0, 40:], full[:-1].argmax(-1))
+    assert s["perplexity"] > 1 and 0 <= s["agreement"] <= 1
+    report = {"full": {"perplexity": 9.0}, "results": [{"memory": "snapkv-end", "fraction_label": "1/4",
+                                                        "perplexity": 10.5, "agreement": 0.5}]}
+    table = continuation.markdown(report)
+    assert "| SnapKV at prompt end | prompt end (chunk 0) | 10.50 (50 %) |" in table
+
+
+def test_continuation_errors(tmp_path, capsys):
+    assert continuation.main(["--output", str(tmp_path / "c.json"), "--text", "x", "--memories", "nope"]) == 2
+    assert "--memories: 'nope' unknown" in capsys.readouterr().err
+    assert continuation.main(["--output", str(tmp_path / "c.json"), "--text", "x", "--prompt-tokens", "1"]) == 2
+    assert "need at least 2" in capsys.readouterr().err
+
+
+def kvmem_transformers():
+    import kvmem.transformers as kt
+    return kt

@@ -13,6 +13,7 @@
 
 #include "kvm_harness.hpp"
 #include "storage_bound.hpp"
+#include "worst_error.hpp"
 
 namespace kvmem_test {
 
@@ -49,7 +50,7 @@ void exact_attention_within_bound(long B, long Hq, long Hkv, long T, long D, lon
   const auto y = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), yd);
   const auto y1 = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), y1d);
   const double u_s = kvmem::unit_roundoff<S>;
-  double worst_excess = -1.0;
+  WorstError worst_excess;  // the largest |y - ref| - limit (an excess over the bound), at least 0
   long differ = 0;
   const long G = Hq / Hkv;
   for (long b = 0; b < B; ++b)
@@ -78,13 +79,12 @@ void exact_attention_within_bound(long B, long Hq, long Hkv, long T, long D, lon
         // Exact attention holds nothing of its own: keys and values are the inputs, only y is rounded.
         const StorageBound bound{u_s, 0.0, 0.0, double(D), double(u + 1), logit_abs, vmax};
         const double limit = bound.value() + (tensor_cores ? 2.0 * u_s * vmax : 0.0);
-        for (long c = 0; c < Dv; ++c)
-          worst_excess = std::max(worst_excess, std::abs(kvmem::to_float(y(b, hq, u, c)) - ref[c] / sum) - limit);
+        for (long c = 0; c < Dv; ++c) worst_excess.add_error(std::abs(kvmem::to_float(y(b, hq, u, c)) - ref[c] / sum) - limit);
         if (u == T - 1)
           for (long c = 0; c < Dv; ++c) {
             if (tensor_cores)  // past readout_split_keys keys, a decode step's partition rounds its chunks too
-              worst_excess = std::max(worst_excess, std::abs(kvmem::to_float(y1(b, hq, 0, c)) - ref[c] / sum) - limit -
-                                                        (T > kvmem::kernels::readout_split_keys ? u_s * vmax : 0.0));
+              worst_excess.add_error(std::abs(kvmem::to_float(y1(b, hq, 0, c)) - ref[c] / sum) - limit -
+                                     (T > kvmem::kernels::readout_split_keys ? u_s * vmax : 0.0));
             else
               differ += y1(b, hq, 0, c).bits != y(b, hq, u, c).bits;
           }

@@ -14,6 +14,7 @@
 #include <kvmem/kvmem.hpp>
 
 #include "../reference/kvm_reference.hpp"
+#include "worst_error.hpp"
 
 namespace kvmem_test {
 
@@ -286,30 +287,26 @@ void add_case(std::vector<KvmCase>& cases, const KvmCase& base, unsigned first_s
   cases.push_back(c);
 }
 
+/// Sequence b's own tokens out of a batch tensor x [B, heads, T, channels]: [heads, length, channels], as
+/// the references write them.
+inline std::vector<float> sequence_tokens(const std::vector<float>& x, long b, long heads, long T, long length,
+                                          long channels) {
+  std::vector<float> out;
+  for (long h = 0; h < heads; ++h)
+    for (long t = 0; t < length; ++t)
+      for (long d = 0; d < channels; ++d) out.push_back(x[((b * heads + h) * T + t) * channels + d]);
+  return out;
+}
+
 /// y of sequence b's own tokens out of a batch run: [Hq, length(b), Dv], as the reference writes it.
 inline std::vector<float> sequence_y(const KvmOutput& got, const KvmCase& c, long b) {
-  std::vector<float> y;
-  for (long h = 0; h < c.Hq; ++h)
-    for (long t = 0; t < c.length(b); ++t)
-      for (long d = 0; d < c.Dv; ++d) y.push_back(got.y[((b * c.Hq + h) * c.T + t) * c.Dv + d]);
-  return y;
+  return sequence_tokens(got.y, b, c.Hq, c.T, c.length(b), c.Dv);
 }
 
 /// The readout's log-sum-exp of sequence b's own tokens out of a batch run: [Hq, length(b)], as the
 /// reference writes it.
 inline std::vector<float> sequence_lse(const KvmOutput& got, const KvmCase& c, long b) {
-  std::vector<float> lse;
-  for (long h = 0; h < c.Hq; ++h)
-    for (long t = 0; t < c.length(b); ++t) lse.push_back(got.lse[(b * c.Hq + h) * c.T + t]);
-  return lse;
-}
-
-/// Largest |a - b| / max(1, max |b|) over a tensor: the relative error measure of the acceptance checks.
-inline double relative_error(const std::vector<float>& got, const std::vector<double>& want) {
-  double worst = 0.0, scale = 1.0;
-  for (double w : want) scale = std::max(scale, std::abs(w));
-  for (std::size_t i = 0; i < want.size(); ++i) worst = std::max(worst, std::abs(double(got[i]) - want[i]));
-  return worst / scale;
+  return sequence_tokens(got.lse, b, c.Hq, c.T, c.length(b), 1);
 }
 
 }  // namespace kvmem_test

@@ -3,10 +3,12 @@
 // prefill and in decode, give the same bits whether a decode step runs its splits in parallel teams or in
 // one, on every host backend, and match the float64 reference.
 #include <catch2/catch_test_macros.hpp>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
 #include "float_bits.hpp"
+#include "kernel_launches.hpp"
 #include "kvm_harness.hpp"
 
 using kvmem::kernels::DecodeSplits;
@@ -18,6 +20,7 @@ using kvmem_test::Mode;
 namespace {
 
 constexpr long S = kvmem::kernels::readout_split_keys;
+constexpr const char* kSplitReadout = "kvmem::readout_split";  // the split-KV readout's kernel (kernels/readout.hpp)
 constexpr double tolerance = 1e-4;  // float32 kernels against the float64 reference (test_kvm_reference.cpp)
 
 /// Small heads, chunk 16, two sequences (the second ends one key past a split of the window or state).
@@ -74,11 +77,20 @@ enum Runs : unsigned {
 /// The prefill of case c on ExecSpace with storage type S against the `runs`: every run gives the prefill's
 /// bits, and (KVM's rule in float32) the split decode's y and log-sum-exp match the float64 reference;
 /// `Merge` = Proportional and 16-bit storage are checked by their bits only (their references are
-/// test_proportional.cpp's and test_storage_types.cpp's). Returns the prefill's output.
+/// test_proportional.cpp's and test_storage_types.cpp's). A split run (kSplit, kAsync: DecodeSplits::always)
+/// must launch the split-KV readout ("kvmem::readout_split"; from the step whose state rows' capacity and
+/// window may hold more than one split of keys on), the prefill and the kContinue run (never) must not,
+/// so that a silent fallback to one split fails. Returns the prefill's output.
 template <class ExecSpace, class Merge = kvmem::merge::WinnerTakeAll, kvmem::StorageType St = float>
 KvmOutput check_schedules(KvmCase c, unsigned runs = kAll) {
-  auto run = [](const KvmCase& x, Mode mode, long split = 0) {
-    return kvmem_test::run_kvm<ExecSpace, St, kvmem::score::KeepRows, Merge>(x, mode, split);
+  // Runs case x in `mode` (prefill_then_decode: `split` tokens prefilled) and requires launches of the
+  // split-KV readout where `splits`, none elsewhere.
+  auto run = [](const KvmCase& x, Mode mode, long split = 0, bool splits = false) {
+    const kvmem_test::KernelLaunches launches(kSplitReadout);
+    auto out = kvmem_test::run_kvm<ExecSpace, St, kvmem::score::KeepRows, Merge>(x, mode, split);
+    INFO("split-KV readout launches: " << launches.count());
+    CHECK((launches.count() > 0) == splits);
+    return out;
   };
   c.generate();
   const auto prefill = run(c, Mode::prefill);
@@ -88,7 +100,7 @@ KvmOutput check_schedules(KvmCase c, unsigned runs = kAll) {
   }
   c.decode_splits = DecodeSplits::always;
   if (runs & kSplit) {
-    const auto split = run(c, Mode::decode);
+    const auto split = run(c, Mode::decode, 0, true);
     CHECK(differing(split, prefill, c) == 0);
     if constexpr (std::is_same_v<Merge, kvmem::merge::WinnerTakeAll> && std::is_same_v<St, float>)
       for (long b = 0; b < c.B; ++b) {
@@ -100,7 +112,7 @@ KvmOutput check_schedules(KvmCase c, unsigned runs = kAll) {
   }
   if (runs & kAsync) {
     c.decode_async = true;
-    CHECK(differing(run(c, Mode::prefill_then_decode, c.T / 2), prefill, c) == 0);
+    CHECK(differing(run(c, Mode::prefill_then_decode, c.T / 2, true), prefill, c) == 0);
   }
   return prefill;
 }
@@ -138,6 +150,23 @@ TEST_CASE("split-KV decode in bfloat16 with GQA (widened key tiles, a block of G
   KvmCase c = rows_case();
   c.Hq = 4;  // G = 4
   check_schedules<Kokkos::DefaultHostExecutionSpace, kvmem::merge::WinnerTakeAll, kvmem::bfloat16>(c, kSplit);
+}
+
+TEST_CASE("the launch counter counts its kernel's launches only, while it lives, one counter at a time",
+          "[splits][harness]") {
+  // The test of kvmem_test::KernelLaunches, which the split-KV checks above read.
+  const Kokkos::RangePolicy<Kokkos::DefaultHostExecutionSpace> four(0, 4);
+  {
+    const kvmem_test::KernelLaunches launches("kvmem_test::probe");
+    Kokkos::parallel_for("kvmem_test::probe", four, [](int) {});
+    Kokkos::parallel_for("kvmem_test::probe_other", four, [](int) {});
+    Kokkos::parallel_for("kvmem_test::probe", four, [](int) {});
+    CHECK(launches.count() == 2);
+    CHECK_THROWS_AS(kvmem_test::KernelLaunches("kvmem_test::probe"), std::logic_error);
+  }
+  Kokkos::parallel_for("kvmem_test::probe", four, [](int) {});  // no counter alive
+  const kvmem_test::KernelLaunches again("kvmem_test::probe");
+  CHECK(again.count() == 0);
 }
 
 TEST_CASE("a key list's splits: every split holds keys, at the fixed positions", "[splits]") {

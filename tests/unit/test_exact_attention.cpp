@@ -10,6 +10,8 @@
 #include <kvmem/kernels/exact_attention.hpp>
 
 #include "float_bits.hpp"
+#include "kernel_launches.hpp"
+#include "worst_error.hpp"
 
 using Catch::Matchers::ContainsSubstring;
 using exec = Kokkos::DefaultHostExecutionSpace;
@@ -88,12 +90,12 @@ TEST_CASE("exact attention equals a float64 softmax for every GQA layout", "[exa
     INFO("Hq=" << Hq << " Hkv=" << Hkv);
     const Case c(2, Hq, Hkv, 70, 20, 12);
     const view4 y = attend(c, 0, c.T);
-    double worst = 0.0;
+    kvmem_test::WorstError worst;
     for (long b = 0; b < c.B; ++b)
       for (long hq = 0; hq < c.Hq; ++hq)
         for (long u = 0; u < c.T; ++u) {
           const auto ref = c.reference(b, hq, u);
-          for (long x = 0; x < c.Dv; ++x) worst = std::max(worst, std::abs(double(y(b, hq, u, x)) - ref[x]));
+          for (long x = 0; x < c.Dv; ++x) worst.add(y(b, hq, u, x), ref[x]);
         }
     // Logits carry D rounding errors of at most |q||k| u each (u = 2^-24), softmax and the value sum a
     // few u more per term: 1e-5 is a loose float32 bound for |q_c|, |k_c|, |v_c| < 1 and D = 20, and far
@@ -124,18 +126,28 @@ TEST_CASE("split-KV decode gives the prompt's rows at every split boundary, in e
   for (auto [Hq, Hkv] : {std::pair{1L, 1L}, {4L, 2L}}) {
     const Case c(1, Hq, Hkv, 2 * S + 34, 20, 24);
     const view4 prompt = attend(c, 0, c.T);
-    double worst = 0.0;
+    kvmem_test::WorstError worst;
     for (long p0 : {0L, S - 1, S, S + 1, 2 * S - 1, 2 * S, 2 * S + 1, c.T - 1}) {
       INFO("Hq=" << Hq << " Hkv=" << Hkv << " position=" << p0);
-      for (auto mode : {kk::DecodeSplits::always, kk::DecodeSplits::never, kk::DecodeSplits::automatic})
+      for (auto mode : {kk::DecodeSplits::always, kk::DecodeSplits::never, kk::DecodeSplits::automatic}) {
+        const kvmem_test::KernelLaunches launches("kvmem::exact_decode_split");
         CHECK(differing(attend(c, p0, 1, mode), prompt, p0) == 0);
+        // `always` runs the split kernel wherever the keys span two splits or more (p0 >= S), `never`
+        // nowhere: a silent fallback to one split would give the same bits.
+        if (mode != kk::DecodeSplits::automatic)
+          CHECK(launches.count() == (mode == kk::DecodeSplits::always && p0 >= S ? 1 : 0));
+      }
 #if defined(KOKKOS_ENABLE_SERIAL)
-      CHECK(differing(attend<Kokkos::Serial>(c, p0, 1, kk::DecodeSplits::always), prompt, p0) == 0);
+      {
+        const kvmem_test::KernelLaunches launches("kvmem::exact_decode_split");
+        CHECK(differing(attend<Kokkos::Serial>(c, p0, 1, kk::DecodeSplits::always), prompt, p0) == 0);
+        CHECK(launches.count() == (p0 >= S ? 1 : 0));
+      }
 #endif
       for (long b = 0; b < c.B; ++b)
         for (long hq = 0; hq < c.Hq; ++hq) {
           const auto ref = c.reference(b, hq, p0);
-          for (long x = 0; x < c.Dv; ++x) worst = std::max(worst, std::abs(double(prompt(b, hq, p0, x)) - ref[x]));
+          for (long x = 0; x < c.Dv; ++x) worst.add(prompt(b, hq, p0, x), ref[x]);
         }
     }
     // The merge of the splits is a softmax over all keys: the float64 softmax within float32 rounding

@@ -48,16 +48,15 @@ kvmem_test::KvmCase tensor_core_case(long D, long Hq, long Hkv, bool one_target,
   return c;
 }
 
-double worst_difference(const std::vector<float>& a, const std::vector<float>& b, const kvmem_test::KvmCase& c,
-                        long per_token) {
-  double worst = 0.0;
-  for (long b_ = 0; b_ < c.B; ++b_)
-    for (long h = 0; h < c.Hq; ++h)
-      for (long t = 0; t < c.length(b_); ++t)
-        for (long d = 0; d < per_token; ++d) {
-          const long i = ((b_ * c.Hq + h) * c.T + t) * per_token + d;
-          worst = std::max(worst, std::abs(double(a[i]) - double(b[i])));
-        }
+/// Largest |a - b| over every sequence's own tokens of two outputs [B, Hq, T, per_token] of case c,
+/// NaN-aware (kvmem_test::WorstError); outputs of different sizes fail.
+kvmem_test::WorstError worst_difference(const std::vector<float>& a, const std::vector<float>& b,
+                                        const kvmem_test::KvmCase& c, long per_token) {
+  if (a.size() != b.size()) return kvmem_test::worst_abs_error(a, b);  // +infinity: the sizes differ
+  kvmem_test::WorstError worst;
+  for (long s = 0; s < c.B; ++s)
+    worst.add_all(kvmem_test::sequence_tokens(a, s, c.Hq, c.T, c.length(s), per_token),
+                  kvmem_test::sequence_tokens(b, s, c.Hq, c.T, c.length(s), per_token));
   return worst;
 }
 
@@ -93,13 +92,7 @@ void compare_paths(kvmem_test::KvmCase c, kvmem_test::Mode mode, bool against_re
   if (!against_reference) return;
   for (long b = 0; b < c.B; ++b) {
     const auto ref = kvmem_ref::kvm_prefill(c.sequence(b), c.params);
-    double worst = 0.0;
-    for (long h = 0; h < c.Hq; ++h)
-      for (long t = 0; t < c.length(b); ++t)
-        for (long d = 0; d < c.Dv; ++d)
-          worst = std::max(worst, std::abs(double(tensor.y[((b * c.Hq + h) * c.T + t) * c.Dv + d]) -
-                                           ref.y[(h * c.length(b) + t) * c.Dv + d]));
-    CHECK(worst <= tensor_core_bound);
+    CHECK(kvmem_test::worst_abs_error(kvmem_test::sequence_y(tensor, c, b), ref.y) <= tensor_core_bound);
   }
 }
 

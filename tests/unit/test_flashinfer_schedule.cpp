@@ -15,6 +15,8 @@
 #include <kvmem/policy/merge/k_means_count.hpp>
 #include <kvmem/policy/merge/winner_take_all.hpp>
 
+#include "worst_error.hpp"
+
 namespace kk = kvmem::kernels;
 using exec = Kokkos::DefaultExecutionSpace;
 using space = exec::memory_space;
@@ -239,7 +241,7 @@ TEST_CASE("the log-sum-exp merge of two segments is the float64 merge, and copie
   exec().fence();
   const auto yh = host(y);
   const auto lh = host(out_lse);
-  double worst = 0.0, worst_lse = 0.0;
+  kvmem_test::WorstError worst, worst_lse;
   long copies_differ = 0;
   for (long b = 0; b < B; ++b) {
     const long begin = plan.host(b, kk::query_begin), n = plan.host(b, kk::query_end) - begin;
@@ -252,10 +254,10 @@ TEST_CASE("the log-sum-exp merge of two segments is the float64 merge, and copie
         for (long c = 0; c < D; ++c) {
           const double y0 = kvmem::to_float(part(0, i * D + c)), y1 = kvmem::to_float(part(1, i * D + c));
           const double want = (a0 * y0 + a1 * y1) / (a0 + a1);
-          worst = std::max(worst, std::abs(yh(b, hq, t, c) - want) / (1.0 + std::abs(want)));
+          worst.add_error(std::abs(yh(b, hq, t, c) - want) / (1.0 + std::abs(want)));
           if (!(has0 && has1)) copies_differ += yh(b, hq, t, c) != static_cast<float>(has0 ? y0 : y1);
         }
-        worst_lse = std::max(worst_lse, std::abs(lh(b, hq, t) - (m + std::log2(a0 + a1)) * std::log(2.0)));
+        worst_lse.add(lh(b, hq, t), (m + std::log2(a0 + a1)) * std::log(2.0));
       }
   }
   CHECK(worst <= 1e-6);

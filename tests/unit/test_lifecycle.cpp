@@ -120,7 +120,9 @@ struct EvictionFamily {
   void extend(Memory& m, const Inputs& in, const tview& y, std::span<const long> lengths) const {
     m.extend(typename Memory::inputs{in[0], in[1], in[2]}, y, lengths);
   }
-  /// The token count and the cached positions of sequence b (and the merged rows' counts).
+  /// The token count and, per kv-head, the cached rows of sequence b in position order (mem.kept()): each
+  /// row's position, the scorer's statistic, its key and value, and, for a merging eviction, its count of
+  /// tokens (a merged row's key and value are then its tokens' count-weighted means: the merged sums).
   std::vector<double> state(const Memory& m, long b) const {
     const long K = m.config().budget() + 1;
     Kokkos::View<long***, Kokkos::LayoutRight, mem> positions("positions", m.batch(), kKvHeads, K);
@@ -128,10 +130,23 @@ struct EvictionFamily {
     m.kept(positions, rows);
     const auto p = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace{}, positions);
     const auto r = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace{}, rows);
+    const auto& cache = m.cache();
+    auto host = [](const auto& x) { return Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace{}, x); };
+    const auto order = host(cache.order), slot_positions = host(cache.positions);
+    const auto stats = host(cache.stats), keys = host(cache.keys), values = host(cache.values), counts = host(cache.counts);
     std::vector<double> out{double(m.tokens(b))};
     for (long h = 0; h < kKvHeads; ++h) {
       out.push_back(double(r(b, h)));
-      for (long i = 0; i < r(b, h); ++i) out.push_back(double(p(b, h, i)));
+      for (long i = 0; i < r(b, h); ++i) {
+        const int slot = order(b, h, i);
+        out.push_back(double(p(b, h, i)));
+        out.push_back(double(slot_positions(b, h, slot)));  // the slot kept() named
+        out.push_back(stats(b, h, slot));
+        for (long d = 0; d < static_cast<long>(keys.extent(3)); ++d) out.push_back(kvmem::to_float(keys(b, h, slot, d)));
+        for (long d = 0; d < static_cast<long>(values.extent(3)); ++d)
+          out.push_back(kvmem::to_float(values(b, h, slot, d)));
+        if (counts.size() > 0) out.push_back(counts(b, h, slot));
+      }
     }
     return out;
   }
@@ -294,10 +309,26 @@ void require_served_like_alone(const Family& family, unsigned seed, long slots =
 
 namespace {
 
+/// Elements of sequence 0's outputs y [:, :, 0, n) -- a prompt of n tokens that a memory of `family` took in
+/// pieces, from inputs `in` -- whose bits differ from a batch-of-one memory's outputs for one prefill of the
+/// whole prompt (docs/design.md, "Requests that come and go": a chunked prefill has one prefill's bits).
+template <class Family>
+long differing_from_one_prefill(const Family& family, const Inputs& in, const tview& y, long n) {
+  auto alone = family.make(1);
+  Inputs prompt;
+  for (const auto& x : in) prompt.push_back(span_of(x, 0, 0, n));
+  const view4 whole("y_whole", 1, family.output_heads(), n, kHeadDim), pieces("y_pieces", 1, family.output_heads(), n, kHeadDim);
+  const std::vector<long> all{n};
+  family.prefill(alone, prompt, whole, all);
+  copy_tokens(y, 0, 0, pieces, 0, 0, n);
+  return differing_outputs(pieces, whole, 0, n);
+}
+
 /// The strict slot protocol on a memory of two slots: with slot 0 holding a prompt and slot 1 free, a
 /// prefill into slot 0, an extend of slot 1 and a decode step of slot 1 are each refused, naming the
 /// sequence and its state, and leave both sequences' state bit for bit; then the calls that fit go through
-/// (extend slot 0, prefill slot 1, decode both; a freed slot takes a prefill again).
+/// (extend slot 0, whose prompt in two pieces gives one prefill's outputs, prefill slot 1, decode both; a
+/// freed slot takes a prefill again).
 template <class Family>
 void require_strict_slots(const Family& family, unsigned seed) {
   const long P = 2 * family.piece_multiple, C = family.piece_multiple, T = P + C + 1;
@@ -328,6 +359,10 @@ void require_strict_slots(const Family& family, unsigned seed) {
   REQUIRE(differing(family.state(m, 0), s0) == 0);
   REQUIRE(differing(family.state(m, 1), s1) == 0);
   family.extend(m, at(P, C), tokens_of(y, P, C), more_0);
+  REQUIRE(differing_from_one_prefill(family, in, y, P + C) == 0);
+  // The test of the comparison: one output of the extend changed is one element that differs.
+  Kokkos::deep_copy(Kokkos::subview(y, 0, 0, P + C - 1, 0), 7.0f);
+  REQUIRE(differing_from_one_prefill(family, in, y, P + C) == 1);
   family.prefill(m, at(0, P), tokens_of(y, 0, P), start_1);
   family.decode(m, at(P + C, 1), tokens_of(y, P + C, 1), step_both);
   REQUIRE(m.tokens(0) == P + C + 1);
@@ -404,6 +439,45 @@ TEST_CASE("every eviction memory serves requests that come and go as each alone"
     require_served_like_alone(
         evicting<M>([&](int B) { return M(eviction_config(false), B, kvmem::score::MLstm<mem>(weights)); }), 9);
   }
+}
+
+TEST_CASE("an eviction memory's compared state holds the merged rows' counts, keys and values",
+          "[lifecycle][eviction][harness]") {
+  // The test of EvictionFamily::state, which the tests above compare: a merged row's count, or one element of
+  // its key or value, changed alone is one element of the state that differs.
+  using M = kvmem::EvictionMemory<exec, kvmem::score::AccumulatedAttention>;
+  const auto family = evicting<M>([](int B) { return M(eviction_config(true), B); });
+  auto m = family.make(1);
+  const long T = 40;  // past the budget of 22 rows: evicted rows merge
+  Inputs in;
+  for (const auto& spec : family.specs())
+    in.push_back(random4("in", 1, spec.heads, T, std::max(spec.channels, 1L), 30 + in.size(), spec.lo, spec.hi));
+  const tview y = view4("y", 1, family.output_heads(), T, kHeadDim);
+  const std::vector<long> all{T};
+  family.prefill(m, in, y, all);
+  const auto before = family.state(m, 0);
+  const auto& cache = m.cache();
+  const auto counts = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace{}, cache.counts);
+  const auto order = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace{}, cache.order);
+  int merged = -1;  // the slot of kv-head 0's first merged row
+  for (long i = 0; i < m.config().budget() && merged < 0; ++i)
+    if (counts(0, 0, order(0, 0, i)) > 1.0f) merged = order(0, 0, i);
+  REQUIRE(merged >= 0);
+  // Adds 1 to element `at...` of the cache view x, returns how many elements of the state differ, undoes it.
+  auto differing_after_change = [&](const auto& x, auto... at) {
+    const auto h = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace{}, x);
+    const auto old = h(at...);
+    h(at...) = old + 1;
+    Kokkos::deep_copy(x, h);
+    const long n = differing(family.state(m, 0), before);
+    h(at...) = old;
+    Kokkos::deep_copy(x, h);
+    return n;
+  };
+  CHECK(differing_after_change(cache.counts, 0, 0, merged) == 1);
+  CHECK(differing_after_change(cache.keys, 0, 0, merged, 3) == 1);
+  CHECK(differing_after_change(cache.values, 0, 0, merged, 5) == 1);
+  CHECK(differing(family.state(m, 0), before) == 0);
 }
 
 TEST_CASE("Trellis serves requests that come and go as each alone", "[lifecycle][trellis]") {

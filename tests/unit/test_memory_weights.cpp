@@ -4,6 +4,7 @@
 #include <catch2/catch_test_macros.hpp>
 #include <catch2/matchers/catch_matchers_string.hpp>
 #include <Kokkos_Core.hpp>
+#include <algorithm>
 #include <string>
 #include <vector>
 
@@ -17,9 +18,14 @@ using kvmem::io::SafetensorsFile;
 namespace {
 using mem_space = Kokkos::DefaultExecutionSpace::memory_space;
 
+/// Element i of the n-th tensor listed in a weights file of layer L written by weights_of: 0.5 + 0.25 i +
+/// 100 n + 10 L, so that no two tensors or layers hold the same values.
+float element_value(long i, std::size_t n, int layer) {
+  return 0.5f + 0.25f * static_cast<float>(i) + 100.0f * static_cast<float>(n) + 10.0f * layer;
+}
+
 /// A weights file of `memory` for a model with 2 layers, hidden 3, Hq 4, Hkv 2, D 4, holding `tensors` of
-/// every layer: element i of the n-th tensor listed is 0.5 + 0.25 i + 100 n + 10 L (L the layer), so that
-/// no two tensors or layers hold the same values.
+/// every layer, element i of the n-th tensor listed of layer L being element_value(i, n, L).
 SafetensorsFile weights_of(const std::string& memory, const std::vector<std::pair<std::string, std::vector<std::int64_t>>>& tensors,
                            const std::string& shape = R"({"layers":2,"hidden":3,"query_heads":4,"kv_heads":2,"head_dim":4,"adapter_rank":0})") {
   SafetensorsFile f;
@@ -30,8 +36,7 @@ SafetensorsFile weights_of(const std::string& memory, const std::vector<std::pai
       long n = 1;
       for (auto d : dims) n *= d;
       std::vector<float> v(static_cast<std::size_t>(n));
-      for (long i = 0; i < n; ++i)
-        v[static_cast<std::size_t>(i)] = 0.5f + 0.25f * static_cast<float>(i) + 100.0f * static_cast<float>(which) + 10.0f * layer;
+      for (long i = 0; i < n; ++i) v[static_cast<std::size_t>(i)] = element_value(i, which, layer);
       f.put("layers." + std::to_string(layer) + "." + name, dims, v.data());
     }
   return SafetensorsFile::parse(f.serialize(), "w.safetensors");  // as read from a file
@@ -44,6 +49,24 @@ template <class View>
 std::vector<float> host(const View& v) {
   const auto h = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), v);
   return std::vector<float>(h.data(), h.data() + h.size());
+}
+
+/// Elements of a loaded weight view (rank 1 to 3) that differ from tensor n of layer L as weights_of wrote
+/// it, of extents `dims`: each element read through the view's own indices (a, b, c), which row-major is
+/// element (a d1 + b) d2 + c of the tensor; a view of other extents counts as wholly wrong.
+template <class View>
+long wrong_elements(const View& v, std::vector<long> dims, std::size_t n, int layer) {
+  const auto h = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), v);
+  if (dims.size() != View::rank) return std::max(static_cast<long>(h.size()), 1L);
+  for (std::size_t r = 0; r < dims.size(); ++r)
+    if (static_cast<long>(h.extent(r)) != dims[r]) return std::max(static_cast<long>(h.size()), 1L);
+  dims.resize(3, 1);  // a view of lower rank: the indices past its rank are 0
+  long wrong = 0;
+  for (long a = 0; a < dims[0]; ++a)
+    for (long b = 0; b < dims[1]; ++b)
+      for (long c = 0; c < dims[2]; ++c)
+        wrong += h.access(a, b, c) != element_value((a * dims[1] + b) * dims[2] + c, n, layer) ? 1 : 0;
+  return wrong;
 }
 }  // namespace
 
@@ -79,18 +102,38 @@ TEST_CASE("OVQ's beta and KVPOP's scorer from weights files", "[io][weights]") {
   cfg.query_heads = 4;
   cfg.kv_heads = 2;
   const auto m = kvmem::load_kvpop_layer<mem_space>(kvpop, 1, cfg);
-  REQUIRE(host(m.w_q)[31] == 10.5f + 0.25f * 31);
-  REQUIRE(host(m.w_k)[0] == 110.5f);
-  REQUIRE(host(m.w_v)[0] == 210.5f);
-  REQUIRE(host(m.w_i)[0] == 310.5f);
+  REQUIRE(host(m.w_q)[31] == 10.5f + 0.25f * 31);  // element_value by hand
   REQUIRE(host(m.b_i) == std::vector<float>{410.5f, 410.75f});
-  REQUIRE(host(m.w_f)[0] == 510.5f);
-  REQUIRE(host(m.b_f) == std::vector<float>{610.5f, 610.75f});
-  REQUIRE(host(m.w_s)[0] == 710.5f);
-  REQUIRE(host(m.b_s) == std::vector<float>{810.5f, 810.75f});
-  REQUIRE(host(m.theta) == std::vector<float>{910.5f, 910.75f});
+  // Every element of every tensor of layer 1, at its own (kv-head, input, output) index; n in the order listed.
+  CHECK(wrong_elements(m.w_q, {2, 8, 2}, 0, 1) == 0);
+  CHECK(wrong_elements(m.w_k, {2, 8, 2}, 1, 1) == 0);
+  CHECK(wrong_elements(m.w_v, {2, 8, 2}, 2, 1) == 0);
+  CHECK(wrong_elements(m.w_i, {2, 8}, 3, 1) == 0);
+  CHECK(wrong_elements(m.b_i, {2}, 4, 1) == 0);
+  CHECK(wrong_elements(m.w_f, {2, 8}, 5, 1) == 0);
+  CHECK(wrong_elements(m.b_f, {2}, 6, 1) == 0);
+  CHECK(wrong_elements(m.w_s, {2, 2}, 7, 1) == 0);
+  CHECK(wrong_elements(m.b_s, {2}, 8, 1) == 0);
+  CHECK(wrong_elements(m.theta, {2}, 9, 1) == 0);
   REQUIRE_THROWS_WITH(kvmem::load_kvpop_layer<mem_space>(kvpop, 2, cfg), ContainsSubstring("outside [0, 2)"));
   REQUIRE_THROWS_WITH(kvmem::load_kvm_layer<mem_space>(ovq, 0), ContainsSubstring("memory kvm"));
+}
+
+TEST_CASE("the weights' element check finds one wrong element, another layer's tensor and other extents",
+          "[io][weights][harness]") {
+  // The test of wrong_elements itself: a check at the first and the last element only would pass the view
+  // with one element changed in its middle.
+  const auto file = MemoryWeightsFile::from(weights_of("kvpop", {{"w_q", {2, 8, 2}}}), "p.safetensors", "kvpop");
+  auto w_q = file.layer_tensor(1, "w_q", {2, 8, 2});  // layer 1's w_q as the file holds it, row-major
+  const Kokkos::View<float***, Kokkos::LayoutRight, Kokkos::HostSpace, Kokkos::MemoryUnmanaged> good(w_q.data(), 2, 8, 2);
+  REQUIRE(wrong_elements(good, {2, 8, 2}, 0, 1) == 0);
+  auto changed = Kokkos::create_mirror(good);
+  Kokkos::deep_copy(changed, good);
+  changed(1, 3, 0) += 0.125f;  // element 22 of 32
+  CHECK(wrong_elements(changed, {2, 8, 2}, 0, 1) == 1);
+  CHECK(wrong_elements(good, {2, 8, 2}, 0, 0) == 32);  // layer 0's values
+  CHECK(wrong_elements(good, {2, 2, 8}, 0, 1) == 32);  // other extents
+  CHECK(wrong_elements(Kokkos::subview(good, 0, Kokkos::ALL, Kokkos::ALL), {2, 8, 2}, 0, 1) > 0);  // other rank
 }
 
 TEST_CASE("bad weights files name the file, the key or the tensor and the shape expected", "[io][weights][errors]") {

@@ -9,6 +9,7 @@
 
 #include "../reference/ovq_reference.hpp"
 #include "float_bits.hpp"
+#include "kvm_harness.hpp"
 #include "storage_bound.hpp"
 
 namespace {
@@ -152,13 +153,6 @@ OvqOutput run(const OvqCase& c, bool decode, const Exec& ex = Exec()) {
   }
 }
 
-double rel(const std::vector<float>& got, const std::vector<double>& want) {
-  double worst = 0.0, scale = 1.0;
-  for (double w : want) scale = std::max(scale, std::abs(w));
-  for (std::size_t i = 0; i < want.size(); ++i) worst = std::max(worst, std::abs(double(got[i]) - want[i]));
-  return worst / scale;
-}
-
 void check(OvqCase c) {
   c.generate();
   for (bool decode : {false, true}) {
@@ -168,17 +162,13 @@ void check(OvqCase c) {
     for (long b = 0; b < c.B; ++b) {
       const auto ref = kvmem_ref::ovq_prefill(c.sequence(b), c.params());
       REQUIRE(got.rows[b] == ref.rows);
-      std::vector<float> y, lse;
-      for (long h = 0; h < c.H; ++h)
-        for (long t = 0; t < c.length(b); ++t) {
-          for (long d = 0; d < c.Dv; ++d) y.push_back(got.y[((b * c.H + h) * c.T + t) * c.Dv + d]);
-          lse.push_back(got.lse[(b * c.H + h) * c.T + t]);
-        }
-      CHECK(rel(y, ref.y) <= 1e-4);
-      CHECK(rel(lse, ref.lse) <= 1e-4);
-      CHECK(rel(got.keys[b], ref.centroid_keys) <= 1e-4);
-      CHECK(rel(got.values[b], ref.centroid_values) <= 1e-4);
-      CHECK(rel(got.counts[b], ref.counts) == 0.0);
+      const auto y = kvmem_test::sequence_tokens(got.y, b, c.H, c.T, c.length(b), c.Dv);
+      const auto lse = kvmem_test::sequence_tokens(got.lse, b, c.H, c.T, c.length(b), 1);
+      CHECK(kvmem_test::relative_error(y, ref.y) <= 1e-4);
+      CHECK(kvmem_test::relative_error(lse, ref.lse) <= 1e-4);
+      CHECK(kvmem_test::relative_error(got.keys[b], ref.centroid_keys) <= 1e-4);
+      CHECK(kvmem_test::relative_error(got.values[b], ref.centroid_values) <= 1e-4);
+      CHECK(kvmem_test::relative_error(got.counts[b], ref.counts) == 0.0);
     }
   }
 }
@@ -251,13 +241,9 @@ TEMPLATE_TEST_CASE("ovq over bfloat16 / float16 tokens stays within the storage 
       for (long b = 0; b < c.B; ++b) {
         const auto ref = kvmem_ref::ovq_prefill(c.sequence(b), c.params());
         REQUIRE(got.rows[b] == ref.rows);
-        double worst = 0.0;
-        for (long h = 0; h < c.H; ++h)
-          for (long t = 0; t < c.length(b); ++t)
-            for (long d = 0; d < c.Dv; ++d)
-              worst = std::max(worst, std::abs(got.y[((b * c.H + h) * c.T + t) * c.Dv + d] - ref.y[(h * c.length(b) + t) * c.Dv + d]));
-        CHECK(worst <= bound.value());
-        CHECK(rel(got.counts[b], ref.counts) == 0.0);
+        const auto y = kvmem_test::sequence_tokens(got.y, b, c.H, c.T, c.length(b), c.Dv);
+        CHECK(kvmem_test::worst_abs_error(y, ref.y) <= bound.value());
+        CHECK(kvmem_test::relative_error(got.counts[b], ref.counts) == 0.0);
       }
     }
   }

@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <span>
 #include <string>
 
 #include <kvmem/kernels/exact_attention.hpp>
@@ -155,14 +156,10 @@ TEST_CASE("proportional merge that holds every token as its own row is exact cau
     const long C = c.params.chunk, L = C * c.params.window_chunks;
     REQUIRE(got.rows[0] == (c.T + C - 1) / C * C - L);  // every token that left the window founded a row
     for (float n : got.counts[0]) REQUIRE(n == 1.0f);
-    double worst = 0, scale = 1;
-    for (std::size_t i = 0; i < got.y.size(); ++i) {
-      worst = std::max(worst, static_cast<double>(std::abs(got.y[i] - y.data()[i])));
-      scale = std::max(scale, static_cast<double>(std::abs(y.data()[i])));
-    }
-    CHECK(worst / scale <= 1e-6);  // float32 rounding: the same logits, summed in another order
+    // float32 rounding: the same logits, summed in another order
+    CHECK(kvmem_test::relative_error(got.y, std::span<const float>(y.data(), y.size())) <= 1e-6);
     // The log-sum-exp is exact attention's: log sum_{p <= u} exp(q_u . k_p / sqrt(D)), in float64 here.
-    double worst_lse = 0;
+    kvmem_test::WorstError worst_lse;
     const long G = c.Hq / c.Hkv;
     for (long b = 0; b < c.B; ++b)
       for (long h = 0; h < c.Hq; ++h)
@@ -177,7 +174,7 @@ TEST_CASE("proportional merge that holds every token as its own row is exact cau
           const double mx = *std::max_element(logits.begin(), logits.end());
           double sum = 0;
           for (double l : logits) sum += std::exp(l - mx);
-          worst_lse = std::max(worst_lse, std::abs(got.lse[(b * c.Hq + h) * c.T + u] - (mx + std::log(sum))));
+          worst_lse.add(got.lse[(b * c.Hq + h) * c.T + u], mx + std::log(sum));
         }
     CHECK(worst_lse <= 1e-5);
   }

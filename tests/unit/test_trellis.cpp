@@ -18,6 +18,7 @@
 #include <kvmem/trellis_memory.hpp>
 
 #include "../reference/trellis_reference.hpp"
+#include "worst_error.hpp"
 
 namespace ref = kvmem_ref::trellis;
 using Catch::Matchers::ContainsSubstring;
@@ -251,15 +252,6 @@ Output run_trellis(const TrellisCase& c, Mode mode, long split = 0, const ExecSp
   return {host_copy(y), host_copy(mem.m1()), host_copy(mem.m2())};
 }
 
-/// Largest |a - b| / max(1, max |b|) over a tensor.
-double relative_error(const std::vector<float>& got, const std::vector<double>& want) {
-  REQUIRE(got.size() == want.size());
-  double worst = 0.0, scale = 1.0;
-  for (double w : want) scale = std::max(scale, std::abs(w));
-  for (std::size_t i = 0; i < want.size(); ++i) worst = std::max(worst, std::abs(double(got[i]) - want[i]));
-  return worst / scale;
-}
-
 std::string describe(const TrellisCase& c) {
   std::string l;
   for (long x : c.lengths) l += std::to_string(x) + ",";
@@ -298,8 +290,8 @@ Expected reference(const TrellisCase& c, ref::Form first, long split, ref::Form 
 }
 
 void check_close(const Output& got, const Expected& want, double tol = tolerance) {
-  const double ey = relative_error(got.y, want.y), e1 = relative_error(got.m1, want.m1),
-               e2 = relative_error(got.m2, want.m2);
+  const auto ey = kvmem_test::relative_error(got.y, want.y), e1 = kvmem_test::relative_error(got.m1, want.m1),
+             e2 = kvmem_test::relative_error(got.m2, want.m2);
   INFO("relative errors: y " << ey << ", m1 " << e1 << ", m2 " << e2);
   CHECK(ey <= tol);
   CHECK(e1 <= tol);

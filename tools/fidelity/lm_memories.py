@@ -14,6 +14,12 @@ one sink) so the per-layer and end-to-end tables read the same memories:
   streaming, knorm, h2o, tova   eviction: window w = min(M, max(1, round(s * M))), 4 sinks, top-k the rest
   streaming-merge, knorm-merge, h2o-merge, tova-merge   the same evictions, each evicted row merged into its
               most similar kept row (merge_evicted)
+  snapkv-end, h2o-end, tova-end, knorm-end, streaming-end (and snapkv-end-merge, h2o-end-merge)   the same
+              sizes, compressed at the end of the prompt (EvictionConfig::chunk = 0: exact attention over the
+              prompt, its last OBSERVATION queries score, the first decode step evicts down to the budget;
+              kvpress's and SnapKV's setting); snapkv scores with SnapKV's pooled observation-window attention
+  snapkv-chunk, h2o-chunk   compressed once per chunk of CHUNK positions (chunk = CHUNK), so that a memory
+              never holds more than its budget and one chunk
 
 KVM and OVQ take a layer's calibrated scalars (tools/fidelity/calibrate.py) when `calibration` is given
 ({layer: {"ln_weight", "ln_bias", "tau_state", "beta"}}), trained weights (kvmem.weights.MemoryWeights, written
@@ -41,12 +47,21 @@ LABELS = {"kvm-fixed": "KVM fixed", "kvm-sqrt": "KVM a*sqrt(N)", "kvm-h2o": "KVM
           "proportional": "Proportional merge",
           "streaming": "StreamingLLM", "knorm": "KNorm", "h2o": "H2O", "tova": "TOVA",
           "streaming-merge": "StreamingLLM + merge", "knorm-merge": "KNorm + merge", "h2o-merge": "H2O + merge",
-          "tova-merge": "TOVA + merge", "kvpop": "KVPOP (trained)"}
+          "tova-merge": "TOVA + merge", "kvpop": "KVPOP (trained)",
+          "snapkv-end": "SnapKV at prompt end", "h2o-end": "H2O at prompt end", "tova-end": "TOVA at prompt end",
+          "knorm-end": "KNorm at prompt end", "streaming-end": "StreamingLLM at prompt end",
+          "snapkv-end-merge": "SnapKV at prompt end + merge", "h2o-end-merge": "H2O at prompt end + merge",
+          "snapkv-chunk": "SnapKV per chunk", "h2o-chunk": "H2O per chunk"}
 #: memories that run only with trained weights (factory(..., weights=...)), not in the study's default runs
 WEIGHTS_ONLY = ("kvpop",)
-#: the memories end_to_end.py runs by default (every id of LABELS but WEIGHTS_ONLY)
-STUDY = tuple(m for m in LABELS if m not in WEIGHTS_ONLY)
+#: memories compressed per chunk or at the end of the prompt (EvictionConfig::chunk != 1): within one prefill
+#: their attention is exact, so only a continuation decoded after the prompt (continuation.py) sees them
+COMPRESSING = tuple(m for m in LABELS if "-end" in m or m.endswith("-chunk"))
+#: the memories end_to_end.py runs by default (every id of LABELS but WEIGHTS_ONLY and COMPRESSING)
+STUDY = tuple(m for m in LABELS if m not in WEIGHTS_ONLY and m not in COMPRESSING)
 EVICTIONS = ("streaming", "knorm", "h2o", "tova")  # scorers of the eviction memories (and of their "-merge" forms)
+OBSERVATION = 64  # the observation window of the compressing memories (queries; kvpress's default)
+CHUNK = 256       # positions per compression of the "-chunk" memories
 CALIBRATED = ("kvm-fixed", "kvm-sqrt", "kvm-h2o", "ovq")  # the memories with learned scalars
 
 
@@ -120,6 +135,10 @@ def factory(memory: str, T: int, fraction: float, calibration=None, weights=None
     if memory == "kvpop":
         raise ValueError("memory = 'kvpop': needs trained scorers (weights; tools/distill/distill.py --memory kvpop)")
     scorer = memory.removesuffix("-merge")
+    if memory in COMPRESSING:
+        scorer, _, when = scorer.partition("-")
+        return kt.eviction(scorer, **eviction_sizes(T, fraction), merge_evicted=memory.endswith("-merge"),
+                           chunk=0 if when == "end" else CHUNK, observation_window=OBSERVATION)
     if scorer in EVICTIONS:
         return kt.eviction(scorer, **eviction_sizes(T, fraction), merge_evicted=memory.endswith("-merge"))
     C, R = budget_split(T, fraction)
@@ -140,7 +159,7 @@ def factory(memory: str, T: int, fraction: float, calibration=None, weights=None
 
 def held_tokens(memory: str, T: int, fraction: float) -> int:
     """Tokens' worth of keys and values the memory holds per kv-head at the end of T tokens (its budget)."""
-    if memory.removesuffix("-merge") in EVICTIONS or memory == "kvpop":
+    if memory.removesuffix("-merge") in EVICTIONS or memory == "kvpop" or memory in COMPRESSING:
         return round(fraction * T)
     C, R = budget_split(T, fraction)
     return R + C

@@ -27,7 +27,8 @@ namespace kvmem::tools {
 /// Command-line options of `kvmem-run evict` (defaults: 4 sinks, a 64-token window, top 448: 516 rows).
 struct EvictOptions {
   std::string input, output, mode = "prefill", scorer = "h2o", weights, normalizer = "xlstm", dtype;
-  int sinks = 4, window = 64, top_k = 448, decay_interval = 1;
+  int sinks = 4, window = 64, top_k = 448, decay_interval = 1, chunk = 1, observation_window = 64;
+  long prompt = -1;  ///< --prompt: the first tokens one prefill, the rest decode steps (-1: every token)
   bool h2o_normalize = false, tova_layer_mean = false, mask = false, merge_evicted = false;
   long layer = -1;  ///< the layer of a kvmem weights file (--weights); -1: the input's metadata 'layer'
 };
@@ -61,6 +62,14 @@ inline CLI::App* add_evict_command(CLI::App& app, EvictOptions& o) {
   cmd->add_flag("--merge-evicted", o.merge_evicted,
                 "fold each evicted row into its most similar kept row (count-weighted means, log-count bias)");
   cmd->add_flag("--mask", o.mask, "also write mask [B,Hkv,T,T] (U8): the keys each query attends (static scorers, n = 1)");
+  cmd->add_option("--chunk", o.chunk,
+                  "positions per compression: 1 every token (streaming), C > 1 once per chunk of C, 0 at the end of "
+                  "the prompt (its first decode step; see --prompt); snapkv with --chunk != 1 runs as a memory")
+      ->capture_default_str();
+  cmd->add_option("--observation-window", o.observation_window,
+                  "queries per chunk (--chunk 0: of the prompt) whose attention scores; 0: all")->capture_default_str();
+  cmd->add_option("--prompt", o.prompt,
+                  "--mode prefill: only the first N tokens are one prefill (the prompt), the rest decode steps");
   return cmd;
 }
 
@@ -103,8 +112,8 @@ void write_evict_output(const EvictOptions& o, const Batch<MemorySpace, Storage>
   std::printf("  input         %s%s\n", o.input.c_str(), in.dtype.conversion().c_str());
   std::printf("  shape         B=%ld  Hq=%ld  Hkv=%ld  T=%ld  D=%ld  Dv=%ld  (%ld tokens in all)\n", in.B, in.Hq, in.Hkv,
               in.T, in.D, in.Dv, tokens);
-  std::printf("  policy        sinks=%d  window=%d  top-k=%d  (budget %ld rows per kv-head)\n", o.sinks, o.window,
-              o.top_k, budget);
+  std::printf("  policy        sinks=%d  window=%d  top-k=%d  chunk=%d  (budget %ld rows per kv-head)\n", o.sinks,
+              o.window, o.top_k, o.chunk, budget);
   std::printf("  kept rows     %ld..%ld per kv-head (largest sequence: %ld tokens)\n", min_rows, K, longest);
   print_memory_held<Storage>(in.B * std::min(budget, longest) * row_bytes, "budget rows " + in.dtype.flag(), tokens,
                              in.Hkv, in.D + in.Dv);
@@ -140,8 +149,8 @@ void run_eviction(const EvictOptions& o, const EvictionConfig& cfg, const Scorer
   using memory_t = EvictionMemory<exec, Scorer, Storage>;
   memory_t mem(cfg, static_cast<int>(in.B), scorer);
   Kokkos::View<Storage****, Kokkos::LayoutRight, MemorySpace> y("y", in.B, in.Hq, in.T, in.Dv);
-  const double seconds = run_tokens(mem, typename memory_t::inputs{in.q, in.k, in.v}, y, o.mode, in.lengths);
-  Kokkos::View<long***, Kokkos::LayoutRight, MemorySpace> positions("kept_positions", in.B, in.Hkv, cfg.budget() + 1);
+  const double seconds = run_tokens(mem, typename memory_t::inputs{in.q, in.k, in.v}, y, o.mode, in.lengths, o.prompt);
+  Kokkos::View<long***, Kokkos::LayoutRight, MemorySpace> positions("kept_positions", in.B, in.Hkv, mem.cache().slots());
   Kokkos::View<long**, Kokkos::LayoutRight, MemorySpace> rows("kept_rows", in.B, in.Hkv);
   mem.kept(positions, rows);
   write_evict_output(o, in, y, positions, rows, mask, cfg.budget(), seconds);
@@ -214,14 +223,21 @@ void run_evict(const EvictOptions& o, const io::SafetensorsFile& file, const Tok
           "masks need a static scorer: streaming, knorm or kvpop (h2o, tova and snapkv depend on attention)");
   require(!o.mask || o.decay_interval == 1, "--mask", "--decay-interval " + std::to_string(o.decay_interval),
           "masks need --decay-interval 1 (spec EVICTION.md §4)");
-  require(o.scorer != "snapkv" || o.sinks == 0, "--sinks", o.sinks, "must be 0 for snapkv (SnapKV keeps no sinks)");
+  require(o.chunk >= 0, "--chunk", o.chunk, "must be >= 0 (1: every token, 0: at the end of the prompt)");
+  require(o.observation_window >= 0, "--observation-window", o.observation_window, "must be >= 0 (0: every query)");
+  require(o.prompt >= -1, "--prompt", o.prompt, "must be >= 0 (tokens of the prompt)");
+  require(o.prompt < 0 || o.mode == "prefill", "--prompt", o.prompt, "applies to --mode prefill");
+  const bool snapkv_once = o.scorer == "snapkv" && o.chunk == 1;  // SnapKV's one-shot selection (kernels::snapkv_keep)
+  require(!snapkv_once || o.prompt < 0, "--prompt", o.prompt, "the one-shot snapkv (--chunk 1) reads every token as the prompt");
+  require(!snapkv_once || o.sinks == 0, "--sinks", o.sinks, "must be 0 for snapkv (SnapKV keeps no sinks)");
   require(o.scorer != "kvpop" || !o.weights.empty(), "--weights", "(none)", "the kvpop scorer needs its learned weights");
-  require(!o.merge_evicted || o.scorer != "snapkv", "--merge-evicted", o.scorer,
-          "snapkv selects once after the prompt and never evicts during decode; there is nothing to merge");
+  require(!o.merge_evicted || !snapkv_once, "--merge-evicted", o.scorer,
+          "the one-shot snapkv (--chunk 1) selects once after the prompt; there is nothing to merge (--chunk 0 is "
+          "SnapKV as a memory, which merges)");
   require(!o.merge_evicted || !o.mask, "--mask", "--merge-evicted",
           "a mask says which tokens a query attends, which merged rows no longer are");
   const auto in = Batch<mem_space, Storage>::load_qkv(file, dtype);
-  if (o.scorer == "snapkv") return detail::run_snapkv(o, in);
+  if (snapkv_once) return detail::run_snapkv(o, in);
   EvictionConfig cfg;
   cfg.head_dim = static_cast<int>(in.D);
   cfg.value_dim = static_cast<int>(in.Dv);
@@ -232,7 +248,10 @@ void run_evict(const EvictOptions& o, const io::SafetensorsFile& file, const Tok
   cfg.top_k = o.top_k;
   cfg.decay_interval = o.decay_interval;
   cfg.merge_evicted = o.merge_evicted;
+  cfg.chunk = o.chunk;
+  cfg.observation_window = o.observation_window;
   if (o.scorer == "streaming") return detail::run_eviction(o, cfg, score::None{}, in);
+  if (o.scorer == "snapkv") return detail::run_eviction(o, cfg, score::ObservationWindow{}, in);
   if (o.scorer == "knorm") return detail::run_eviction(o, cfg, score::KeyNorm{}, in);
   require(o.scorer == "tova" || !o.tova_layer_mean, "--tova-layer-mean", o.scorer, "applies to the tova scorer only");
   require(o.scorer == "h2o" || !o.h2o_normalize, "--h2o-normalize", o.scorer, "applies to the h2o scorer only");

@@ -214,11 +214,12 @@ KOKKOS_INLINE_FUNCTION void row_group_dots(const Q* q, int dim, const Row* const
 /// registers (simd::vector_registers: CPUs), a thread takes a group of rows at once, each row's dot
 /// product still its own chain in channel order (simd::row_dots), so the bits are those of one row at a
 /// time; elsewhere (GPUs) a thread takes one row. When lse_of(g) is not null, it receives the softmax's
-/// log-sum-exp max + log(normalizer) of query head g.
+/// log-sum-exp max + log(normalizer) of query head g. The statistics change only when `role.observe` (an
+/// observation query); a windowed scorer's (score::windowed_statistic) restart from 0 when `role.fresh`.
 template <class Team, class Scorer, class Cache, class QueryOf, class OutOf, class LseOf>
 KOKKOS_INLINE_FUNCTION void eviction_attend(const Team& team, const EvictionParams& p, const Cache& c,
                                             const Scorer& scorer, long b, int h, const QueryOf& query_of,
-                                            const OutOf& out_of, const LseOf& lse_of) {
+                                            const OutOf& out_of, const LseOf& lse_of, const StepRole& role = {}) {
   const int D = p.head_dim, Dv = p.value_dim;
   const long live = c.live(b, h);
   for (int g = 0; g < p.group; ++g) {
@@ -313,31 +314,65 @@ KOKKOS_INLINE_FUNCTION void eviction_attend(const Team& team, const EvictionPara
     });
     team.team_barrier();  // the next query head reuses the logits
   }
-  // 5. attention statistics (H2O, TOVA) from this step's probabilities, summed over the group.
+  // 5. attention statistics (H2O, TOVA, SnapKV) from this step's probabilities, summed over the group.
   if constexpr (Scorer::needs_probabilities) {
-    Kokkos::parallel_for(Kokkos::TeamThreadRange(team, live), [&](long i) {
-      const int si = c.order(b, h, i);
-      c.stats(b, h, si) = scorer.attended(c.stats(b, h, si), c.probabilities(b, h, i), p.group);
-    });
+    if (role.observe) {
+      const bool restart = score::windowed_statistic<Scorer> && role.fresh;
+      Kokkos::parallel_for(Kokkos::TeamThreadRange(team, live), [&](long i) {
+        const int si = c.order(b, h, i);
+        c.stats(b, h, si) = scorer.attended(restart ? 0.0 : c.stats(b, h, si), c.probabilities(b, h, i), p.group);
+      });
+    }
     team.team_barrier();
   }
 }
 
-/// Step q of (b, h) (spec EVICTION.md §1 steps 1-5): append, evict the worst retained rows while |R| > k
-/// (a merging eviction, p.merge, first folds each into its most similar kept row: eviction_merge), attend,
-/// update attention statistics. One team; every sum in a fixed order.
+/// A compression's pooling (score::pool_width<Scorer> = P > 1, SnapKV's avgpool): the statistic of every
+/// entry of the retained range r of (b, h) becomes the sum, over the retained tokens at positions t - P/2 ..
+/// t + P/2 (in position order), of their statistics, divided by P (absent neighbours count as 0, as
+/// SnapKV's zero pads). Reads every statistic before it writes one (through c.pooled). Ends with a barrier.
+template <int P, class Team, class Cache>
+KOKKOS_INLINE_FUNCTION void pool_retained(const Team& team, const Cache& c, long b, int h, const RetainedRange& r) {
+  constexpr long half = P / 2;
+  Kokkos::parallel_for(Kokkos::TeamThreadRange(team, r.begin, r.end), [&](long i) {
+    const long t = c.positions(b, h, c.order(b, h, i));
+    const long j0 = i - half > r.begin ? i - half : r.begin, j1 = i + half < r.end - 1 ? i + half : r.end - 1;
+    double sum = 0.0;
+    for (long j = j0; j <= j1; ++j) {  // entries in position order: every neighbour within half is among them
+      const int sj = c.order(b, h, j);
+      const long d = c.positions(b, h, sj) - t;
+      if (d >= -half && d <= half) sum += c.stats(b, h, sj);
+    }
+    c.pooled(b, h, i) = sum / static_cast<double>(P);
+  });
+  team.team_barrier();
+  Kokkos::parallel_for(Kokkos::TeamThreadRange(team, r.begin, r.end),
+                       [&](long i) { c.stats(b, h, c.order(b, h, i)) = c.pooled(b, h, i); });
+  team.team_barrier();
+}
+
+/// Step q of (b, h) (spec EVICTION.md §1 steps 1-5): append; when `role.compress`, evict the worst retained
+/// rows while |R| > k (a merging eviction, p.merge, first folds each into its most similar kept row:
+/// eviction_merge; a pooling scorer's statistics pooled first: pool_retained); attend; update attention
+/// statistics when `role.observe`. A streaming memory (chunk = 1) gives every step every role. One team;
+/// every sum in a fixed order.
 template <class Team, class Scorer, class Cache, class T, class QueryOf, class OutOf, class LseOf>
 KOKKOS_INLINE_FUNCTION void eviction_step(const Team& team, const EvictionParams& p, const Cache& c,
                                           const Scorer& scorer, long b, int h, long q, const T* key,
                                           const T* value, const QueryOf& query_of, const OutOf& out_of,
-                                          const LseOf& lse_of, TeamSelectScratch select = {}) {
+                                          const LseOf& lse_of, TeamSelectScratch select = {}, const StepRole& role = {}) {
   eviction_append(team, p, c, scorer, b, h, q, key, value);
-  for (RetainedRange r(p, c.live(b, h), q); r.end - r.begin > p.top_k; r = RetainedRange(p, c.live(b, h), q)) {
-    const long worst = eviction_worst(team, p, c, scorer, b, h, h + 1, q, r, select);
-    if (p.merge) eviction_merge(team, p, c, b, h, worst, r.begin, select);
-    eviction_remove(team, c, b, h, worst);
+  if (role.compress) {
+    RetainedRange r(p, c.live(b, h), q);
+    if constexpr (score::pool_width<Scorer> > 1)
+      if (r.end - r.begin > p.top_k) pool_retained<score::pool_width<Scorer>>(team, c, b, h, r);
+    for (; r.end - r.begin > p.top_k; r = RetainedRange(p, c.live(b, h), q)) {
+      const long worst = eviction_worst(team, p, c, scorer, b, h, h + 1, q, r, select);
+      if (p.merge) eviction_merge(team, p, c, b, h, worst, r.begin, select);
+      eviction_remove(team, c, b, h, worst);
+    }
   }
-  eviction_attend(team, p, c, scorer, b, h, query_of, out_of, lse_of);
+  eviction_attend(team, p, c, scorer, b, h, query_of, out_of, lse_of, role);
 }
 
 /// Step q of every kv-head of sequence b for a layer-wide scorer (Scorer::layer_wide(): every kv-head
@@ -370,12 +405,13 @@ KOKKOS_INLINE_FUNCTION void eviction_step_layer(const Team& team, const Eviction
 /// `team_size`: threads per team, Kokkos::AUTO's choice when 0 (the memory's); every team size gives the
 /// same bits (the tests run several). On Cuda each team also gets the shared memory of CUB's selection
 /// (team_select_bytes). When `lse` [B, Hq, T] (float32) is not empty, lse(b, hq, i) receives the log-sum-exp
-/// of token i's softmax (eviction_attend).
+/// of token i's softmax (eviction_attend). Each token's step takes its StepRole from its position, the call's
+/// tokens [first[b], first[b] + lengths[b]) and `decode` (the call is a decode step; EvictionConfig::chunk).
 template <class Scorer, class ExecSpace, class Cache, class TokensIn, class TokensOut, class Lengths,
           class Lse = Kokkos::View<float***, Kokkos::LayoutStride, typename ExecSpace::memory_space>>
 void eviction_tokens(const ExecSpace& exec, const EvictionParams& p, const Cache& cache, const Scorer& scorer,
                      const TokensIn& q, const TokensIn& k, const TokensIn& v, const TokensOut& y, const Lengths& first,
-                     const Lengths& lengths, int team_size = 0, const Lse& lse = Lse{}) {
+                     const Lengths& lengths, int team_size = 0, const Lse& lse = Lse{}, bool decode = false) {
   const long B = static_cast<long>(k.extent(0)), H = static_cast<long>(k.extent(1));
   const bool layer = scorer.layer_wide();
   using policy = Kokkos::TeamPolicy<ExecSpace, step_launch>;
@@ -399,12 +435,13 @@ void eviction_tokens(const ExecSpace& exec, const EvictionParams& p, const Cache
         }
         const long b = idx / H;
         const int h = static_cast<int>(idx % H);
-        for (long i = 0; i < lengths(b); ++i) {
+        const long a = first(b), n = lengths(b);
+        for (long i = 0; i < n; ++i) {
           auto query_of = [&](int g) { return &q(b, h * p.group + g, i, 0); };
           auto out_of = [&](int g) { return &y(b, h * p.group + g, i, 0); };
           auto lse_of = [&](int g) { return with_lse ? &lse(b, h * p.group + g, i) : nullptr; };
-          eviction_step(team, p, cache, scorer, b, h, first(b) + i, &k(b, h, i, 0), &v(b, h, i, 0), query_of, out_of,
-                        lse_of, select);
+          eviction_step(team, p, cache, scorer, b, h, a + i, &k(b, h, i, 0), &v(b, h, i, 0), query_of, out_of,
+                        lse_of, select, StepRole::of(p, a + i, a, a + n, decode));
         }
       });
 }

@@ -23,8 +23,12 @@ namespace kvmem::state {
 /// - `live` [B, Hkv]: cached tokens (rows), at most the budget after every step;
 /// - `logits` [B, Hkv, slots] and `probabilities` [B, Hkv, slots] float32: per-step scratch of the readout
 ///   (a row's weights, then the probabilities summed over the group's query heads, only for scorers that
-///   need probabilities, else empty).
+///   need probabilities, else empty);
+/// - `pooled` [B, Hkv, slots] float64: a compression's scratch of pooled statistics, only for a scorer that
+///   pools (score::pool_width > 1: SnapKV), else empty.
 /// A slot's row is written when its token enters and freed when it is evicted: nothing moves in between.
+/// `slots` is budget + 1 for a streaming memory, budget + chunk with EvictionConfig::chunk > 1, and grows
+/// with the prompt at chunk = 0 (grow()).
 template <class MemorySpace, StorageType T = float>
 struct EvictionCache {
   using storage_type = T;
@@ -34,11 +38,12 @@ struct EvictionCache {
   Kokkos::View<int***, Kokkos::LayoutRight, MemorySpace> order, shift;
   Kokkos::View<long**, Kokkos::LayoutRight, MemorySpace> live;
   Kokkos::View<float***, Kokkos::LayoutRight, MemorySpace> logits, probabilities, counts;
+  Kokkos::View<double***, Kokkos::LayoutRight, MemorySpace> pooled;
 
   /// Allocates an empty cache (every slot free) of `slots` rows per (sequence, kv-head); `with_counts`
-  /// allocates the merge counts.
+  /// allocates the merge counts, `with_pooled` the pooling scratch.
   void allocate(long batch, int kv_heads, long slots, int head_dim, int value_dim, bool with_probabilities,
-                bool with_counts = false) {
+                bool with_counts = false, bool with_pooled = false) {
     keys = decltype(keys)("kvmem::evict_keys", batch, kv_heads, slots, head_dim);
     values = decltype(values)("kvmem::evict_values", batch, kv_heads, slots, value_dim);
     positions = decltype(positions)("kvmem::evict_positions", batch, kv_heads, slots);
@@ -49,7 +54,31 @@ struct EvictionCache {
     logits = decltype(logits)("kvmem::evict_logits", batch, kv_heads, slots);
     if (with_probabilities) probabilities = decltype(probabilities)("kvmem::evict_probs", batch, kv_heads, slots);
     if (with_counts) counts = decltype(counts)("kvmem::evict_counts", batch, kv_heads, slots);
+    if (with_pooled) pooled = decltype(pooled)("kvmem::evict_pooled", batch, kv_heads, slots);
     Kokkos::deep_copy(positions, -1L);
+  }
+
+  /// Grows every per-slot view to `n` slots per (sequence, kv-head), keeping what the first slots() hold
+  /// (rows, positions, statistics, order, counts) and marking the new slots free. Nothing when n <= slots().
+  /// Fences `exec` (a host call between steps, never inside a captured graph).
+  template <class ExecSpace>
+  void grow(const ExecSpace& exec, long n) {
+    const long old = slots();
+    if (n <= old) return;
+    exec.fence();
+    const auto B = positions.extent(0), H = positions.extent(1);
+    Kokkos::resize(keys, B, H, n, keys.extent(3));
+    Kokkos::resize(values, B, H, n, values.extent(3));
+    Kokkos::resize(positions, B, H, n);
+    Kokkos::resize(stats, B, H, n);
+    Kokkos::resize(order, B, H, n);
+    Kokkos::resize(shift, B, H, n);
+    Kokkos::resize(logits, B, H, n);
+    if (probabilities.size()) Kokkos::resize(probabilities, B, H, n);
+    if (counts.size()) Kokkos::resize(counts, B, H, n);
+    if (pooled.size()) Kokkos::resize(pooled, B, H, n);
+    Kokkos::deep_copy(Kokkos::subview(positions, Kokkos::ALL, Kokkos::ALL, Kokkos::pair<long, long>(old, n)), -1L);
+    Kokkos::fence();
   }
   /// Row slots per (sequence, kv-head).
   [[nodiscard]] long slots() const { return static_cast<long>(positions.extent(2)); }

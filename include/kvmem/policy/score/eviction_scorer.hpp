@@ -40,6 +40,12 @@ struct EvictionDefaults {
   static constexpr bool needs_probabilities = false;
   /// The score is read when the token leaves the window, not at insertion (spec §2).
   static constexpr bool delayed = false;
+  /// The statistic is that of one observation window: it restarts from 0 at the first observation query of
+  /// each chunk (SnapKV; EvictionConfig::chunk, observation_window), where the others carry on.
+  static constexpr bool windowed = false;
+  /// Width of the average pooling over neighbouring eligible positions that a compression applies to the
+  /// statistics before it ranks them (SnapKV's avgpool, zero pads counted); 1: none.
+  static constexpr int pool = 1;
   /// log gamma of the effective score for every kv-head; 0 (no decay) for the training-free scorers
   /// unless the user opts in (spec §4).
   double log_gamma = 0.0;
@@ -64,6 +70,19 @@ struct EvictionDefaults {
   /// kv-heads) instead of its own: the original TOVA's layer mean (spec §6). False: per kv-head.
   KOKKOS_INLINE_FUNCTION bool layer_wide() const { return false; }
 };
+
+/// Scorer::windowed, false for a scorer without it (EvictionDefaults::windowed).
+template <class S>
+inline constexpr bool windowed_statistic = [] {
+  if constexpr (requires { S::windowed; }) return static_cast<bool>(S::windowed);
+  else return false;
+}();
+/// Scorer::pool, 1 for a scorer without it (EvictionDefaults::pool).
+template <class S>
+inline constexpr int pool_width = [] {
+  if constexpr (requires { S::pool; }) return static_cast<int>(S::pool);
+  else return 1;
+}();
 
 /// An eviction scorer: a copyable value type (copied into kernels; state lives in Kokkos views it owns)
 /// with `name`, the flags `needs_probabilities` and `delayed`, and the hooks of EvictionDefaults.
