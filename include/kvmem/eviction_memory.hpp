@@ -229,8 +229,7 @@ class EvictionMemory : public detail::PromptCalls<EvictionMemory<ExecSpace, Scor
     check_lse(lse, 1, "decode");
     if (tokens_.shared()) {  // a host backend: the host advances the counts the kernel reads
       run(in, y, lse, active_, /*wait=*/false, /*decode=*/true);
-    } else {
-      forget_pending(active_);
+    } else {  // launches only (perhaps captured): pending_ keeps its rows until a fenced decode() clears it
       kernels::eviction_tokens(exec_, kernels::EvictionParams::of(cfg_), cache_, scorer_, q, k, v, y, tokens_.device(),
                                active_.device(), 0, lse, /*decode=*/true);
       kernels::advance_counts(exec_, tokens_.device(), active_.device());
@@ -268,6 +267,16 @@ class EvictionMemory : public detail::PromptCalls<EvictionMemory<ExecSpace, Scor
   void plan_on_device() {
     sync();
     state::keep_apart(exec_, tokens_, lengths_, active_);
+  }
+
+  /// With chunk = 0: grows the rows now to hold a prompt of `tokens` tokens per sequence (budget + 1 +
+  /// tokens per (sequence, kv-head)), so that no prefill() of at most that many tokens moves the cache
+  /// later, e.g. under a CUDA graph of decode steps captured in between (a prefill that needs more rows
+  /// grows them, and a graph captured before must be captured again). Nothing for another chunk (their rows
+  /// are fixed at construction) or when the rows suffice. Throws kvmem::invalid_argument for tokens < 0.
+  void reserve_prompt(long tokens) {
+    require(tokens >= 0, "tokens", tokens, "must be >= 0");
+    if (cfg_.chunk == 0) cache_.grow(exec_, cfg_.budget() + 1 + tokens);
   }
 
   /// Chooses the sequences the next decode steps advance: active[b] != 0 (all when `active` is empty). One
@@ -361,9 +370,9 @@ class EvictionMemory : public detail::PromptCalls<EvictionMemory<ExecSpace, Scor
   /// the rows to hold the prompt.
   [[nodiscard]] long allocated_bytes() const {
     const auto& c = cache_;
-    return static_cast<long>((c.keys.span() + c.values.span()) * sizeof(Storage) + (c.logits.span() + c.probabilities.span() + c.counts.span()) * sizeof(float) +
+    return static_cast<long>((c.keys.span() + c.values.span()) * sizeof(Storage) + (c.logits.span() + c.probabilities.span() + c.counts.span() + observed_lse_.span()) * sizeof(float) +
                              (c.stats.span() + c.pooled.span()) * sizeof(double) +
-                             (c.positions.span() + c.live.span() + 3 * tokens_.device().span()) * sizeof(long) +
+                             (c.positions.span() + c.live.span() + 5 * tokens_.device().span()) * sizeof(long) +
                              (c.order.span() + c.shift.span()) * sizeof(int));
   }
 

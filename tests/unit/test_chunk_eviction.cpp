@@ -42,11 +42,21 @@ struct ChunkCase {
     for (int i = 0; i < pieces; ++i) out.push_back(prompt * (i + 1) / pieces - prompt * i / pieces);
     return out;
   }
+  /// The tokens sequence b takes in each prompt call (its length may end inside or before the prompt).
+  [[nodiscard]] std::vector<long> calls_of(long b) const {
+    std::vector<long> out;
+    long at = 0;
+    for (long n : calls()) {
+      out.push_back(std::clamp(c.length(b) - at, 0L, n));
+      at += n;
+    }
+    return out;
+  }
   [[nodiscard]] kvmem_ref::EvictPolicy policy(long b, long h) const {
     auto p = c.policy(b, h);
     if (snapkv) p.kind = kvmem_ref::EvictKind::snapkv;
     p.chunk = chunk, p.observation = observation;
-    p.prompt_calls = calls();
+    p.prompt_calls = calls_of(b);
     return p;
   }
   [[nodiscard]] std::string describe() const {
@@ -76,16 +86,22 @@ ChunkOutput run_chunked(const ChunkCase& cc, const Scorer& scorer) {
     return Kokkos::subview(x, Kokkos::ALL, Kokkos::ALL, std::make_pair(from, to), Kokkos::ALL);
   };
   long at = 0;
-  for (long n : cc.calls()) {
+  const auto calls = cc.calls();
+  for (std::size_t i = 0; i < calls.size(); ++i) {
+    const long n = calls[i];
+    std::vector<long> len(c.B);  // ragged: a sequence takes what is left of its length
+    for (long b = 0; b < c.B; ++b) len[b] = cc.calls_of(b)[i];
     const typename memory_t::inputs in{slice(q, at, at + n), slice(k, at, at + n), slice(v, at, at + n)};
     const auto l = Kokkos::subview(lse, Kokkos::ALL, Kokkos::ALL, std::make_pair(at, at + n));
-    if (at == 0) mem.prefill(in, slice(y, at, at + n), {}, l);  // the first piece starts the prompt
-    else mem.extend(in, slice(y, at, at + n), {}, l);
+    if (at == 0) mem.prefill(in, slice(y, at, at + n), len, l);  // the first piece starts the prompt
+    else mem.extend(in, slice(y, at, at + n), len, l);
     at += n;
   }
+  std::vector<unsigned char> active(c.B);
   for (; at < c.T; ++at) {
+    for (long b = 0; b < c.B; ++b) active[b] = at < c.length(b);
     const typename memory_t::inputs in{slice(q, at, at + 1), slice(k, at, at + 1), slice(v, at, at + 1)};
-    mem.decode(in, slice(y, at, at + 1), {}, Kokkos::subview(lse, Kokkos::ALL, Kokkos::ALL, std::make_pair(at, at + 1)));
+    mem.decode(in, slice(y, at, at + 1), active, Kokkos::subview(lse, Kokkos::ALL, Kokkos::ALL, std::make_pair(at, at + 1)));
   }
   ChunkOutput out;
   out.kept = cached_positions(mem);
@@ -117,7 +133,7 @@ void check_chunked(const ChunkCase& cc) {
       REQUIRE(got.kept[b * c.Hkv + h] == ref.kept);
       std::vector<float> y, lse;
       for (long g = 0; g < c.G(); ++g)
-        for (long t = 0; t < c.T; ++t) {
+        for (long t = 0; t < c.length(b); ++t) {
           for (long d = 0; d < c.Dv; ++d) y.push_back(got.y[((b * c.Hq + h * c.G() + g) * c.T + t) * c.Dv + d]);
           lse.push_back(got.lse[(b * c.Hq + h * c.G() + g) * c.T + t]);
         }
@@ -150,6 +166,10 @@ TEST_CASE("chunked eviction: every scorer, chunk and observation window against 
             auto cc = make(kind, snapkv, chunk, observation, /*prompt=*/30, seed++);
             cc.c.merge = merge;
             check_chunked(cc);
+            if (chunk == 0) {  // a prompt in pieces: extend's token-by-token steps at the end of a prompt
+              cc.pieces = 3;
+              check_chunked(cc);
+            }
           }
     }
 }
@@ -172,17 +192,32 @@ TEST_CASE("chunked eviction: edge cases against the reference", "[eviction][chun
 }
 
 TEST_CASE("chunked eviction: a chunk of one token is the streaming memory bit for bit", "[eviction][chunk]") {
+  // the harness' streaming run (the default EvictionConfig, the same prefill then decode steps) against
+  // chunk 1 with another observation window, which means nothing at C = 1
   for (Kind kind : {Kind::knorm, Kind::h2o, Kind::tova, Kind::kvpop}) {
     auto cc = make(kind, false, 1, 5, 20, 90 + static_cast<unsigned>(kind));
-    auto streaming = cc;
-    streaming.observation = 64;  // the default config: W_obs means nothing at C = 1
-    const auto a = run_chunked(cc), b = run_chunked(streaming);
+    const auto a = run_chunked(cc);
+    const auto b = run_evict(cc.c, Mode::prefill_then_decode, cc.prompt);
     INFO(cc.describe());
     REQUIRE(same_bits(a.y, b.y));
     REQUIRE(same_bits(a.lse, b.lse));
     REQUIRE(a.kept == b.kept);
     REQUIRE(a.slots == cc.c.budget() + 1);
   }
+}
+
+TEST_CASE("chunked eviction: ragged prompts and sequences at different stages", "[eviction][chunk]") {
+  // three sequences: one whose prompt ends before the others', one empty, one longer than the prompt;
+  // at chunk 0 the whole prompt takes exact attention and later steps mix prompts and decode steps
+  for (int chunk : {0, 3})
+    for (bool snapkv : {false, true}) {
+      auto cc = make(Kind::tova, snapkv, chunk, 4, 24, 700 + static_cast<unsigned>(chunk) + snapkv);
+      cc.c.B = 3, cc.c.lengths = {48, 0, 17};
+      cc.c.generate();
+      check_chunked(cc);
+      cc.pieces = 2;
+      check_chunked(cc);
+    }
 }
 
 TEST_CASE("chunked eviction: a prompt in pieces is the whole prompt when the chunks are positions", "[eviction][chunk]") {

@@ -234,6 +234,8 @@ void run_evict(const EvictOptions& o, const io::SafetensorsFile& file, const Tok
   require(!o.merge_evicted || !snapkv_once, "--merge-evicted", o.scorer,
           "the one-shot snapkv (--chunk 1) selects once after the prompt; there is nothing to merge (--chunk 0 is "
           "SnapKV as a memory, which merges)");
+  require(!o.mask || o.chunk == 1, "--mask", "--chunk " + std::to_string(o.chunk),
+          "masks are the streaming eviction's (--chunk 1)");
   require(!o.merge_evicted || !o.mask, "--mask", "--merge-evicted",
           "a mask says which tokens a query attends, which merged rows no longer are");
   const auto in = Batch<mem_space, Storage>::load_qkv(file, dtype);

@@ -4,6 +4,7 @@
 /// cached tokens in position order (spec EVICTION.md §1 "Physical layout").
 
 #include <Kokkos_Core.hpp>
+#include <type_traits>
 
 #include "../dtype.hpp"
 
@@ -60,25 +61,40 @@ struct EvictionCache {
 
   /// Grows every per-slot view to `n` slots per (sequence, kv-head), keeping what the first slots() hold
   /// (rows, positions, statistics, order, counts) and marking the new slots free. Nothing when n <= slots().
-  /// Fences `exec` (a host call between steps, never inside a captured graph).
+  /// Every new view is allocated before any is replaced, so an allocation that throws leaves the cache as it
+  /// was. Fences `exec`. The views move: a CUDA graph captured before holds the old addresses (capture
+  /// again, or reserve the rows first: EvictionMemory::reserve_prompt).
   template <class ExecSpace>
   void grow(const ExecSpace& exec, long n) {
     const long old = slots();
     if (n <= old) return;
     exec.fence();
     const auto B = positions.extent(0), H = positions.extent(1);
-    Kokkos::resize(keys, B, H, n, keys.extent(3));
-    Kokkos::resize(values, B, H, n, values.extent(3));
-    Kokkos::resize(positions, B, H, n);
-    Kokkos::resize(stats, B, H, n);
-    Kokkos::resize(order, B, H, n);
-    Kokkos::resize(shift, B, H, n);
-    Kokkos::resize(logits, B, H, n);
-    if (probabilities.size()) Kokkos::resize(probabilities, B, H, n);
-    if (counts.size()) Kokkos::resize(counts, B, H, n);
-    if (pooled.size()) Kokkos::resize(pooled, B, H, n);
-    Kokkos::deep_copy(Kokkos::subview(positions, Kokkos::ALL, Kokkos::ALL, Kokkos::pair<long, long>(old, n)), -1L);
+    const auto kept = Kokkos::pair<long, long>(0, old);
+    auto grown3 = [&](const auto& view) {  // a view of n slots holding the first `old` of `view`
+      std::remove_cvref_t<decltype(view)> out;
+      if (view.size() == 0) return out;
+      out = decltype(out)(view.label(), B, H, n);
+      Kokkos::deep_copy(Kokkos::subview(out, Kokkos::ALL, Kokkos::ALL, kept), view);
+      return out;
+    };
+    auto grown4 = [&](const auto& view) {
+      std::remove_cvref_t<decltype(view)> out(view.label(), B, H, n, view.extent(3));
+      Kokkos::deep_copy(Kokkos::subview(out, Kokkos::ALL, Kokkos::ALL, kept, Kokkos::ALL), view);
+      return out;
+    };
+    auto k = grown4(keys);
+    auto v = grown4(values);
+    auto pos = grown3(positions);
+    auto st = grown3(stats);
+    auto ord = grown3(order);
+    auto sh = grown3(shift);
+    auto lg = grown3(logits), pr = grown3(probabilities), ct = grown3(counts);
+    auto pl = grown3(pooled);
+    Kokkos::deep_copy(Kokkos::subview(pos, Kokkos::ALL, Kokkos::ALL, Kokkos::pair<long, long>(old, n)), -1L);
     Kokkos::fence();
+    keys = k, values = v, positions = pos, stats = st, order = ord, shift = sh;
+    logits = lg, probabilities = pr, counts = ct, pooled = pl;
   }
   /// Row slots per (sequence, kv-head).
   [[nodiscard]] long slots() const { return static_cast<long>(positions.extent(2)); }
