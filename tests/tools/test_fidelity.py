@@ -586,8 +586,8 @@ def test_continuation_after_a_compressed_prompt(tiny):
     assert cache.held_bytes() > 0
     s = continuation.score(got[:-1], ids[0, 40:], full[:-1].argmax(-1))
     assert s["perplexity"] > 1 and 0 <= s["agreement"] <= 1
-    report = {"full": {"perplexity": 9.0}, "results": [{"memory": "snapkv-end", "fraction_label": "1/4",
-                                                        "perplexity": 10.5, "agreement": 0.5}]}
+    report = {"full": {"perplexity": 9.0}, "results": [{"memory": "snapkv-end", "label": "SnapKV at prompt end",
+                                                        "fraction_label": "1/4", "perplexity": 10.5, "agreement": 0.5}]}
     table = continuation.markdown(report)
     assert "| SnapKV at prompt end | prompt end (chunk 0) | 10.50 (50 %) |" in table
 

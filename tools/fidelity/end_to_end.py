@@ -151,8 +151,10 @@ def insert_at(tok, haystack: list[int], depth: float, sentence: str) -> str:
 
 def needle_cases(tok, haystacks: list[list[int]], facts, depths: list[float]) -> list[dict]:
     """One case per haystack x fact x depth (in that order): input ids [1, T] (prompt + forced answer), the
+    prompt's tokens (the chat template up to and with the assistant's turn: what an engine prefills), the
     positions predicting the answer and its token ids. Case i of a fact takes its answers in turn (depth first,
-    then haystack). Raises ValueError if the tokenizer merges the answer into the forced prefix."""
+    then haystack). Raises ValueError if the tokenizer merges the answer into the forced prefix or the forced
+    prefix into the prompt."""
     cases = []
     for h, haystack in enumerate(haystacks):
         for fact in facts:
@@ -165,8 +167,12 @@ def needle_cases(tok, haystacks: list[list[int]], facts, depths: list[float]) ->
                 ids = tok(prompt + fact.prefix + " " + answer, add_special_tokens=False)["input_ids"]
                 if ids[:len(head)] != head:
                     raise ValueError(f"fact {fact.id!r}: the tokenizer merges the answer {answer!r} into its prefix")
+                asked = tok(prompt, add_special_tokens=False)["input_ids"]
+                if ids[:len(asked)] != asked:
+                    raise ValueError(f"fact {fact.id!r}: the tokenizer merges the forced prefix into the prompt")
                 cases.append({"haystack": h, "fact": fact.id, "depth": depth, "answer": answer,
-                              "ids": torch.tensor([ids]), "positions": list(range(len(head) - 1, len(ids) - 1)),
+                              "ids": torch.tensor([ids]), "prompt": len(asked),
+                              "positions": list(range(len(head) - 1, len(ids) - 1)),
                               "answer_ids": ids[len(head):]})
     return cases
 

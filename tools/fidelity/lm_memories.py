@@ -16,10 +16,11 @@ one sink) so the per-layer and end-to-end tables read the same memories:
               most similar kept row (merge_evicted)
   snapkv-end, h2o-end, tova-end, knorm-end, streaming-end (and snapkv-end-merge, h2o-end-merge)   the same
               sizes, compressed at the end of the prompt (EvictionConfig::chunk = 0: exact attention over the
-              prompt, its last OBSERVATION queries score, the first decode step evicts down to the budget;
+              prompt, its last min(OBSERVATION, T / 4) queries score, the first decode step evicts down to the budget;
               kvpress's and SnapKV's setting); snapkv scores with SnapKV's pooled observation-window attention
-  snapkv-chunk, h2o-chunk   compressed once per chunk of CHUNK positions (chunk = CHUNK), so that a memory
-              never holds more than its budget and one chunk
+  snapkv-chunk, h2o-chunk   compressed once per chunk of C = round(CHUNK_SHARE * T) positions (T: the prompt),
+              observed by the chunk's last min(OBSERVATION, T / 4, C) queries, so that a memory never holds more than
+              its budget and one chunk (3/8 of the prompt at 1/4)
 
 KVM and OVQ take a layer's calibrated scalars (tools/fidelity/calibrate.py) when `calibration` is given
 ({layer: {"ln_weight", "ln_bias", "tau_state", "beta"}}), trained weights (kvmem.weights.MemoryWeights, written
@@ -61,7 +62,7 @@ COMPRESSING = tuple(m for m in LABELS if "-end" in m or m.endswith("-chunk"))
 STUDY = tuple(m for m in LABELS if m not in WEIGHTS_ONLY and m not in COMPRESSING)
 EVICTIONS = ("streaming", "knorm", "h2o", "tova")  # scorers of the eviction memories (and of their "-merge" forms)
 OBSERVATION = 64  # the observation window of the compressing memories (queries; kvpress's default)
-CHUNK = 256       # positions per compression of the "-chunk" memories
+CHUNK_SHARE = 1 / 8  # positions per compression of the "-chunk" memories, as a share of the prompt
 CALIBRATED = ("kvm-fixed", "kvm-sqrt", "kvm-h2o", "ovq")  # the memories with learned scalars
 
 
@@ -137,8 +138,9 @@ def factory(memory: str, T: int, fraction: float, calibration=None, weights=None
     scorer = memory.removesuffix("-merge")
     if memory in COMPRESSING:
         scorer, _, when = scorer.partition("-")
-        return kt.eviction(scorer, **eviction_sizes(T, fraction), merge_evicted=memory.endswith("-merge"),
-                           chunk=0 if when == "end" else CHUNK, observation_window=OBSERVATION)
+        chunk = 0 if when == "end" else chunk_tokens(T)
+        return kt.eviction(scorer, **eviction_sizes(T, fraction), merge_evicted=memory.endswith("-merge"), chunk=chunk,
+                           observation_window=observation_tokens(T) if chunk == 0 else min(observation_tokens(T), chunk))
     if scorer in EVICTIONS:
         return kt.eviction(scorer, **eviction_sizes(T, fraction), merge_evicted=memory.endswith("-merge"))
     C, R = budget_split(T, fraction)
@@ -155,6 +157,28 @@ def factory(memory: str, T: int, fraction: float, calibration=None, weights=None
                     "budget": kvmem.budget.PowerLaw(growth_factor=16.0), "evict_rows_above": R}
     return lambda layer_idx, **shape: kvmem.KvmMemory(**shape, **kvm_args,
                                                       **_layer_weights(calibration, layer_idx, "kvm"))
+
+
+def observation_tokens(T: int) -> int:
+    """The observation window (queries) of the compressing memories for a T-token prompt: OBSERVATION, at most
+    a quarter of the prompt (so at most half a chunk, and never longer than the prompt: kvmem refuses that)."""
+    return max(1, min(OBSERVATION, T // 4))
+
+
+def chunk_tokens(T: int) -> int:
+    """Positions per compression of the "-chunk" memories for a T-token prompt: round(CHUNK_SHARE * T), at least 2."""
+    return max(2, round(CHUNK_SHARE * T))
+
+
+def peak_tokens(memory: str, T: int, fraction: float) -> int:
+    """The most tokens' worth of keys and values the memory holds per kv-head while it reads a T-token prompt
+    and decodes after it: the prompt and one decoded token for a memory compressed at the prompt's end (chunk
+    0), the budget and one chunk for one compressed per chunk, the budget for the streaming memories."""
+    if memory in COMPRESSING and "-end" in memory:
+        return T + 1
+    if memory in COMPRESSING:
+        return held_tokens(memory, T, fraction) + chunk_tokens(T)
+    return held_tokens(memory, T, fraction)
 
 
 def held_tokens(memory: str, T: int, fraction: float) -> int:

@@ -1,14 +1,15 @@
 #!/usr/bin/env python3
 """Fill the causal-LM blocks of docs/fidelity.md (lm-headline, lm-e2e-table, lm-layers-calibrated,
 lm-calibration-table, lm-kvm-whole with --whole, lm-distilled with --distilled, lm-distilled-layers with
---held-out) from the reports of end_to_end.py, calibrate.py fit, kvmem-eval, tools/distill/distill.py and
-tools/distill/held_out.py, with tools/kvmem_eval/report.py's
+--held-out, lm-after-prompt with --after-prompt, lm-continuation with --continuation) from the reports of
+end_to_end.py, calibrate.py fit, kvmem-eval, tools/distill/distill.py, tools/distill/held_out.py,
+after_prompt.py and continuation.py, with tools/kvmem_eval/report.py's
 block filler (a block missing from the document is an error, exit 2).
 
   report_lm.py --doc docs/fidelity.md --e2e e2e.json --calibration calibration.json \
                --layers layer0.json ... --calibrated layer0-kvm-calibrated.json layer0-ovq-calibrated.json ... \
                [--whole layer0-kvm-whole.json layer0-kvm-whole-calibrated.json ...] [--distilled kvm-fixed-8.json ...]
-               [--held-out held-out.json ...]
+               [--held-out held-out.json ...] [--after-prompt ap.json] [--continuation cont.json]
 """
 from __future__ import annotations
 
@@ -20,6 +21,8 @@ from statistics import mean
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "kvmem_eval"))
+sys.path.insert(0, os.path.join(HERE, "..", "capture"))
+sys.path.insert(0, HERE)
 from report import fill, load, pct  # noqa: E402
 
 
@@ -224,6 +227,8 @@ def main() -> None:
     ap.add_argument("--whole", nargs="*", default=[], help="kvmem-eval reports of KVM fixed at fraction 1")
     ap.add_argument("--distilled", nargs="*", default=[], help="tools/distill/distill.py reports (--report)")
     ap.add_argument("--held-out", nargs="*", default=[], help="tools/distill/held_out.py's reports (one or more runs)")
+    ap.add_argument("--after-prompt", default=None, help="after_prompt.py's report (needles decoded after the prompt)")
+    ap.add_argument("--continuation", default=None, help="continuation.py's report")
     a = ap.parse_args()
     e2e, cal = load(a.e2e), load(a.calibration)
     layers, calibrated = [load(p) for p in a.layers], [load(p) for p in a.calibrated]
@@ -236,6 +241,14 @@ def main() -> None:
         blocks["lm-distilled"] = distilled_table(e2e, [load(p) for p in a.distilled])
     if a.held_out:
         blocks["lm-distilled-layers"] = held_out_table([load(p) for p in a.held_out])
+    if a.after_prompt:
+        import after_prompt
+
+        blocks["lm-after-prompt"] = after_prompt.markdown(load(a.after_prompt)).rstrip("\n")
+    if a.continuation:
+        import continuation
+
+        blocks["lm-continuation"] = continuation.markdown(load(a.continuation)).rstrip("\n")
     fill(a.doc, blocks)
 
 
