@@ -45,7 +45,9 @@ struct EvictionConfig {
   int chunk = 1;
   /// W_obs >= 0: the last queries of each chunk (chunk = 0: of each prefill or extend call) whose attention
   /// updates the scorer's statistics (SnapKV's observation window; kvpress uses 64); 0: every query of the
-  /// chunk. With chunk = 1 every query observes, whatever its value.
+  /// chunk. With chunk = 1 every query observes, whatever its value; with chunk C > 1 it is at most C; with
+  /// chunk = 0 a prompt into a sequence that holds nothing must have at least W_obs tokens (a later piece of
+  /// a prompt, or a second turn's, may be shorter: all of its queries observe).
   int observation_window = 64;
 
   /// Budget B = s + w + k: the most rows a (sequence, kv-head) holds after a step.
@@ -69,6 +71,8 @@ struct EvictionConfig {
     require(chunk >= 0, "chunk", chunk, "must be >= 0 (1: every token, 0: at the end of the prompt)");
     require(budget() + chunk <= (1L << 30), "sinks + window + top_k + chunk", budget() + chunk, "must be at most 2^30 rows");
     require(observation_window >= 0, "observation_window", observation_window, "must be >= 0 (0: every query of a chunk)");
+    require(chunk <= 1 || observation_window <= chunk, "observation_window", observation_window,
+            "must be at most chunk = " + std::to_string(chunk) + " (the chunk's last queries observe; 0: all of them)");
   }
 };
 

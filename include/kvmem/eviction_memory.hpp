@@ -132,8 +132,10 @@ class EvictionMemory : public detail::PromptCalls<EvictionMemory<ExecSpace, Scor
   /// Runs T tokens of every sequence through the policy, continuing from the current cache (spec
   /// EVICTION.md §1). Sequence b uses tokens [0, lengths[b]) (all T when `lengths` is empty); y[b, :, t] for
   /// t >= lengths[b] is written as zeros. Throws kvmem::invalid_argument, before anything changes, for
-  /// mismatched shapes, a non-contiguous channel axis, a length outside [0, T] or, under
-  /// set_strict_slots(true), a sequence with lengths[b] > 0 that holds tokens (extend() continues it).
+  /// mismatched shapes, a non-contiguous channel axis, a length outside [0, T], at chunk = 0 a sequence
+  /// that holds nothing given 0 < lengths[b] < observation_window tokens (the window is longer than its
+  /// prompt) or, under set_strict_slots(true), a sequence with lengths[b] > 0 that holds tokens (extend()
+  /// continues it).
   void prefill(const tokens_in& q, const tokens_in& k, const tokens_in& v, const tokens_out& y,
                std::span<const long> lengths = {}) {
     run_prompt(inputs{q, k, v}, y, lengths, lse_out{}, state::SlotCall::prefill);
@@ -158,6 +160,13 @@ class EvictionMemory : public detail::PromptCalls<EvictionMemory<ExecSpace, Scor
     }
     sync();
     state::check_slots(call, this->strict_slots_, batch(), lengths, T, [&](long b) { return tokens_.host(b); });
+    if (cfg_.chunk == 0)  // the observation window reads the prompt's last queries: a prompt has that many
+      for (long b = 0; b < batch(); ++b) {
+        const long n = lengths.empty() ? T : lengths[b];
+        require(n == 0 || tokens_.host(b) > 0 || n >= cfg_.observation_window, "observation_window",
+                cfg_.observation_window, "is longer than the prompt of sequence " + std::to_string(b) + " (" +
+                std::to_string(n) + " tokens; at chunk = 0 a prompt needs at least observation_window tokens, 0: all)");
+      }
     for (long b = 0; b < batch(); ++b) lengths_.set(b, lengths.empty() ? T : lengths[b]);
     lengths_.upload(exec_);
     if (cfg_.chunk == 0) {  // the prompt is held whole until the first decode step: room for it, once

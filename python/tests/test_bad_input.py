@@ -114,3 +114,17 @@ def test_released_memory(memory, qkv):
     memory.close()
     with pytest.raises(ValueError, match=r"handle = 0"):
         memory.prefill(*qkv)
+
+
+def test_compression_bad_input(qkv):
+    """An observation window longer than the chunk, or than a prompt into an empty sequence at chunk 0, is
+    refused naming observation_window, before anything changes; a later piece of the prompt may be shorter."""
+    with pytest.raises(ValueError, match=r"observation_window = 5: must be at most chunk = 4"):
+        kvmem.EvictionMemory(D, HQ, HKV, batch=B, sinks=1, window=2, top_k=3, chunk=4, observation_window=5)
+    memory = kvmem.EvictionMemory(D, HQ, HKV, batch=B, sinks=1, window=2, top_k=3, chunk=0, observation_window=8)
+    q, k, v = qkv
+    raises(memory, ValueError, r"observation_window = 8: is longer than the prompt of sequence 0 \(5 tokens",
+           q[:, :, :5], k[:, :, :5], v[:, :, :5])
+    memory.prefill(q[:, :, :8], k[:, :, :8], v[:, :, :8])
+    memory.extend(q[:, :, 8:], k[:, :, 8:], v[:, :, 8:])  # 4 tokens: a later piece, all of them observe
+    assert memory.tokens(0) == memory.tokens(1) == T

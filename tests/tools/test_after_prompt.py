@@ -97,6 +97,13 @@ def test_kvpress_at_this_transformers(tiny):
         assert got.shape == own.shape
         assert (got[1:] - own[1:]).abs().max() > 1e-3, press_id
     assert kvpress_presses.installed_versions()["kvpress"] == kvpress_presses.KVPRESS_VERSION
+    # what kvpress's own __init__ does besides importing the presses: head-wise masking in the attention
+    # functions (KVzip's per-head budgets), applied once
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    assert ALL_ATTENTION_FUNCTIONS["sdpa"].__qualname__ == "attention_patch.<locals>.wrapper"
+    kvpress_presses.load()
+    assert ALL_ATTENTION_FUNCTIONS["sdpa"].__closure__[0].cell_contents.__qualname__ != "attention_patch.<locals>.wrapper"
 
 
 def test_kvpress_rows_and_errors(tiny):

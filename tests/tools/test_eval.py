@@ -582,11 +582,67 @@ def main():
             check(f"a BF16 input {' '.join(flags) or 'without --dtype'} runs in {dtype}: kvm-fixed's known answer",
                   ok, r.stdout + r.stderr)
 
+        # 4b. --prompt: the first P tokens in one prefill, the rest decode steps, errors at t >= P. A streaming
+        #     eviction means the same token by token: its numbers are the float64 reference's over t >= P. A
+        #     memory compressed at the end of the prompt or per chunk whose budget holds every token is exact
+        #     attention there; at a small budget it is not, and its peak holds the prompt (or budget + chunk).
+        t = inputs(B=2, Hq=4, Hkv=2, T=64, lengths=[64, 50], seed=7)
+        stn.save(path("pr.safetensors"), t)
+        P = 40
+        r = run(a.runner, path("pr.safetensors"), "--prompt", str(P), "--fractions", "1/4", "--buckets", "4",
+                "--memories", "h2o,snapkv-end,h2o-chunk", "--json", path("pr.json"))
+        ok = r.returncode == 0
+        check("--prompt 40: exit 0", ok, r.stdout + r.stderr)
+        if ok:
+            rep = json.load(open(path("pr.json")))
+            by = {x["memory"]: x for x in rep["results"]}
+            x = by["h2o"]
+            y_ref, _, lengths, _ = eviction_reference_y(t, x)
+            ref = exact(t)
+            mask = [[max(lo, P), hi] for lo, hi in rep["buckets"]]
+            want = metrics(y_ref[:, :, P:], ref[:, :, P:], [n - P for n in lengths],
+                           [[max(0, lo - P), max(0, hi - P)] for lo, hi in mask])
+            check("--prompt 40: h2o's errors are the float64 reference's at positions >= 40",
+                  rep["prompt"] == P and close(x["rel_l2"], want["rel_l2"]) and close(x["cosine_mean"], want["cosine_mean"])
+                  and x["bucket_rel_l2"][:2] == [0.0, 0.0] and "errors at positions >= 40" in r.stdout,
+                  f'got {x["rel_l2"]} {x["bucket_rel_l2"]}, want {want["rel_l2"]}')
+            e, c = by["snapkv-end"], by["h2o-chunk"]
+            budget = e["params"]["sinks"] + e["params"]["window"] + e["params"]["top_k"]
+            peak_end = sum(min(n, max(budget, P) + 1) for n in lengths) * 2 * (8 + 6) * 4
+            peak_chunk = sum(min(n, budget + 5) for n in lengths) * 2 * (8 + 6) * 4
+            check("--prompt 40: snapkv-end compresses at the prompt's end (chunk 0, 10 observing queries), errs "
+                  "after it, and its peak holds the prompt",
+                  e["params"]["chunk"] == 0 and e["params"]["observation_window"] == 10 and e["rel_l2"] > 1e-3
+                  and e["peak_bytes"] == peak_end, json.dumps(e["params"]) + f' {e["rel_l2"]} {e["peak_bytes"]} {peak_end}')
+            check("--prompt 40: h2o-chunk compresses per chunk of 5 (an eighth of the prompt), its peak budget + 5",
+                  c["params"]["chunk"] == 5 and c["params"]["observation_window"] == 5 and c["rel_l2"] > 1e-3
+                  and c["peak_bytes"] == peak_chunk, json.dumps(c["params"]) + f' {c["peak_bytes"]} {peak_chunk}')
+        r = run(a.runner, path("pr.safetensors"), "--prompt", str(P), "--fractions", "1", "--window-share", "1",
+                "--memories", "snapkv-end,h2o-end,tova-end,knorm-end,streaming-end,snapkv-end-merge,snapkv-chunk,h2o-chunk",
+                "--json", path("pr1.json"))
+        ok = r.returncode == 0
+        check("--prompt 40 at fraction 1: exit 0", ok, r.stdout + r.stderr)
+        if ok:
+            rep = json.load(open(path("pr1.json")))
+            bad = [(x["memory"], x["rel_l2"]) for x in rep["results"] if not (x["rel_l2"] <= 1e-5 and x["cosine_min"] >= 1 - 1e-6)]
+            check("--prompt 40 at fraction 1: every compressing row holds every token -> exact attention after the prompt",
+                  not bad and len(rep["results"]) == 8, str(bad))
+        for flags, want in ((["--memories", "snapkv-end"], "--memories = snapkv-end"),
+                            (["--prompt", "0"], "--prompt = 0"), (["--prompt", "64"], "--prompt = 64")):
+            r = run(a.runner, path("pr.safetensors"), "--fractions", "1/4", *flags)
+            check(f"bad --prompt use {' '.join(flags)}: exit 2 naming it", r.returncode == 2 and want in r.stderr,
+                  r.stdout + r.stderr)
+        r = run(a.runner, path("pr.safetensors"), "--fractions", "1/4", "--json", path("pr2.json"))
+        check("the default --memories leave the compressing rows out",
+              r.returncode == 0 and not any(x["memory"].endswith(("-end", "-chunk"))
+                                            for x in json.load(open(path("pr2.json")))["results"]), r.stderr)
+
         # 5. --list-memories and --plot.
         r = subprocess.run([a.runner, "--list-memories"], capture_output=True, text=True, timeout=60)
         check("--list-memories lists the memories and their sizing", r.returncode == 0 and
               all(m in r.stdout for m in ("kvm-fixed", "kvm-sqrt", "kvm-16sqrt", "ovq", "ovq-paper", "ovq-whole",
-                                          "trellis", "kvm-h2o", *EVICTION)), r.stdout + r.stderr)
+                                          "trellis", "kvm-h2o", "snapkv-end", "h2o-chunk", *EVICTION)),
+              r.stdout + r.stderr)
         try:
             import matplotlib  # noqa: F401
             have_mpl = True

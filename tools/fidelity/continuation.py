@@ -47,8 +47,7 @@ from calibrate import parse_fraction  # noqa: E402
 from capture import CaptureError  # noqa: E402
 from end_to_end import Progress, text_tokens  # noqa: E402
 
-DEFAULT_MEMORIES = ("streaming", "h2o", "tova", "knorm", "streaming-merge", "h2o-merge", "tova-merge", "proportional",
-                    "kvm-fixed", "kvm-sqrt", "ovq",
+DEFAULT_MEMORIES = ("streaming", "h2o", "tova", "knorm", "streaming-merge", "h2o-merge", "proportional", "kvm-fixed",
                     "snapkv-end", "h2o-end", "tova-end", "knorm-end", "streaming-end", "snapkv-end-merge",
                     "h2o-end-merge", "snapkv-chunk", "h2o-chunk")
 

@@ -12,7 +12,9 @@ What was adapted to run kvpress 0.5.5 (which pins transformers < 5.3) on this en
 (see installed_versions()), and nothing else:
 - the package is loaded without its __init__, which imports every press, three of them (DuoAttention's and
   LUKV's pattern loaders, the expected-attention statistics script) needing `datasets`, `cachetools` and
-  `fire`, which no press used here imports (load());
+  `fire`, which no press used here imports; load() does what the __init__ does besides: it patches
+  transformers' attention functions (kvpress.attention_patch) so that the head-wise presses (KVzip, whose
+  per-head budgets mask keys rather than drop them) are read as kvpress reads them;
 - transformers 5.4 and later no longer pass `cache_position` to the attention layers, where kvpress's
   forward hook reads it to tell the prefill from a decode step; the hook is given the positions the
   transformers kvpress pins would pass (the cache's tokens before this call up to its length after it),
@@ -98,6 +100,7 @@ def load() -> dict[str, type]:
     base = importlib.import_module("kvpress.presses.base_press").BasePress
     if not getattr(base.forward_hook, "kvmem_adapted", False):
         base.forward_hook = _with_cache_position(base.forward_hook)
+        importlib.import_module("kvpress.attention_patch").patch_attention_functions()
     for name, module in _MODULES.items():
         _loaded[name] = getattr(importlib.import_module(f"kvpress.presses.{module}"), name)
     return _loaded

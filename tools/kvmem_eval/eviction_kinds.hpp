@@ -2,9 +2,12 @@
 /// \file eviction_kinds.hpp
 /// The eviction rows of kvmem-eval (kvpop-paper Sec. 2; spec EVICTION.md; docs/eviction.md): `streaming`
 /// (StreamingLLM), `knorm`, `h2o` and `tova`, each a kvmem::EvictionMemory whose budget s + w + k rows per
-/// kv-head is the fraction f of the cache (eviction_sizing), and `kvm-h2o`, KVM with a growing budget whose
-/// state rows H2O evicts down to the rows of kvm-fixed (KvmMemoryWithRowEviction). KVPOP is not a row: its
-/// scorer needs trained mLSTM weights, which no public checkpoint provides.
+/// kv-head is the fraction f of the cache (eviction_sizing), `kvm-h2o`, KVM with a growing budget whose
+/// state rows H2O evicts down to the rows of kvm-fixed (KvmMemoryWithRowEviction), and the same evictions
+/// compressed at the end of the prompt (`snapkv-end`, `h2o-end`, ...: EvictionConfig::chunk = 0) or per
+/// chunk of an eighth of it (`snapkv-chunk`, `h2o-chunk`), which run only with --prompt (docs/eviction.md
+/// "Compression per chunk and at the end of a prompt"). KVPOP is not a row: its scorer needs trained mLSTM
+/// weights, which no public checkpoint provides.
 
 #include <Kokkos_Core.hpp>
 #include <algorithm>
@@ -58,29 +61,35 @@ inline EvictionConfig eviction_sizing(const Inputs& in, const SizingOptions& o, 
 }
 
 /// Prefills an EvictionMemory<exec, Scorer, T> with tau-scaled queries (not timed) and writes yt [B, Hq, T, Dv]
-/// of storage type T, as the tokens `in`.
+/// of storage type T, as the tokens `in` (the first `prompt` in one prefill, the rest decode steps, when
+/// `prompt` >= 0).
 /// rows: cached rows outside the window (sinks + retained) of the fullest kv-head, window: min(n, w).
 /// Held memory: the memory's held_bytes() (budget + 1 rows of D + Dv elements of T per kv-head, and a float32
-/// count per row for a merging eviction); peak: what it holds at its fullest step, min(n, budget + 1) rows
-/// per kv-head (the + 1: the row a step holds between its append and its eviction).
+/// count per row for a merging eviction); peak: what it holds at its fullest step, per kv-head min(n, budget
+/// + 1) rows (the + 1: the row a step holds between its append and its eviction), budget + C per chunk of C,
+/// and at the end of a prompt max(budget, prompt) + 1.
 template <StorageType T, class Scorer, class Y>
-RunStats prefill_eviction(const EvictionConfig& cfg, const Scorer& scorer, const InputsOf<T>& in, const Y& yt) {
+RunStats prefill_eviction(const EvictionConfig& cfg, const Scorer& scorer, const InputsOf<T>& in, const Y& yt,
+                          long prompt = -1) {
   const auto q = tau_scaled_queries(in);
   using memory_t = EvictionMemory<exec, Scorer, T>;
   memory_t mem(cfg, static_cast<int>(in.B), scorer);
-  RunStats s = timed_prefill(mem, typename memory_t::inputs{q, in.k, in.v}, yt, in.lengths);
+  RunStats s = timed_prefill(mem, typename memory_t::inputs{q, in.k, in.v}, yt, in.lengths, prompt);
   Kokkos::View<long***, Kokkos::LayoutRight, mem_space> positions("kept_positions", in.B, in.Hkv, 0);
   Kokkos::View<long**, Kokkos::LayoutRight, mem_space> kept("kept_rows", in.B, in.Hkv);
   mem.kept(positions, kept);
   const auto kh = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), kept);
   long units = 0;
+  const long longest_n = *std::max_element(in.lengths.begin(), in.lengths.end());
+  const long peak_rows = cfg.chunk == 0 ? std::max(cfg.budget(), prompt < 0 ? longest_n : prompt) + 1
+                                        : cfg.budget() + std::max(cfg.chunk, 1);
   for (long b = 0; b < in.B; ++b) {
     long most = 0;
     for (long h = 0; h < in.Hkv; ++h) most = std::max(most, kh(b, h));
     const long window = std::min<long>(in.lengths[b], cfg.window);
     s.rows.push_back(most - window);
     s.window.push_back(window);
-    units += std::min(in.lengths[b], cfg.budget() + 1);
+    units += std::min(in.lengths[b], peak_rows);
   }
   s.peak_bytes = units * in.Hkv * ((in.D + in.Dv) * static_cast<long>(sizeof(T)) +
                                     (cfg.merge_evicted ? static_cast<long>(sizeof(float)) : 0L));
@@ -90,15 +99,21 @@ RunStats prefill_eviction(const EvictionConfig& cfg, const Scorer& scorer, const
 /// prefill_eviction over the inputs' tokens in storage type T, y widened to float32.
 template <StorageType T, class Scorer>
 RunStats run_eviction(const EvictionConfig& cfg, const Scorer& scorer, const StoredInputs& stored, const OutView& y) {
-  return run_stored<T>(stored, y, [&](const InputsOf<T>& in, const auto& yt) { return prefill_eviction(cfg, scorer, in, yt); });
+  return run_stored<T>(stored, y, [&](const InputsOf<T>& in, const auto& yt) {
+    return prefill_eviction(cfg, scorer, in, yt, stored.prompt);
+  });
 }
 
 /// A plan that runs EvictionMemory with `cfg` and `scorer` (`name`: its kvmem-run evict --scorer).
 template <StorageType T, class Scorer>
 Plan eviction_plan(const EvictionConfig& cfg, const Scorer& scorer, const std::string& name) {
-  return {{{"scorer", name}, {"sinks", cfg.sinks}, {"window", cfg.window}, {"top_k", cfg.top_k},
-           {"budget", cfg.budget()}, {"merge_evicted", cfg.merge_evicted}, {"queries", "tau_bswa * q"}},
-          fmt("s=%d w=%d k=%d", cfg.sinks, cfg.window, cfg.top_k),
+  nlohmann::json params{{"scorer", name}, {"sinks", cfg.sinks}, {"window", cfg.window}, {"top_k", cfg.top_k},
+                        {"budget", cfg.budget()}, {"merge_evicted", cfg.merge_evicted}, {"queries", "tau_bswa * q"}};
+  if (cfg.chunk != 1) params["chunk"] = cfg.chunk, params["observation_window"] = cfg.observation_window;
+  return {params,
+          cfg.chunk == 1 ? fmt("s=%d w=%d k=%d", cfg.sinks, cfg.window, cfg.top_k)
+                         : fmt("s=%d w=%d k=%d C=%d obs=%d", cfg.sinks, cfg.window, cfg.top_k, cfg.chunk,
+                               cfg.observation_window),
           [cfg, scorer](const StoredInputs& i, const OutView& y) { return run_eviction<T>(cfg, scorer, i, y); }};
 }
 
@@ -116,6 +131,44 @@ MemoryKind eviction_kind(std::string id, std::string label, std::string what, bo
             cfg.merge_evicted = merge;
             return eviction_plan<T>(cfg, Scorer{}, scorer);
           }};
+}
+
+/// Positions per compression of the per-chunk rows for a prompt of P tokens (--prompt): max(2, round(P / 8)).
+inline int chunk_of_prompt(long P) { return static_cast<int>(std::max(2L, std::lround(static_cast<double>(P) / 8.0))); }
+
+/// The observation window of the compressing rows for a prompt of P tokens and chunk C (0: at its end):
+/// 64 queries (kvpress's default), at most a quarter of the prompt and the chunk, at least 1.
+inline int observation_of_prompt(long P, int chunk) {
+  long w = std::min(64L, P / 4);
+  if (chunk > 1) w = std::min<long>(w, chunk);
+  return static_cast<int>(std::max(1L, w));
+}
+
+/// A MemoryKind for the eviction scorer `Scorer` (`scorer`: its kvmem-run evict --scorer) compressed at the
+/// end of the prompt (`per_chunk` false: EvictionConfig::chunk = 0) or once per chunk of chunk_of_prompt
+/// positions, sized by eviction_sizing, observed by observation_of_prompt queries; id "<scorer>-end" or
+/// "<scorer>-chunk" ("-merge" added for the merging eviction). Runs only with --prompt (after_prompt).
+template <StorageType T, class Scorer>
+MemoryKind compressing_kind(const std::string& scorer, const std::string& label, bool per_chunk, bool merge = false) {
+  std::string id = scorer + (per_chunk ? "-chunk" : "-end") + (merge ? "-merge" : "");
+  std::string name = label + (per_chunk ? " per chunk" : " at prompt end") + (merge ? " + merge" : "");
+  MemoryKind kind{id, std::move(name),
+                  "EvictionMemory sized as " + scorer + " (the budget s + w + k is f*T rows), compressed " +
+                      (per_chunk ? std::string("once per chunk of C = max(2, round(P/8)) positions (P: --prompt)")
+                                 : std::string("at the end of the prompt (--prompt P tokens, then decode steps)")) +
+                      ", scored by the last min(64, P/4" + (per_chunk ? ", C" : "") + ") queries" +
+                      (merge ? ", each evicted row merged into its most similar kept row" : ""),
+                  false,
+                  [id, scorer, per_chunk, merge](const Inputs& in, const SizingOptions& o, double f, const std::string& label) {
+                    auto cfg = eviction_sizing(in, o, f, label, id);
+                    const long P = o.prompt < 0 ? longest(in) : o.prompt;
+                    cfg.merge_evicted = merge;
+                    cfg.chunk = per_chunk ? chunk_of_prompt(P) : 0;
+                    cfg.observation_window = observation_of_prompt(P, cfg.chunk);
+                    return eviction_plan<T>(cfg, Scorer{}, scorer);
+                  }};
+  kind.after_prompt = true;
+  return kind;
 }
 
 /// The most state rows a kvm-h2o prefill of n tokens holds at any moment. The schedule grants rows as if
@@ -156,7 +209,7 @@ Plan kvm_h2o_plan(const Inputs& in, const SizingOptions& o, double f, const std:
             return run_stored<T>(stored, y, [&](const InputsOf<T>& i, const auto& yt) {
               KvmMemoryWithRowEviction<exec, budget::PowerLaw, score::RowAccumulatedAttention, T> mem(
                   cfg, b, i.weights, static_cast<int>(i.B), evict);
-              auto stats = run_composed(mem, i, yt);
+              auto stats = run_composed(mem, i, yt, stored.prompt);
               long bytes = 0;
               for (long n : i.lengths)
                 bytes += composed_bytes<T>(kvm_h2o_peak_rows(cfg, b, evict.max_rows, n), std::min(n, cfg.window()), i.D, i.Dv);
@@ -166,7 +219,9 @@ Plan kvm_h2o_plan(const Inputs& in, const SizingOptions& o, double f, const std:
           }};
 }
 
-/// streaming, knorm, h2o, tova, their merging forms (-merge) and kvm-h2o of storage type T, in table order.
+/// streaming, knorm, h2o, tova, their merging forms (-merge), kvm-h2o and the compressing rows (snapkv-end,
+/// h2o-end, snapkv-chunk, h2o-chunk, tova-end, knorm-end, streaming-end, snapkv-end-merge) of storage type T,
+/// in table order.
 template <StorageType T>
 std::vector<MemoryKind> eviction_kinds() {
   std::vector<MemoryKind> kinds;
@@ -186,6 +241,14 @@ std::vector<MemoryKind> eviction_kinds() {
        "rows of each fold), and after every fold score::RowAccumulatedAttention evicts state rows down to R; held "
        "counts the rows a fold holds before its eviction",
        false, kvm_h2o_plan<T>});
+  for (bool per_chunk : {false, true}) {
+    kinds.push_back(compressing_kind<T, score::ObservationWindow>("snapkv", "SnapKV", per_chunk));
+    kinds.push_back(compressing_kind<T, score::AccumulatedAttention>("h2o", "H2O", per_chunk));
+  }
+  kinds.push_back(compressing_kind<T, score::LastQueryAttention>("tova", "TOVA", false));
+  kinds.push_back(compressing_kind<T, score::KeyNorm>("knorm", "KNorm", false));
+  kinds.push_back(compressing_kind<T, score::None>("streaming", "StreamingLLM", false));
+  kinds.push_back(compressing_kind<T, score::ObservationWindow>("snapkv", "SnapKV", false, true));
   return kinds;
 }
 

@@ -23,7 +23,7 @@ template <StorageType T, class Budget, class Merge = merge::WinnerTakeAll>
 RunStats run_kvm(const MemoryConfig& cfg, const Budget& budget, const StoredInputs& in, const OutView& y) {
   return run_stored<T>(in, y, [&](const InputsOf<T>& i, const auto& yt) {
     Memory<exec, Merge, Budget, score::Novelty, score::KeepRows, T> mem(cfg, budget, i.weights, static_cast<int>(i.B));
-    return run_composed(mem, i, yt);
+    return run_composed(mem, i, yt, in.prompt);
   });
 }
 

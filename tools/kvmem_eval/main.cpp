@@ -5,7 +5,14 @@
 ///   kvmem-eval --input layer.safetensors [--fractions 1/4,1/8,1/16,1/32] [--memories kvm-fixed,ovq,...]
 ///              [--dtype f32|bf16|f16] [--json out.json] [--plot out.png] [--buckets 8] [--label NAME]
 ///              [--window-share 0.25] [--window-chunks 1] [--sinks 1] [--rope-dims 0] [--no-progress]
-///              [--weights FILE ...] [--layer L] [--list-memories]
+///              [--weights FILE ...] [--layer L] [--prompt P] [--list-memories]
+///
+/// --prompt P reads the first P tokens of each sequence in one prefill (a prompt) and the others as decode
+/// steps, one token each (an answer), in every memory, and compares the outputs at the decoded positions only
+/// (t >= P): what a memory that compresses at the end of a prompt or per chunk (the rows snapkv-end, h2o-end,
+/// tova-end, knorm-end, streaming-end, snapkv-end-merge, snapkv-chunk, h2o-chunk, which run only with it and
+/// only when --memories names them) gives after the prompt. The streaming memories mean the same in a prefill
+/// and token by token, so their rows only lose the prompt's positions.
 ///
 /// The memories run in the input's token dtype (F32, BF16 or F16; F64 runs as F32) or the one --dtype
 /// names; the reference is exact causal attention in float32 over the same tokens widened to float32, so a
@@ -177,17 +184,24 @@ inline nlohmann::json evaluate(const Options& o) {
   }
   std::vector<double> fractions;
   for (const auto& f : o.fractions) fractions.push_back(parse_fraction(f));
-  const auto known_ids = memory_ids();
+  const auto known_ids = memory_ids(/*after_prompt=*/true), streaming_ids = memory_ids();
+  require(o.sizing.prompt == -1 || o.sizing.prompt >= 1, "--prompt", o.sizing.prompt,
+          "must be >= 1 (tokens read in one prefill before the decode steps)");
   for (const auto& id : o.memories) {
     std::string known;
     for (const auto& k : known_ids) known += (known.empty() ? "" : ", ") + k;
     require(std::find(known_ids.begin(), known_ids.end(), id) != known_ids.end(), "--memories", id,
             "unknown memory (known: " + known + ")");
+    require(o.sizing.prompt >= 1 || std::find(streaming_ids.begin(), streaming_ids.end(), id) != streaming_ids.end(),
+            "--memories", id,
+            "compresses at the end of a prompt or per chunk: give --prompt P (over one prefill its output is exact "
+            "attention)");
   }
 
   const auto file = io::SafetensorsFile::read(o.input);
   const auto dtype = TokenDtype::of(file, o.dtype);  // the memories' storage type
-  const StoredInputs stored = load_stored(file, dtype);
+  StoredInputs stored = load_stored(file, dtype);
+  stored.prompt = o.sizing.prompt;
   const Inputs& in = stored.f32;
   // Trained weights: for the row each file names (metadata memory_id), the inputs with its trained
   // parameters (the same token views; gate and layer weights replaced).
@@ -243,6 +257,9 @@ inline nlohmann::json evaluate(const Options& o) {
   for (long n : in.lengths) tokens += n;
   require(tokens > 0, "tensor 'lengths' (or T)", tokens, "no tokens to evaluate");
   const long T = longest(in);
+  require(o.sizing.prompt < T, "--prompt", o.sizing.prompt,
+          "must be below the longest sequence's " + std::to_string(T) + " tokens (decode steps follow the prompt)");
+  const long from = std::max(0L, o.sizing.prompt);  // the first position compared
 
   // Plans first, so a fraction no memory can be sized for fails before any work.
   struct Job {
@@ -287,6 +304,7 @@ inline nlohmann::json evaluate(const Options& o) {
   report["full_kv_bytes"] = full;
   report["sizing"] = {{"window_share", o.sizing.window_share}, {"window_chunks", o.sizing.window_chunks},
                       {"sinks", o.sizing.sinks}, {"rope_dims", o.sizing.rope_dims}};
+  report["prompt"] = o.sizing.prompt;  // -1: one prefill; else errors at the decoded positions t >= prompt
   report["memories"] = nlohmann::json::array();
   for (const auto& k : kinds)
     report["memories"].push_back({{"id", k.id}, {"label", k.label}, {"sizing", k.sizing}, {"own_size", k.own_size}});
@@ -308,7 +326,7 @@ inline nlohmann::json evaluate(const Options& o) {
       rethrow_with_flag(e);
     }
     const auto yh = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), y);
-    const auto m = compare(yh, ref, in.lengths, buckets);
+    const auto m = compare(yh, ref, in.lengths, buckets, from);
     long held_tokens = 0;
     for (long b = 0; b < in.B; ++b) held_tokens += s.rows[b] + s.window[b];
     const double peak_fraction = static_cast<double>(s.peak_bytes) / static_cast<double>(full);
@@ -353,8 +371,12 @@ inline void print_report(const nlohmann::json& r) {
   const auto dtype = r["dtype"].get<std::string>();
   std::printf("  dtype   memories in %s (input %s); the reference in float32\n", dtype.c_str(),
               r["input_dtype"].get<std::string>().c_str());
-  std::printf("  exact   causal attention over the full KV cache (%s in %s): %.3f s\n\n",
+  std::printf("  exact   causal attention over the full KV cache (%s in %s): %.3f s\n",
               mib(r["full_kv_bytes"].get<long>()).c_str(), dtype.c_str(), r["exact"]["seconds"].get<double>());
+  if (r.contains("prompt") && r["prompt"].get<long>() >= 0)
+    std::printf("  prompt  the first %ld tokens in one prefill, then decode steps; errors at positions >= %ld\n",
+                r["prompt"].get<long>(), r["prompt"].get<long>());
+  std::printf("\n");
   std::printf("%-22s %-6s %-22s %6s %7s %10s %8s %9s %8s %8s\n", "memory", "budget", "parameters", "rows", "window",
               "held", "of cache", "rel L2", "cos", "wall s");
   for (const auto& x : r["results"]) {
@@ -431,6 +453,9 @@ int main(int argc, char** argv) {
                  "for the row each names (metadata memory_id); kvm's gate needs the input's attention input x [B, T, hidden]");
   app.add_option("--layer", o.layer, "the layer of --weights (default: the input's metadata 'layer')")
       ->check(CLI::NonNegativeNumber);
+  app.add_option("--prompt", o.sizing.prompt,
+                 "P: the first P tokens in one prefill, the rest decode steps; errors at positions >= P (needed by "
+                 "the rows that compress at the end of a prompt or per chunk)");
   app.add_flag("--list-memories", o.list, "list the memories and how each is sized for a fraction, then exit");
   try {
     app.parse(argc, argv);

@@ -25,10 +25,13 @@ namespace kvmem::tools::eval {
 template <StorageType T>
 std::vector<MemoryKind> memory_kinds();
 
-/// The ids of memory_kinds(), in order (kvmem-eval's default --memories; the same for every storage type).
-inline std::vector<std::string> memory_ids() {
+/// The ids of memory_kinds(), in order (the same for every storage type); `after_prompt`: also the kinds that
+/// compress at the end of a prompt or per chunk (MemoryKind::after_prompt), which kvmem-eval's default
+/// --memories leaves out.
+inline std::vector<std::string> memory_ids(bool after_prompt = false) {
   std::vector<std::string> ids;
-  for (const auto& k : memory_kinds<float>()) ids.push_back(k.id);
+  for (const auto& k : memory_kinds<float>())
+    if (after_prompt || !k.after_prompt) ids.push_back(k.id);
   return ids;
 }
 

@@ -41,6 +41,9 @@ struct StoredInputs {
   Inputs f32;
   InputsOf<bfloat16> bf16;
   InputsOf<float16> f16;
+  /// --prompt: the first `prompt` tokens of each sequence are one prefill, the others decode steps (-1: the
+  /// whole sequence in one prefill); every family runs its memory so (timed_prefill).
+  long prompt = -1;
 
   /// The tokens in storage type T.
   template <StorageType T>
@@ -83,6 +86,7 @@ struct SizingOptions {
   int window_chunks = 1;       ///< n_b: chunks in the window (KVM); the chunk is window / n_b tokens
   int sinks = 1;               ///< S: protected sink rows (KVM; eviction rows keep 4, sizing.hpp)
   int rope_dims = 0;           ///< r: key channels zeroed before LN_s (0 for models without RoPE)
+  long prompt = -1;            ///< P (--prompt): tokens in one prefill, the rest decode steps (-1: every token)
 };
 
 /// What one run of a memory left behind (the inputs' batch; rows and window per sequence).
@@ -109,6 +113,9 @@ struct MemoryKind {
   bool own_size = false;  ///< evaluated once, at the memory its fixed parameters give (fractions ignored)
   /// The plan for the float32 inputs (their shape and lengths size it), a fraction and its label.
   std::function<Plan(const Inputs&, const SizingOptions&, double fraction, const std::string& fraction_label)> plan;
+  /// Compresses at the end of a prompt or per chunk of it (EvictionConfig::chunk != 1): runs only with
+  /// --prompt (over one prefill its output is exact attention) and is not in the default --memories.
+  bool after_prompt = false;
 };
 
 /// Longest sequence of the inputs, tokens.

@@ -33,9 +33,10 @@ struct Metrics {
   long tokens = 0;                  ///< valid (sequence, head, token) triples compared
 };
 
-/// Compares y with y* (both [B, Hq, T, Dv] on the host) over t < lengths[b].
+/// Compares y with y* (both [B, Hq, T, Dv] on the host) over from <= t < lengths[b] (kvmem-eval --prompt: the
+/// decoded positions).
 inline Metrics compare(const HostOut& y, const HostOut& ref, const std::vector<long>& lengths,
-                       const std::vector<std::pair<long, long>>& buckets) {
+                       const std::vector<std::pair<long, long>>& buckets, long from = 0) {
   const long B = static_cast<long>(ref.extent(0)), Hq = static_cast<long>(ref.extent(1));
   const long Dv = static_cast<long>(ref.extent(3));
   Metrics m;
@@ -44,7 +45,7 @@ inline Metrics compare(const HostOut& y, const HostOut& ref, const std::vector<l
   for (long b = 0; b < B; ++b)
     for (long h = 0; h < Hq; ++h) {
       std::size_t k = 0;
-      for (long t = 0; t < lengths[b]; ++t) {
+      for (long t = from; t < lengths[b]; ++t) {
         while (k + 1 < buckets.size() && t >= buckets[k].second) ++k;
         double e = 0, r = 0, yy = 0, dot = 0;
         for (long c = 0; c < Dv; ++c) {

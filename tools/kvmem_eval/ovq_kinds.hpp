@@ -38,7 +38,7 @@ RunStats run_ovq(const MemoryConfig& cfg, const StoredInputs& in, const OutView&
     const LayerWeights<mem_space> beta{{}, {}, i.weights.tau_window, i.weights.tau_window};
     OvqMemory<exec, budget::Plateau, T> mem(cfg, budget::Plateau{static_cast<double>(cfg.max_rows)}, beta,
                                             static_cast<int>(i.B));
-    return run_composed(mem, i, yt);
+    return run_composed(mem, i, yt, in.prompt);
   });
 }
 

@@ -20,12 +20,13 @@ long composed_bytes(long rows, long tokens, long D, long Dv) {
          tokens * ((D + Dv) * static_cast<long>(sizeof(T)) + static_cast<long>(sizeof(float)));
 }
 
-/// Prefills `mem` (empty, built for the inputs' batch) with the tokens `in` (storage type T) and writes
-/// y [B, Hq, T, Dv] of that type. Held memory is the facade's accounting (composed_bytes).
+/// Prefills `mem` (empty, built for the inputs' batch) with the tokens `in` (storage type T; the first
+/// `prompt` of them, the rest decode steps, when `prompt` >= 0) and writes y [B, Hq, T, Dv] of that type.
+/// Held memory is the facade's accounting (composed_bytes).
 template <class ComposedMemory, StorageType T, class Y>
-RunStats run_composed(ComposedMemory& mem, const InputsOf<T>& in, const Y& y) {
+RunStats run_composed(ComposedMemory& mem, const InputsOf<T>& in, const Y& y, long prompt = -1) {
   const auto& cfg = mem.config();
-  RunStats s = timed_prefill(mem, typename ComposedMemory::inputs{in.q, in.k, in.v, in.gate}, y, in.lengths);
+  RunStats s = timed_prefill(mem, typename ComposedMemory::inputs{in.q, in.k, in.v, in.gate}, y, in.lengths, prompt);
   for (long b = 0; b < in.B; ++b) {
     s.rows.push_back(mem.cursor(b).rows);
     s.window.push_back(mem.window_tokens(b));

@@ -13,14 +13,15 @@
 namespace kvmem::tools::eval {
 
 /// Prefills `mem` (empty, built for the inputs' batch) with `in`, lengths[b] tokens of sequence b, and
-/// writes y [B, Hq, T, Dv]. Returns the RunStats every family fills alike: the prefill's wall time and
-/// held_bytes() after it, also as the peak (the caller refines the peak and adds rows and window, which are
-/// the family's).
+/// writes y [B, Hq, T, Dv]; with `prompt` >= 0 only the first `prompt` tokens are the prefill and the others
+/// decode steps (run_tokens; kvmem-eval --prompt). Returns the RunStats every family fills alike: the wall
+/// time and held_bytes() after it, also as the peak (the caller refines the peak and adds rows and window,
+/// which are the family's).
 template <AttentionMemory M>
 RunStats timed_prefill(M& mem, const typename M::inputs& in, const typename M::tokens_out& y,
-                       const std::vector<long>& lengths) {
+                       const std::vector<long>& lengths, long prompt = -1) {
   RunStats s;
-  s.seconds = run_tokens(mem, in, y, "prefill", lengths);
+  s.seconds = run_tokens(mem, in, y, "prefill", lengths, prompt);
   s.held_bytes = s.peak_bytes = mem.held_bytes();
   return s;
 }

@@ -30,13 +30,15 @@ inline TrellisConfig trellis_config(const Inputs& in, long slots) {
   return c;
 }
 
-/// Prefills a zero TrellisMemory<exec, T> with the inputs `t` and writes yt [B, Hq, T, Dv] of type T.
+/// Prefills a zero TrellisMemory<exec, T> with the inputs `t` (the first `prompt` tokens, the rest decode
+/// steps, when `prompt` >= 0) and writes yt [B, Hq, T, Dv] of type T.
 template <StorageType T, class Y>
-RunStats prefill_trellis(const TrellisConfig& cfg, const TrellisInputs<T>& t, const Inputs& in, const Y& yt) {
+RunStats prefill_trellis(const TrellisConfig& cfg, const TrellisInputs<T>& t, const Inputs& in, const Y& yt,
+                         long prompt = -1) {
   using memory_t = TrellisMemory<exec, T>;
   memory_t mem(cfg, static_cast<int>(in.B));
   RunStats s = timed_prefill(mem, typename memory_t::inputs{t.q, t.k, t.v, t.alpha, t.forget, t.step, t.forget, t.step},
-                             yt, in.lengths);
+                             yt, in.lengths, prompt);
   s.rows.assign(in.B, cfg.slots);
   s.window.assign(in.B, 0);
   return s;
@@ -50,7 +52,9 @@ template <StorageType T>
 RunStats run_trellis(const TrellisConfig& cfg, const StoredInputs& stored, const OutView& y) {
   const Inputs& in = stored.f32;
   const auto t = make_trellis_inputs<T>(in, cfg.slots);
-  return run_stored<T>(stored, y, [&](const InputsOf<T>&, const auto& yt) { return prefill_trellis<T>(cfg, t, in, yt); });
+  return run_stored<T>(stored, y, [&](const InputsOf<T>&, const auto& yt) {
+    return prefill_trellis<T>(cfg, t, in, yt, stored.prompt);
+  });
 }
 
 /// trellis of storage type T, in table order.
