@@ -34,33 +34,23 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "capture"))
 sys.path.insert(0, HERE)
+import continuation  # noqa: E402
 import kvpress_presses  # noqa: E402
 import lm_memories  # noqa: E402
 import parallel_runs  # noqa: E402
 from calibrate import parse_fraction  # noqa: E402
 from capture import CaptureError  # noqa: E402
+from continuation import load  # noqa: E402  (parallel_runs' loader: the model in its dtype, its own attention)
 from end_to_end import Progress, needle_cases, parse_depths, pick_facts, score_needle, text_tokens  # noqa: E402
 
 DEFAULT_MEMORIES = ("snapkv-end", "h2o-end", "tova-end", "knorm-end", "streaming-end", "snapkv-end-merge",
                     "h2o-end-merge", "snapkv-chunk", "h2o-chunk", "h2o", "tova", "streaming-merge")
 
 
-def load(model_name: str, dtype: str):
-    """(model, tokenizer) in `dtype`, with the model's own attention (parallel_runs' loader)."""
-    import causal_lm
-
-    model, tok, _ = causal_lm.load_model(model_name)
-    model = model.to(getattr(torch, dtype))
-    model.set_attn_implementation("sdpa")
-    return model, tok
-
-
 def case_logits(model, tok, case: dict, kind: str, name: str, fraction: float) -> tuple[torch.Tensor, dict]:
     """Logits [T - P + 1, vocab] of positions P - 1 .. T - 1 of the case (P: its prompt tokens), read through
     kvmem memory `name` (kind "kvmem"), kvpress press `name` (kind "kvpress") or the full cache (kind "full",
     one forward), and what was held."""
-    import continuation
-
     ids, P = case["ids"], case["prompt"]
     if kind == "full":
         with torch.no_grad():
@@ -94,20 +84,6 @@ def run(model, tok, job: dict) -> dict:
             "peak_tokens_mean": sum(peak) / n, "needles": needles, "seconds": time.time() - t0}
 
 
-def when(row: dict) -> str:
-    """When a row's memory compresses, in words."""
-    if row["kind"] == "kvpress":
-        return "prompt end (kvpress)"
-    if row["kind"] == "full":
-        return "never"
-    m = row["memory"]
-    if "-end" in m:
-        return "prompt end (chunk 0)"
-    if m.endswith("-chunk"):
-        return f"per chunk of {lm_memories.CHUNK_SHARE:.3g} of the prompt"
-    return "every token"
-
-
 def markdown(report: dict) -> str:
     """The report as a table: a row per memory or press, per fraction the needles found (of the cases) and
     the mean peak held tokens as a share of the mean prompt."""
@@ -129,7 +105,7 @@ def markdown(report: dict) -> str:
             label = r["label"]
             cells.append(f"{r['found']} of {r['cases']} ({r['peak_tokens_mean'] / prompt:.2f})")
         first = next(r for r in report["results"] if (r["kind"], r["memory"]) == (kind, m))
-        lines.append(f"| {label} | {when(first)} | " + " | ".join(cells) + " |")
+        lines.append(f"| {label} | {continuation.when(first)} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 
