@@ -7,16 +7,11 @@ kvpress with scripts/lib/env.sh kvmem_kvpress_install).
 """
 from __future__ import annotations
 
-import os
 import sys
 
 import pytest
 import torch
 
-sys.dont_write_bytecode = True
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.join(ROOT, "tools", "capture"))
-sys.path.insert(0, os.path.join(ROOT, "tools", "fidelity"))
 import after_prompt  # noqa: E402
 import continuation  # noqa: E402
 import kvpress_presses  # noqa: E402
@@ -25,16 +20,10 @@ import parallel_runs  # noqa: E402
 
 
 @pytest.fixture(scope="module")
-def tiny():
-    """A Llama with 2 layers, 4 query heads, 2 kv-heads, head_dim 16, random weights, float32, SDPA."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
-    model = LlamaForCausalLM(cfg).eval()
-    model.set_attn_implementation("sdpa")
-    return model
+def model(tiny):
+    """conftest's tiny Llama, read with SDPA."""
+    tiny.set_attn_implementation("sdpa")
+    return tiny
 
 
 def case(T: int, prompt: int, seed: int) -> dict:
@@ -49,51 +38,51 @@ def job(kind: str, name: str, fraction: float, cases: list[dict]) -> dict:
             "cases": cases}
 
 
-def test_a_memory_that_holds_everything_decodes_the_model_after_the_prompt(tiny):
+def test_a_memory_that_holds_everything_decodes_the_model_after_the_prompt(model):
     """A prompt-end or per-chunk memory whose budget holds every token gives the full cache's logits at every
     position after the prompt, so it finds what the full cache finds with the same log-probability."""
     cases = [case(100, 90, 1), case(120, 100, 2)]
-    full = after_prompt.run(tiny, None, job("full", "full", 1.0, cases))
+    full = after_prompt.run(model, None, job("full", "full", 1.0, cases))
     for memory in ("snapkv-end", "h2o-chunk", "h2o"):
-        got = after_prompt.run(tiny, None, job("kvmem", memory, 1.4, cases))  # 1.4 x the prompt: every token
+        got = after_prompt.run(model, None, job("kvmem", memory, 1.4, cases))  # 1.4 x the prompt: every token
         assert got["found"] == full["found"] and got["cases"] == 2
         assert got["logprob_mean"] == pytest.approx(full["logprob_mean"], abs=1e-3)
 
 
-def test_a_small_memory_after_the_prompt_is_not_the_model(tiny):
+def test_a_small_memory_after_the_prompt_is_not_the_model(model):
     """At 1/4 of the prompt the decoded positions read a compressed cache: their logits differ from the model's,
     the prompt's last position does not (the prefill attends the whole prompt exactly)."""
     c = case(100, 90, 3)
     with torch.no_grad():
-        own = tiny(c["ids"]).logits[0, 89:]
-    got, sizes = after_prompt.case_logits(tiny, None, c, "kvmem", "snapkv-end", 0.25)
+        own = model(c["ids"]).logits[0, 89:]
+    got, sizes = after_prompt.case_logits(model, None, c, "kvmem", "snapkv-end", 0.25)
     torch.testing.assert_close(got[0], own[0], rtol=1e-4, atol=1e-5)
     assert (got[1:] - own[1:]).abs().max() > 1e-3
     assert sizes == {"held_tokens": 22, "peak_tokens": 91, "held_bytes": sizes["held_bytes"]}
     assert sizes["held_bytes"] > 0
 
 
-def test_kvpress_at_this_transformers(tiny):
+def test_kvpress_at_this_transformers(model):
     """kvpress 0.5.5 through kvpress_presses: without a press its loop is the model's own forward; a press
     compresses each layer to kept_tokens at the end of the prefill (the adapted hook fires) and the decoded
     positions then differ from the model's; decode steps do not compress again."""
     ids = torch.randint(0, 97, (1, 110), generator=torch.Generator().manual_seed(4))
-    assert kvpress_presses.full_cache_check(tiny, ids, 100) < 1e-4
+    assert kvpress_presses.full_cache_check(model, ids, 100) < 1e-4
     from transformers import DynamicCache
 
     for press_id in ("kvpress-snapkv", "kvpress-knorm", "kvpress-streaming", "kvpress-tova"):
-        press = kvpress_presses.make(press_id, 0.25, tiny, None)
+        press = kvpress_presses.make(press_id, 0.25, model, None)
         cache = DynamicCache()
-        with torch.no_grad(), press(tiny):
-            tiny(input_ids=ids[:, :100], past_key_values=cache, use_cache=True)
+        with torch.no_grad(), press(model):
+            model(input_ids=ids[:, :100], past_key_values=cache, use_cache=True)
             kept = kvpress_presses.kept_tokens(100, 0.25)
             assert kept == 25
             assert all(layer.keys.shape[-2] == kept for layer in cache.layers), press_id
-            tiny(ids[:, 100:101], past_key_values=cache, use_cache=True, position_ids=torch.tensor([[100]]))
+            model(ids[:, 100:101], past_key_values=cache, use_cache=True, position_ids=torch.tensor([[100]]))
             assert all(layer.keys.shape[-2] == kept + 1 for layer in cache.layers), press_id
-        got = kvpress_presses.prefill_decode(tiny, ids, 100, kvpress_presses.make(press_id, 0.25, tiny, None))
+        got = kvpress_presses.prefill_decode(model, ids, 100, kvpress_presses.make(press_id, 0.25, model, None))
         with torch.no_grad():
-            own = tiny(ids).logits[0, 99:]
+            own = model(ids).logits[0, 99:]
         assert got.shape == own.shape
         assert (got[1:] - own[1:]).abs().max() > 1e-3, press_id
     assert kvpress_presses.installed_versions()["kvpress"] == kvpress_presses.KVPRESS_VERSION
@@ -106,12 +95,12 @@ def test_kvpress_at_this_transformers(tiny):
     assert ALL_ATTENTION_FUNCTIONS["sdpa"].__closure__[0].cell_contents.__qualname__ != "attention_patch.<locals>.wrapper"
 
 
-def test_kvpress_rows_and_errors(tiny):
+def test_kvpress_rows_and_errors(model):
     with pytest.raises(ValueError, match="press = 'kvpress-lru': unknown"):
-        kvpress_presses.make("kvpress-lru", 0.25, tiny, None)
+        kvpress_presses.make("kvpress-lru", 0.25, model, None)
     with pytest.raises(ValueError, match="fraction = 1.0: must be in"):
-        kvpress_presses.make("kvpress-snapkv", 1.0, tiny, None)
-    r = after_prompt.run(tiny, None, job("kvpress", "kvpress-knorm", 0.25, [case(100, 90, 5)]))
+        kvpress_presses.make("kvpress-snapkv", 1.0, model, None)
+    r = after_prompt.run(model, None, job("kvpress", "kvpress-knorm", 0.25, [case(100, 90, 5)]))
     assert r["held_tokens_mean"] == 22 and r["peak_tokens_mean"] == 90 and r["cases"] == 1
 
 

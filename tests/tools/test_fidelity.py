@@ -13,28 +13,12 @@ import numpy as np
 import pytest
 import torch
 
-sys.dont_write_bytecode = True
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.join(ROOT, "tools", "capture"))
-sys.path.insert(0, os.path.join(ROOT, "tools", "fidelity"))
-sys.path.insert(0, os.path.join(ROOT, "tools", "distill"))
 import calibrate  # noqa: E402
 import causal_lm  # noqa: E402
 import continuation  # noqa: E402
 import end_to_end  # noqa: E402
 import lm_memories  # noqa: E402
 from capture import neutral_kvm_inputs, read_safetensors, write_safetensors  # noqa: E402
-
-
-@pytest.fixture(scope="module")
-def tiny():
-    """A Llama with 2 layers, 4 query heads, 2 kv-heads, head_dim 16, random weights, float32."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
-    return LlamaForCausalLM(cfg).eval()
 
 
 class WordTokenizer:

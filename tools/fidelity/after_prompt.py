@@ -38,9 +38,8 @@ import continuation  # noqa: E402
 import kvpress_presses  # noqa: E402
 import lm_memories  # noqa: E402
 import parallel_runs  # noqa: E402
-from calibrate import parse_fraction  # noqa: E402
 from capture import CaptureError  # noqa: E402
-from continuation import load  # noqa: E402  (parallel_runs' loader: the model in its dtype, its own attention)
+from continuation import load, parse_runs  # noqa: E402  (parallel_runs' loader: the model in its dtype, its own attention)
 from end_to_end import Progress, needle_cases, parse_depths, pick_facts, score_needle, text_tokens  # noqa: E402
 
 DEFAULT_MEMORIES = ("snapkv-end", "h2o-end", "tova-end", "knorm-end", "streaming-end", "snapkv-end-merge",
@@ -129,22 +128,9 @@ def main(argv=None) -> int:
     try:
         import kvmem
 
-        fractions = [(s, parse_fraction(s)) for s in args.fractions.split(",")]
-        memories = [m for m in args.memories.split(",") if m]
-        presses = [p for p in args.presses.split(",") if p]
-        for m in memories:
-            if m not in lm_memories.LABELS or m in lm_memories.WEIGHTS_ONLY:
-                raise ValueError(f"--memories: {m!r} unknown (known: "
-                                 f"{', '.join(x for x in lm_memories.LABELS if x not in lm_memories.WEIGHTS_ONLY)})")
-        for p in presses:
-            if p not in kvpress_presses.PRESSES:
-                raise ValueError(f"--presses: {p!r} unknown (known: {', '.join(kvpress_presses.PRESSES)})")
-        if presses:
-            kvpress_presses.load()
+        fractions, runs = parse_runs(args)
         if args.needle_tokens < 1:
             raise ValueError(f"--needle-tokens {args.needle_tokens}: must be at least 1")
-        if args.jobs < 1:
-            raise ValueError(f"--jobs {args.jobs}: must be at least 1")
         depths, facts = parse_depths(args.depths), pick_facts(args.facts)
         model, tok = load(args.model, args.dtype)
         haystacks = [text_tokens(p, tok, args.needle_tokens, flag)
@@ -157,15 +143,14 @@ def main(argv=None) -> int:
         print(f"after_prompt: error: {e}", file=sys.stderr)
         return 2
 
-    jobs = [{"kind": "kvmem", "name": m, "label": lm_memories.LABELS[m]} for m in memories]
-    jobs += [{"kind": "kvpress", "name": p, "label": kvpress_presses.label(p)} for p in presses]
     jobs = [{**j, "fraction_label": fl, "fraction": f, "cases": cases, "describe": f"{j['name']} at {fl}"}
-            for j in jobs for fl, f in fractions]
+            for j in runs for fl, f in fractions]
     progress = Progress(len(jobs) + 1)
     progress.step(f"full KV cache ({len(cases)} cases)")
     full = run(model, tok, {"kind": "full", "name": "full", "label": "full KV cache", "fraction_label": "1",
                             "fraction": 1.0, "cases": cases})
-    check = kvpress_presses.full_cache_check(model, cases[0]["ids"], cases[0]["prompt"]) if presses else None
+    check = (kvpress_presses.full_cache_check(model, cases[0]["ids"], cases[0]["prompt"])
+             if any(j["kind"] == "kvpress" for j in runs) else None)
     results = parallel_runs.map_jobs("after_prompt", args.model, args.dtype, jobs, args.jobs, progress.step)
     report = {"tool": "tools/fidelity/after_prompt.py", "model": args.model, "dtype": args.dtype,
               "backend": kvmem.backend(), "versions": kvpress_presses.installed_versions(),

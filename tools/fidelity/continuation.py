@@ -131,6 +131,28 @@ def run(model, tok, job: dict) -> dict:
             "fraction": f, **score(logits, ids[0, P:], job["full_argmax"]), **sizes, "seconds": time.time() - t0}
 
 
+def parse_runs(args) -> tuple[list[tuple[str, float]], list[dict]]:
+    """(fractions as (label, value), runs as {"kind", "name", "label"}) of a tool's --fractions, --memories
+    (kvmem, lm_memories ids) and --presses (kvpress_presses ids), checked with --jobs before any work (kvpress
+    loaded when a press is asked for). Raises ValueError naming the flag, KvpressError when kvpress is missing."""
+    if args.jobs < 1:
+        raise ValueError(f"--jobs {args.jobs}: must be at least 1")
+    fractions = [(s, parse_fraction(s)) for s in args.fractions.split(",")]
+    memories = [m for m in args.memories.split(",") if m]
+    presses = [p for p in args.presses.split(",") if p]
+    for m in memories:
+        if m not in lm_memories.LABELS or m in lm_memories.WEIGHTS_ONLY:
+            raise ValueError(f"--memories: {m!r} unknown (known: "
+                             f"{', '.join(x for x in lm_memories.LABELS if x not in lm_memories.WEIGHTS_ONLY)})")
+    for p in presses:
+        if p not in kvpress_presses.PRESSES:
+            raise ValueError(f"--presses: {p!r} unknown (known: {', '.join(kvpress_presses.PRESSES)})")
+    if presses:
+        kvpress_presses.load()
+    return fractions, ([{"kind": "kvmem", "name": m, "label": lm_memories.LABELS[m]} for m in memories] +
+                       [{"kind": "kvpress", "name": p, "label": kvpress_presses.label(p)} for p in presses])
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--output", required=True, help="JSON report")
@@ -153,20 +175,7 @@ def main(argv=None) -> int:
         if args.prompt_tokens < 2 or args.continuation_tokens < 1:
             raise ValueError(f"--prompt-tokens {args.prompt_tokens} and --continuation-tokens "
                              f"{args.continuation_tokens}: need at least 2 and 1")
-        if args.jobs < 1:
-            raise ValueError(f"--jobs {args.jobs}: must be at least 1")
-        fractions = [(s, parse_fraction(s)) for s in args.fractions.split(",")]
-        memories = [m for m in args.memories.split(",") if m]
-        presses = [p for p in args.presses.split(",") if p]
-        for m in memories:
-            if m not in lm_memories.LABELS or m in lm_memories.WEIGHTS_ONLY:
-                raise ValueError(f"--memories: {m!r} unknown (known: "
-                                 f"{', '.join(x for x in lm_memories.LABELS if x not in lm_memories.WEIGHTS_ONLY)})")
-        for p in presses:
-            if p not in kvpress_presses.PRESSES:
-                raise ValueError(f"--presses: {p!r} unknown (known: {', '.join(kvpress_presses.PRESSES)})")
-        if presses:
-            kvpress_presses.load()
+        fractions, runs = parse_runs(args)
         for _, f in fractions:
             lm_memories.budget_split(args.prompt_tokens, f)  # a fraction too small fails before any work
         model, tok = load(args.model, args.dtype)
@@ -180,14 +189,13 @@ def main(argv=None) -> int:
 
     P = args.prompt_tokens
     targets = ids[0, P:]
-    jobs = [{"kind": "kvmem", "name": m, "label": lm_memories.LABELS[m]} for m in memories]
-    jobs += [{"kind": "kvpress", "name": p, "label": kvpress_presses.label(p)} for p in presses]
+    jobs = runs
     progress = Progress(1 + len(jobs) * len(fractions))
     progress.step("full KV cache")
     with torch.no_grad():
         full_logits = model(ids).logits[0, P - 1:-1]
     full = score(full_logits, targets, None)
-    check = kvpress_presses.full_cache_check(model, ids, P) if presses else None
+    check = kvpress_presses.full_cache_check(model, ids, P) if any(j["kind"] == "kvpress" for j in runs) else None
     jobs = [{**j, "fraction_label": fl, "fraction": f, "ids": ids, "prompt": P, "full_argmax": full_logits.argmax(-1),
              "describe": f"{j['name']} at {fl}"} for j in jobs for fl, f in fractions]
     results = parallel_runs.map_jobs("continuation", args.model, args.dtype, jobs, args.jobs, progress.step)
