@@ -27,7 +27,7 @@
 #include <utility>
 #include <vector>
 
-#include <kvmem/kernels/exact_attention.hpp>
+#include <kvmem/kernels/readout/exact_attention.hpp>
 #include <kvmem/kvmem.hpp>
 
 namespace kvbench {

@@ -5,7 +5,7 @@
 
 #include "eviction_config.hpp"
 #include "eviction_memory.hpp"
-#include "kernels/snapkv.hpp"
+#include "kernels/eviction/snapkv.hpp"
 #include "policy/score/accumulated_attention.hpp"
 #include "policy/score/key_norm.hpp"
 #include "policy/score/last_query_attention.hpp"

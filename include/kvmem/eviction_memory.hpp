@@ -14,11 +14,11 @@
 
 #include "errors.hpp"
 #include "eviction_config.hpp"
-#include "kernels/decode_plan.hpp"
-#include "kernels/eviction_prompt.hpp"
-#include "kernels/eviction_step.hpp"
-#include "kernels/exact_attention.hpp"
-#include "kernels/zero_tail.hpp"
+#include "kernels/plan/decode_plan.hpp"
+#include "kernels/eviction/eviction_prompt.hpp"
+#include "kernels/eviction/eviction_step.hpp"
+#include "kernels/readout/exact_attention.hpp"
+#include "kernels/common/zero_tail.hpp"
 #include "policy/score/eviction_scorer.hpp"
 #include "prompt_calls.hpp"
 #include "state/eviction_cache.hpp"
@@ -148,16 +148,10 @@ class EvictionMemory : public detail::PromptCalls<EvictionMemory<ExecSpace, Scor
     const auto& [q, k, v] = in;
     const long T = static_cast<long>(q.extent(2));
     check_inputs(q, k, v, y, T, where);
-    check_lse(lse, T, where);
-    if (!lengths.empty())
-      require(static_cast<long>(lengths.size()) == batch(), "lengths.size()", lengths.size(),
-              "must equal the batch size " + std::to_string(batch()));
+    detail::check_lse_view(lse, where, batch(), cfg_.query_heads, T);
+    detail::check_lengths(lengths, batch(), T);
     bool ragged = false;
-    for (long b = 0; b < batch(); ++b) {
-      const long n = lengths.empty() ? T : lengths[b];
-      require(n >= 0 && n <= T, "lengths[" + std::to_string(b) + "]", n, "must be in [0, T = " + std::to_string(T) + "]");
-      ragged = ragged || n < T;
-    }
+    for (long b = 0; b < batch(); ++b) ragged = ragged || (!lengths.empty() && lengths[b] < T);
     sync();
     state::check_slots(call, this->strict_slots_, batch(), lengths, T, [&](long b) { return tokens_.host(b); });
     if (cfg_.chunk == 0)  // the observation window reads the prompt's last queries: a prompt has that many
@@ -221,7 +215,7 @@ class EvictionMemory : public detail::PromptCalls<EvictionMemory<ExecSpace, Scor
   void decode(const inputs& in, const tokens_out& y, std::span<const unsigned char> active, const lse_out& lse) {
     const auto& [q, k, v] = in;
     check_decode(q, k, v, y);
-    check_lse(lse, 1, "decode");
+    detail::check_lse_view(lse, "decode", batch(), cfg_.query_heads, 1);
     sync();
     state::check_slots(state::SlotCall::decode, this->strict_slots_, batch(), active, [&](long b) { return tokens_.host(b); });
     set_active(active);
@@ -235,7 +229,7 @@ class EvictionMemory : public detail::PromptCalls<EvictionMemory<ExecSpace, Scor
   void decode_async(const inputs& in, const tokens_out& y, const lse_out& lse) {
     const auto& [q, k, v] = in;
     check_decode(q, k, v, y);
-    check_lse(lse, 1, "decode");
+    detail::check_lse_view(lse, "decode", batch(), cfg_.query_heads, 1);
     if (tokens_.shared()) {  // a host backend: the host advances the counts the kernel reads
       run(in, y, lse, active_, /*wait=*/false, /*decode=*/true);
     } else {  // launches only (perhaps captured): pending_ keeps its rows until a fenced decode() clears it
@@ -358,8 +352,7 @@ class EvictionMemory : public detail::PromptCalls<EvictionMemory<ExecSpace, Scor
   /// Tokens sequence b has seen since construction or reset(). Throws kvmem::invalid_argument for b outside
   /// [0, B) or when decode_async steps ran on a GPU since the last sync().
   [[nodiscard]] long tokens(long b) const {
-    require(b >= 0 && b < batch(), "b", b, "must be in [0, batch = " + std::to_string(batch()) + ")");
-    require(!tokens_.ahead(), "tokens(b)", b, "the device is ahead after decode_async: call sync() first");
+    detail::check_sequence(b, batch(), tokens_.ahead(), "tokens(b)");
     return tokens_.host(b);
   }
   /// The device cache (slots, positions, statistics, order), for inspection.
@@ -411,12 +404,8 @@ class EvictionMemory : public detail::PromptCalls<EvictionMemory<ExecSpace, Scor
     for (long b = 0; b < batch(); ++b)
       if (active.host(b) != 0) pending_[b] = 0;
   }
-  void check_lse(const lse_out& lse, long T, const char* where) const {
-    if (lse.data() != nullptr)
-      detail::check_token_view(lse, "lse", where, batch(), {cfg_.query_heads, "the query heads Hq"}, T, {0, ""});
-  }
   void check_decode(const tokens_in& q, const tokens_in& k, const tokens_in& v, const tokens_out& y) const {
-    if (q.extent(2) != 1) throw invalid_argument(detail::describe("q.extent(2)", q.extent(2), "decode takes one token per sequence"));
+    detail::check_one_token(q);
     check_inputs(q, k, v, y, 1, "decode");
   }
 

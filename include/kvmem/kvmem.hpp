@@ -6,7 +6,7 @@
 #include "dtype.hpp"
 #include "errors.hpp"
 #include "eviction.hpp"
-#include "kernels/exact_attention.hpp"
+#include "kernels/readout/exact_attention.hpp"
 #include "memory.hpp"
 #include "memory_concept.hpp"
 #include "policy/budget/fixed.hpp"

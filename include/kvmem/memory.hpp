@@ -13,13 +13,11 @@
 #include "config.hpp"
 #include "dtype.hpp"
 #include "errors.hpp"
-#include "kernels/decode_plan.hpp"
-#include "kernels/flashinfer_readout.hpp"
-#include "kernels/readout.hpp"
-#include "kernels/row_eviction.hpp"
-#include "kernels/step_plan.hpp"
-#include "kernels/update.hpp"
-#include "kernels/window_write.hpp"
+#include "kernels/plan/decode_plan.hpp"
+#include "kernels/readout/readout.hpp"
+#include "kernels/update/row_eviction.hpp"
+#include "kernels/plan/step_plan.hpp"
+#include "kernels/update/update.hpp"
 #include "policy/budget/concept.hpp"
 #include "policy/layer_weights.hpp"
 #include "policy/merge/concept.hpp"
@@ -164,17 +162,10 @@ class Memory : public detail::PromptCalls<Memory<ExecSpace, Merge, Budget, Score
     const auto& [q, k, v, gate] = in;
     const long T = static_cast<long>(q.extent(2));
     check_inputs(q, k, v, gate, y, T, where);
-    check_lse(lse, T, where);
+    detail::check_lse_view(lse, where, batch(), cfg_.query_heads, T);
+    detail::check_lengths(lengths, batch(), T);
     std::vector<long> len(batch(), T);
-    if (!lengths.empty()) {
-      require(static_cast<long>(lengths.size()) == batch(), "lengths.size()", lengths.size(),
-              "must equal the batch size " + std::to_string(batch()));
-      for (long b = 0; b < batch(); ++b) {
-        require(lengths[b] >= 0 && lengths[b] <= T, "lengths[" + std::to_string(b) + "]", lengths[b],
-                "must be in [0, T = " + std::to_string(T) + "]");
-        len[b] = lengths[b];
-      }
-    }
+    if (!lengths.empty()) std::copy(lengths.begin(), lengths.end(), len.begin());
     sync();
     state::check_slots(call, this->strict_slots_, batch(), lengths, T, [&](long b) { return cursors_.host(b).tokens; });
     // Sequences that hold tokens continue through the decode step; the others start chunk-parallel.
@@ -201,7 +192,7 @@ class Memory : public detail::PromptCalls<Memory<ExecSpace, Merge, Budget, Score
   void decode(const inputs& in, const tokens_out& y, std::span<const unsigned char> active, const lse_out& lse) {
     const auto& [q, k, v, gate] = in;
     check_decode(q, k, v, gate, y);
-    check_lse(lse, 1, "decode");
+    detail::check_lse_view(lse, "decode", batch(), cfg_.query_heads, 1);
     sync();
     state::check_slots(state::SlotCall::decode, this->strict_slots_, batch(), active,
                        [&](long b) { return cursors_.host(b).tokens; });
@@ -260,7 +251,7 @@ class Memory : public detail::PromptCalls<Memory<ExecSpace, Merge, Budget, Score
   void decode_async(const inputs& in, const tokens_out& y, const lse_out& lse) {
     const auto& [q, k, v, gate] = in;
     check_decode(q, k, v, gate, y);
-    check_lse(lse, 1, "decode");
+    detail::check_lse_view(lse, "decode", batch(), cfg_.query_heads, 1);
     if (cursors_.shared()) {  // a host backend: the host plans in place
       for (long b = 0; b < batch(); ++b)
         if (active_.host(b) != 0) cfg_.check_sinks(cursors_.host(b).tokens + 1);
@@ -313,14 +304,8 @@ class Memory : public detail::PromptCalls<Memory<ExecSpace, Merge, Budget, Score
     if constexpr (RowPolicy::evicts)  // a verbatim first chunk holds C rows before any eviction
       rows = std::min(rows, std::max(row_policy_.max_rows, Merge::first_chunk_verbatim ? C : 0L) + C);
     rows_.grow(std::max({rows, C, 1L}));
-    // A split-KV decode step's partials, whatever set_decode_splits says now, so that no replay allocates.
-    const long splits = kernels::readout_max_splits(rows_.capacity(), ring_.slots());
-    if (splits > 1) split_work_.reserve(exec_, batch() * cfg_.query_heads, splits, cfg_.value_dim);
-    if constexpr (kernels::flashinfer_readout_built<ExecSpace, Storage>) {  // the tensor-core readout's buffers
-      const auto sh = kernels::flashinfer_readout_shape(cfg_, batch(), 1, rows_.capacity(), ring_.slots());
-      fi_work_.reserve(exec_, batch(), 1, cfg_.query_heads, cfg_.kv_heads, rows_.capacity(), ring_.slots(),
-                       cfg_.value_dim, sh.most_blocks(), sh.most_chunks());
-    }
+    // The readout's buffers for a decode step in any form (split-KV, tensor cores), so that no replay allocates.
+    readout_.reserve_decode(exec_, cfg_, batch(), rows_.capacity(), ring_.slots());
     horizon_ = tokens;
   }
 
@@ -328,8 +313,8 @@ class Memory : public detail::PromptCalls<Memory<ExecSpace, Merge, Budget, Score
   /// (kernels::DecodeSplits: split-KV decode where the step has fewer teams than the backend has threads, or
   /// forced either way). Every choice gives the same bits; a GPU graph captured before a change replays the
   /// schedule it captured.
-  void set_decode_splits(kernels::DecodeSplits mode) { decode_splits_ = mode; }
-  [[nodiscard]] kernels::DecodeSplits decode_splits() const { return decode_splits_; }
+  void set_decode_splits(kernels::DecodeSplits mode) { readout_.decode_splits = mode; }
+  [[nodiscard]] kernels::DecodeSplits decode_splits() const { return readout_.decode_splits; }
 
   /// Which kernel the readout runs (kernels::ReadoutPath): `automatic` (the default) takes FlashInfer's
   /// tensor cores where kernels::flashinfer_readout_applies (Kokkos::Cuda, 16-bit storage, a build linking
@@ -337,14 +322,17 @@ class Memory : public detail::PromptCalls<Memory<ExecSpace, Merge, Budget, Score
   /// state (rows, counts, window) is the same bit for bit either way: no merge reads the readout; y and lse
   /// differ within docs/numerics.md, "The readout on tensor cores". A GPU graph captured before a change
   /// replays the path it captured.
-  void set_readout_path(kernels::ReadoutPath path) { readout_path_ = path; }
-  [[nodiscard]] kernels::ReadoutPath readout_path() const { return readout_path_; }
+  void set_readout_path(kernels::ReadoutPath path) { readout_.path = path; }
+  [[nodiscard]] kernels::ReadoutPath readout_path() const { return readout_.path; }
+  /// The form the last step's readout took (kernels::ReadoutForm: tensor cores, split-KV, the tile readout
+  /// writing the window or after write_window), as kernels::readout_step chose it; `tiles` before any step.
+  [[nodiscard]] kernels::ReadoutForm readout_form() const { return readout_.form; }
   /// Whether this build can run this memory's readout on tensor cores (kernels::flashinfer_readout_built).
   static constexpr bool tensor_core_readout_built = kernels::flashinfer_readout_built<ExecSpace, Storage>;
   /// Whether a step with queries `q` [B, Hq, T, D] runs its readout on tensor cores under the current
   /// readout_path() (kernels::flashinfer_readout_applies: the layout of q and the memory's sizes).
   [[nodiscard]] bool tensor_core_readout(const tokens_in& q) const {
-    return kernels::flashinfer_readout_applies<ExecSpace, Storage>(readout_path_, cfg_, rows_, ring_, q,
+    return kernels::flashinfer_readout_applies<ExecSpace, Storage>(readout_.path, cfg_, rows_, ring_, q,
                                                                    RowPolicy::needs_probabilities);
   }
 
@@ -421,8 +409,7 @@ class Memory : public detail::PromptCalls<Memory<ExecSpace, Merge, Budget, Score
   /// Throws kvmem::invalid_argument for b outside [0, B) or when decode_async steps ran on a GPU since the
   /// last sync() (the host's counts are then behind the device's).
   [[nodiscard]] const state::SequenceCursor& cursor(long b) const {
-    require(b >= 0 && b < batch(), "b", b, "must be in [0, batch = " + std::to_string(batch()) + ")");
-    require(!cursors_.ahead(), "cursor(b)", b, "the device is ahead after decode_async: call sync() first");
+    detail::check_sequence(b, batch(), cursors_.ahead(), "cursor(b)");
     return cursors_.host(b);
   }
   /// Tokens sequence b has seen (cursor(b).tokens). Throws as cursor(b).
@@ -599,58 +586,24 @@ class Memory : public detail::PromptCalls<Memory<ExecSpace, Merge, Budget, Score
     }
     return host_bounds(queries, block);
   }
-  /// Launches a step planned in plan_.device: window write, then (lazy policies) the fold, the readout, row
-  /// statistics, then (eager policies) the fold. Where the readout has one team per (sequence, kv-head) (a
-  /// decode step, or a prefill step short enough for one team), that team writes the window instead
-  /// (kernels::readout_writes_window), except on a step whose lazy fold runs before the readout (the fold may
-  /// read the new token). No fence, no copy.
+  /// Launches a step planned in plan_.device: the readout (kernels::readout_step: it chooses its form, writes
+  /// the window and reads) with a lazy policy's fold between its window write and its read, the row
+  /// statistics, then an eager policy's fold. A lazy fold of a block > 0 may read the new tokens (a sink, a
+  /// verbatim first chunk), so the window is then written before it. No fence, no copy.
   void run_step(const inputs& in, const tokens_out& y, const lse_out& lse, const Bounds& bd, bool update_first) {
     const auto& [q, k, v, gate] = in;
     const auto w = LayerWeightsRef::of(weights_);
     auto update = [&] {
       kernels::update_state<Merge, Scorer, RowPolicy::evicts>(exec_, cfg_, w, rows_, ring_, scratch_, plan_, bd.block);
     };
-    // Where a kv-head's window has one readout team (a decode step, a short prefill step), that team writes
-    // the token itself, unless a lazy fold runs before the readout: the fold may read the new token (a sink,
-    // a verbatim first chunk), so the token is written before it.
-    // A decode step whose keys may span several splits, with fewer teams than threads, runs them split-KV
-    // (kernels::DecodeSplits): its window has several readout teams then.
-    // On tensor cores (kernels::flashinfer_readout) the window is written first, and a decode step runs
-    // unsplit: FlashInfer's CTAs cover the keys of a (sequence, kv-head).
-    const bool tensor_cores = kernels::flashinfer_readout_applies<ExecSpace, Storage>(
-        readout_path_, cfg_, rows_, ring_, q, RowPolicy::needs_probabilities);
-    if (tensor_cores)
-      split_work_.splits = 1;
-    else
-      prepare_split_work(bd.tokens);
-    const bool fused = !tensor_cores && split_work_.splits == 1 &&
-                       kernels::readout_writes_window<ExecSpace>(cfg_, bd.tokens) && !(update_first && bd.block > 0);
-    if (!fused) kernels::write_window<Merge>(exec_, cfg_, ring_, plan_, k, v, gate, bd.tokens);
-    if (update_first) update();
-    if (tensor_cores)
-      kernels::flashinfer_readout<Merge>(exec_, cfg_, w, rows_, ring_, plan_, q, y, bd.tokens, lse, fi_work_);
-    else if (fused)
-      kernels::readout<Merge>(exec_, cfg_, w, rows_, ring_, plan_, q, y, bd.tokens, lse_,
-                              kernels::WindowTokens<tokens_in, gates_in>{k, v, gate}, lse);
-    else
-      kernels::readout<Merge>(exec_, cfg_, w, rows_, ring_, plan_, q, y, bd.tokens, lse_, kernels::NoWindowTokens{},
-                              lse, split_work_);
+    const kernels::ReadoutStep<memory_space, Storage> step{cfg_, w, rows_, ring_, plan_, batch(), bd.tokens,
+                                                           update_first && bd.block > 0, RowPolicy::needs_probabilities};
+    kernels::readout_step<Merge>(exec_, readout_, step, q, k, v, gate, y, lse_, lse, [&] {
+      if (update_first) update();
+    });
     if constexpr (RowPolicy::needs_probabilities)
       kernels::accumulate_row_attention<Merge>(exec_, cfg_, w, rows_, plan_, q, lse_, row_policy_, bd.most_read);
     if (!update_first) update();
-  }
-  /// Sets split_work_ for a step of `tokens` tokens per sequence: the bound of key splits over the state's
-  /// capacity and the window ring (kernels::readout_max_splits) where the step is a decode step that
-  /// kernels::splits_decode runs split-KV under decode_splits_, else 1; the partials grow (an allocation)
-  /// only when the bound passes their extent, which reserve() fixes for decode_async.
-  void prepare_split_work(long tokens) {
-    split_work_.splits = 1;
-    if (tokens != 1) return;
-    const long bound = kernels::readout_max_splits(rows_.capacity(), ring_.slots());
-    const kernels::GroupLanes gl(cfg_.group(), 1, 1);
-    if (!kernels::splits_decode(exec_, decode_splits_, bound, gl.league(batch(), cfg_.kv_heads))) return;
-    split_work_.reserve(exec_, batch() * cfg_.query_heads, bound, cfg_.value_dim);
-    split_work_.splits = bound;
   }
   /// A prefill step planned in plan_.host: the state grown to the plan's rows, the plan sent, the kernels
   /// launched.
@@ -660,10 +613,6 @@ class Memory : public detail::PromptCalls<Memory<ExecSpace, Merge, Budget, Score
     plan_.upload(exec_);
     run_step(in, y, lse, bd, update_first);
   }
-  void check_lse(const lse_out& lse, long T, const char* where) const {
-    if (lse.data() != nullptr)
-      detail::check_token_view(lse, "lse", where, batch(), {cfg_.query_heads, "the query heads Hq"}, T, {0, ""});
-  }
   void fence_step() const {
     static const std::string fence_label = "kvmem::Memory::step";  // not Kokkos' default name, a heap string per call
     exec_.fence(fence_label);
@@ -672,7 +621,7 @@ class Memory : public detail::PromptCalls<Memory<ExecSpace, Merge, Budget, Score
                     const tokens_out& y) const {
     // Checks here run every token: each builds its message only when it fails, so decode allocates no
     // host memory of its own (docs/reliability.md, soak runs).
-    if (q.extent(2) != 1) throw invalid_argument(detail::describe("q.extent(2)", q.extent(2), "decode takes one token per sequence"));
+    detail::check_one_token(q);
     check_inputs(q, k, v, gate, y, 1, "decode");
   }
   void check_inputs(const tokens_in& q, const tokens_in& k, const tokens_in& v, const gates_in& gate,
@@ -699,10 +648,7 @@ class Memory : public detail::PromptCalls<Memory<ExecSpace, Merge, Budget, Score
   kernels::StepPlan<memory_space> plan_;
   RowPolicy row_policy_{};
   Kokkos::View<float***, Kokkos::LayoutRight, memory_space> lse_;  ///< [B, Hq, max(L, C)], row eviction only
-  kernels::DecodeSplits decode_splits_ = kernels::DecodeSplits::automatic;
-  kernels::DecodeSplitWork<memory_space> split_work_;  ///< split-KV decode's partials (prepare_split_work)
-  kernels::ReadoutPath readout_path_ = kernels::ReadoutPath::automatic;
-  kernels::FlashInferWork<memory_space, Storage> fi_work_;  ///< the tensor-core readout's buffers
+  kernels::ReadoutWork<memory_space, Storage> readout_;  ///< the readout's settings, buffers and last form
 };
 
 }  // namespace kvmem

@@ -1,10 +1,13 @@
 #pragma once
 /// \file token_checks.hpp
-/// The host-side shape check every memory runs on its token tensors before any kernel: q, k, v, y (and the
-/// gates) are [B, heads, T] or [B, heads, T, channels] with a contiguous channel axis. Shared by Memory,
-/// EvictionMemory and TrellisMemory so that their messages read the same.
+/// The one path of the host-side input checks every memory runs before any kernel, shared by Memory,
+/// EvictionMemory and TrellisMemory so that they refuse the same inputs with the same messages: the token
+/// tensors (q, k, v, y, gates, lse: [B, heads, T] or [B, heads, T, channels] with a contiguous channel axis),
+/// a decode step's one token, a prefill's per-sequence lengths and a sequence index. Every message is built
+/// only on failure: decode runs these at every token and must not allocate.
 
 #include <Kokkos_Core.hpp>
+#include <span>
 #include <string>
 #include <type_traits>
 #include <utility>
@@ -51,6 +54,43 @@ void check_attention_views(const Q& q, const K& k, const V& v, const Y& y, const
   check_token_view(k, "k", where, batch, hkv, tokens, d);
   check_token_view(v, "v", where, batch, hkv, tokens, dv);
   check_token_view(y, "y", where, batch, hq, tokens, dv);
+}
+
+/// The readout's log-sum-exp `lse` [batch, Hq, T] float32 (the lse_out of kvmem::AttentionMemory), checked
+/// as check_token_view checks a token tensor where it is given; an unallocated view (none asked) passes.
+template <class Lse>
+void check_lse_view(const Lse& lse, const char* where, long batch, long query_heads, long tokens) {
+  if (lse.data() != nullptr)
+    check_token_view(lse, "lse", where, batch, {query_heads, "the query heads Hq"}, tokens, {0, ""});
+}
+
+/// A decode step takes one token per sequence: throws kvmem::invalid_argument ("q.extent(2) = 3: decode
+/// takes one token per sequence") unless q [B, heads, 1, D] has one token.
+template <class Q>
+void check_one_token(const Q& q) {
+  if (q.extent(2) != 1)
+    throw invalid_argument(describe("q.extent(2)", q.extent(2), "decode takes one token per sequence"));
+}
+
+/// A prefill's or extend's `lengths` (tokens per sequence, empty: every sequence takes all T tokens): throws
+/// kvmem::invalid_argument unless it is empty or has `batch` entries, each in [0, T].
+inline void check_lengths(std::span<const long> lengths, long batch, long tokens) {
+  if (lengths.empty()) return;
+  if (static_cast<long>(lengths.size()) != batch)
+    throw invalid_argument(describe("lengths.size()", lengths.size(), "must equal the batch size " + std::to_string(batch)));
+  for (long b = 0; b < batch; ++b)
+    if (lengths[b] < 0 || lengths[b] > tokens)
+      throw invalid_argument(describe("lengths[" + std::to_string(b) + "]", lengths[b],
+                                      "must be in [0, T = " + std::to_string(tokens) + "]"));
+}
+
+/// A sequence index `b` of a memory of `batch` sequences whose host counts `what` (e.g. "tokens(b)") are
+/// read: throws kvmem::invalid_argument for b outside [0, batch), or when the device is `ahead` of the host
+/// (decode_async steps ran since the last sync()).
+inline void check_sequence(long b, long batch, bool ahead, const char* what) {
+  if (b < 0 || b >= batch)
+    throw invalid_argument(describe("b", b, "must be in [0, batch = " + std::to_string(batch) + ")"));
+  if (ahead) throw invalid_argument(describe(what, b, "the device is ahead after decode_async: call sync() first"));
 }
 
 /// Token t of a token view x, [B, heads, T] or [B, heads, T, channels], as a view of one token ([B, heads,

@@ -13,8 +13,8 @@
 
 #include "dtype.hpp"
 #include "errors.hpp"
-#include "kernels/decode_plan.hpp"
-#include "kernels/trellis.hpp"
+#include "kernels/plan/decode_plan.hpp"
+#include "kernels/trellis/trellis.hpp"
 #include "policy/merge/gradient_descent.hpp"
 #include "state/sequence_counts.hpp"
 #include "state/sequence_reset.hpp"
@@ -140,15 +140,9 @@ class TrellisMemory {
     const auto& [q, k, v, alpha, beta1, gamma1, beta2, gamma2] = in;
     const long T = static_cast<long>(q.extent(2));
     check_inputs(q, k, v, alpha, beta1, gamma1, beta2, gamma2, y, T, call == state::SlotCall::prefill ? "prefill" : "extend");
+    detail::check_lengths(lengths, batch(), T);
     bool ragged = false;
-    if (!lengths.empty())
-      require(static_cast<long>(lengths.size()) == batch(), "lengths.size()", lengths.size(),
-              "must equal the batch size " + std::to_string(batch()));
-    for (long b = 0; b < batch(); ++b) {
-      const long n = lengths.empty() ? T : lengths[b];
-      require(n >= 0 && n <= T, "lengths[" + std::to_string(b) + "]", n, "must be in [0, T = " + std::to_string(T) + "]");
-      ragged = ragged || n < T;
-    }
+    for (long b = 0; b < batch(); ++b) ragged = ragged || (!lengths.empty() && lengths[b] < T);
     sync();
     state::check_slots(call, strict_slots_, batch(), lengths, T, [&](long b) { return tokens_.host(b); });
     long longest = 0;
@@ -193,7 +187,7 @@ class TrellisMemory {
   void decode(const tokens_in& q, const tokens_in& k, const tokens_in& v, const tokens_in& alpha,
               const gates_in& beta1, const gates_in& gamma1, const gates_in& beta2, const gates_in& gamma2,
               const tokens_out& y, std::span<const unsigned char> active = {}) {
-    if (q.extent(2) != 1) throw invalid_argument(detail::describe("q.extent(2)", q.extent(2), "decode takes one token per sequence"));
+    detail::check_one_token(q);
     check_inputs(q, k, v, alpha, beta1, gamma1, beta2, gamma2, y, 1, "decode");
     sync();
     state::check_slots(state::SlotCall::decode, strict_slots_, batch(), active, [&](long b) { return tokens_.host(b); });
@@ -215,7 +209,7 @@ class TrellisMemory {
   void decode_async(const tokens_in& q, const tokens_in& k, const tokens_in& v, const tokens_in& alpha,
                     const gates_in& beta1, const gates_in& gamma1, const gates_in& beta2, const gates_in& gamma2,
                     const tokens_out& y) {
-    if (q.extent(2) != 1) throw invalid_argument(detail::describe("q.extent(2)", q.extent(2), "decode takes one token per sequence"));
+    detail::check_one_token(q);
     check_inputs(q, k, v, alpha, beta1, gamma1, beta2, gamma2, y, 1, "decode");
     require(!cfg_.check_gates, "check_gates", "true",
             "decode_async launches only, and the gate check reads its result from the device: use decode()");
@@ -300,8 +294,7 @@ class TrellisMemory {
   /// Throws kvmem::invalid_argument for b outside [0, B) or when decode_async steps ran on a GPU since the
   /// last sync().
   [[nodiscard]] long tokens(long b) const {
-    require(b >= 0 && b < batch(), "b", b, "must be in [0, batch = " + std::to_string(batch()) + ")");
-    require(!tokens_.ahead(), "tokens(b)", b, "the device is ahead after decode_async: call sync() first");
+    detail::check_sequence(b, batch(), tokens_.ahead(), "tokens(b)");
     return tokens_.host(b);
   }
   /// Key memory M1 [B, H, m, D] (pass 1), the state after the last token.

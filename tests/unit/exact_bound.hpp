@@ -9,7 +9,7 @@
 #include <vector>
 
 #include <kvmem/dtype.hpp>
-#include <kvmem/kernels/exact_attention.hpp>
+#include <kvmem/kernels/readout/exact_attention.hpp>
 
 #include "kvm_harness.hpp"
 #include "storage_bound.hpp"

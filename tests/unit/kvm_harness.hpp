@@ -143,6 +143,7 @@ struct KvmOutput {
   std::vector<float> lse;                                   // [B, Hq, T], the readout's log-sum-exp
   std::vector<long> rows;                                   // [B]
   std::vector<std::vector<float>> keys, values, radius, counts;  // per b: [Hkv, rows, D|Dv|1|1]
+  std::vector<kvmem::kernels::ReadoutForm> forms;           // Memory::readout_form() after each call, in order
 };
 
 template <class MemorySpace>
@@ -246,6 +247,7 @@ KvmOutput run_kvm(const KvmCase& c, Mode mode, long split = 0, const ExecSpace& 
       std::vector<long> pre(c.B);
       for (long b = 0; b < c.B; ++b) pre[b] = mode == Mode::prefill ? len[b] : std::min(len[b], split);
       mem.prefill(typename memory_t::inputs{q, k, v, gate}, y, pre, lse);
+      out.forms.push_back(mem.readout_form());
       first_decoded = mode == Mode::prefill ? c.T : split;
     }
     std::vector<unsigned char> active(c.B);
@@ -265,6 +267,7 @@ KvmOutput run_kvm(const KvmCase& c, Mode mode, long split = 0, const ExecSpace& 
       } else {
         mem.decode(in, s4(y), active, s3(lse));
       }
+      out.forms.push_back(mem.readout_form());
     }
     if (c.decode_async) mem.sync();
     read_state(mem, c, out);

@@ -17,7 +17,7 @@
 #include <type_traits>
 #include <vector>
 
-#include <kvmem/kernels/step_launch.hpp>
+#include <kvmem/kernels/plan/step_launch.hpp>
 
 #include "decode_stream.hpp"
 

@@ -2,6 +2,7 @@
 // and windows longer than one split of readout_split_keys keys, read in splits at fixed positions in
 // prefill and in decode, give the same bits whether a decode step runs its splits in parallel teams or in
 // one, on every host backend, and match the float64 reference.
+#include <algorithm>
 #include <catch2/catch_test_macros.hpp>
 #include <stdexcept>
 #include <string>
@@ -20,7 +21,7 @@ using kvmem_test::Mode;
 namespace {
 
 constexpr long S = kvmem::kernels::readout_split_keys;
-constexpr const char* kSplitReadout = "kvmem::readout_split";  // the split-KV readout's kernel (kernels/readout.hpp)
+constexpr const char* kSplitReadout = "kvmem::readout_split";  // the split-KV readout's kernel (kernels/readout/launch.hpp)
 constexpr double tolerance = 1e-4;  // float32 kernels against the float64 reference (test_kvm_reference.cpp)
 
 /// Small heads, chunk 16, two sequences (the second ends one key past a split of the window or state).
@@ -80,7 +81,8 @@ enum Runs : unsigned {
 /// test_proportional.cpp's and test_storage_types.cpp's). A split run (kSplit, kAsync: DecodeSplits::always)
 /// must launch the split-KV readout ("kvmem::readout_split"; from the step whose state rows' capacity and
 /// window may hold more than one split of keys on), the prefill and the kContinue run (never) must not,
-/// so that a silent fallback to one split fails. Returns the prefill's output.
+/// so that a silent fallback to one split fails; the memory's recorded readout form (Memory::readout_form,
+/// kernels::ReadoutForm) must say split_kv after those steps and never elsewhere. Returns the prefill's output.
 template <class ExecSpace, class Merge = kvmem::merge::WinnerTakeAll, kvmem::StorageType St = float>
 KvmOutput check_schedules(KvmCase c, unsigned runs = kAll) {
   // Runs case x in `mode` (prefill_then_decode: `split` tokens prefilled) and requires launches of the
@@ -90,6 +92,9 @@ KvmOutput check_schedules(KvmCase c, unsigned runs = kAll) {
     auto out = kvmem_test::run_kvm<ExecSpace, St, kvmem::score::KeepRows, Merge>(x, mode, split);
     INFO("split-KV readout launches: " << launches.count());
     CHECK((launches.count() > 0) == splits);
+    const auto split_steps = std::count(out.forms.begin(), out.forms.end(), kvmem::kernels::ReadoutForm::split_kv);
+    INFO("steps recorded as split-KV: " << split_steps << " of " << out.forms.size());
+    CHECK((split_steps > 0) == splits);
     return out;
   };
   c.generate();
@@ -167,6 +172,25 @@ TEST_CASE("the launch counter counts its kernel's launches only, while it lives,
   Kokkos::parallel_for("kvmem_test::probe", four, [](int) {});  // no counter alive
   const kvmem_test::KernelLaunches again("kvmem_test::probe");
   CHECK(again.count() == 0);
+}
+
+TEST_CASE("the readout's entry point records the form it took: its own window writes in an unsplit decode step",
+          "[splits][readout]") {
+  using kvmem::kernels::ReadoutForm;
+  KvmCase c = small_case();  // G = 1: one team per (sequence, kv-head) in a decode step
+  c.T = 70;
+  c.lengths = {70, 33};
+  c.generate();
+  c.decode_splits = DecodeSplits::never;
+  const auto out = kvmem_test::run_kvm<Kokkos::DefaultHostExecutionSpace>(c, Mode::decode);
+  REQUIRE(out.forms.size() == static_cast<std::size_t>(c.T));
+  // A decode step writes its token in the readout's own teams, except where a lazy fold (KVM's) runs between
+  // the write and the read: then the window is written by its own launch first.
+  const auto writing = std::count(out.forms.begin(), out.forms.end(), ReadoutForm::tiles_writing_window);
+  const auto after_write = std::count(out.forms.begin(), out.forms.end(), ReadoutForm::tiles);
+  INFO("decode steps writing the window in the readout: " << writing << ", after write_window: " << after_write);
+  CHECK(writing > 0);
+  CHECK(writing + after_write == c.T);  // never split-KV (never) nor tensor cores (a host space)
 }
 
 TEST_CASE("a key list's splits: every split holds keys, at the fixed positions", "[splits]") {

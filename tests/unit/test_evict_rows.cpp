@@ -12,7 +12,7 @@
 #include <vector>
 
 #include <kvmem/dtype.hpp>
-#include <kvmem/kernels/row_eviction.hpp>
+#include <kvmem/kernels/update/row_eviction.hpp>
 
 #include "float_bits.hpp"
 

@@ -1,4 +1,4 @@
-// Exact causal attention (kernels/exact_attention.hpp) against a float64 softmax, under GQA layouts whose
+// Exact causal attention (kernels/readout/exact_attention.hpp) against a float64 softmax, under GQA layouts whose
 // query heads share one pass over a kv-head's keys (GroupLanes), and its decode form (first_position):
 // a query's output does not depend on which positions are computed with it.
 #include <Kokkos_Core.hpp>
@@ -7,7 +7,7 @@
 #include <cmath>
 #include <vector>
 
-#include <kvmem/kernels/exact_attention.hpp>
+#include <kvmem/kernels/readout/exact_attention.hpp>
 
 #include "float_bits.hpp"
 #include "kernel_launches.hpp"

@@ -1,4 +1,4 @@
-// The readout on tensor cores (kernels/flashinfer_readout.hpp, FlashInfer's FA2 paged prefill) against the
+// The readout on tensor cores (kernels/readout/flashinfer.hpp, FlashInfer's FA2 paged prefill) against the
 // portable readout and the float64 reference, on Kokkos::Cuda in bfloat16 and float16. Compiled only where
 // the build links kvmem::flashinfer (CMake option KVMEM_FLASHINFER, a Cuda build); runs on a GPU
 // (scripts/gpu-check). What it checks (docs/numerics.md, "The readout on tensor cores"):

@@ -1,4 +1,4 @@
-// The device-written parts of the readout on tensor cores (kernels/flashinfer_readout.hpp) on the CPU
+// The device-written parts of the readout on tensor cores (kernels/readout/flashinfer.hpp) on the CPU
 // backends, where they run as on a GPU: the schedule and page tables FlashInfer reads (flashinfer_schedule)
 // against a host reference of the same schedule, written from the documented rules; the logit scales and
 // row biases (flashinfer_readout_scales) against Merge's hooks; and the log-sum-exp merge of two segments
@@ -11,7 +11,7 @@
 #include <random>
 #include <vector>
 
-#include <kvmem/kernels/flashinfer_readout.hpp>
+#include <kvmem/kernels/readout/flashinfer.hpp>
 #include <kvmem/policy/merge/k_means_count.hpp>
 #include <kvmem/policy/merge/winner_take_all.hpp>
 

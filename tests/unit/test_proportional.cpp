@@ -10,7 +10,7 @@
 #include <span>
 #include <string>
 
-#include <kvmem/kernels/exact_attention.hpp>
+#include <kvmem/kernels/readout/exact_attention.hpp>
 
 #include "kvm_harness.hpp"
 

@@ -1,4 +1,4 @@
-// The register tiles of the CPU kernels (kernels/simd.hpp, kernels/update.hpp): a block of queries or
+// The register tiles of the CPU kernels (math/simd.hpp, kernels/update/update.hpp): a block of queries or
 // tokens in vector lanes against rows broadcast one channel at a time must give, per (lane, row), the
 // bits of one `dot` -- the readout's block of queries and its decode query, and the update's tiles and
 // its one-thread-per-token path (the path of GPUs), must agree exactly (spec KVM.md §5.3, §5.5).

@@ -15,7 +15,7 @@
 #include <vector>
 
 #include <kvmem/dtype.hpp>
-#include <kvmem/kernels/row_eviction.hpp>
+#include <kvmem/kernels/update/row_eviction.hpp>
 #include <kvmem/policy/merge/k_means_count.hpp>
 #include <kvmem/policy/merge/winner_take_all.hpp>
 #include <kvmem/policy/score/row_eviction.hpp>

@@ -1,4 +1,4 @@
-// SnapKV's ranking (kernels/snapkv.hpp): every (sequence, kv-head)'s prefix tokens ordered by pooled score,
+// SnapKV's ranking (kernels/eviction/snapkv.hpp): every (sequence, kv-head)'s prefix tokens ordered by pooled score,
 // highest first, ties to the newer token, NaN as -inf (spec EVICTION.md §6 "SnapKV"). Both paths -- the
 // portable team sort and the dispatching snapkv_rank, which is CUB's segmented radix sort on Kokkos::Cuda
 // (backend/cuda/snapkv_rank.hpp) -- must give std::sort's order under the same comparison, on scores with

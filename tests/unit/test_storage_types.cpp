@@ -11,10 +11,10 @@
 #include <random>
 #include <vector>
 
-#include <kvmem/kernels/eviction_step.hpp>
-#include <kvmem/kernels/exact_attention.hpp>
+#include <kvmem/kernels/eviction/eviction_step.hpp>
+#include <kvmem/kernels/readout/exact_attention.hpp>
 #include <kvmem/io/safetensors.hpp>
-#include <kvmem/kernels/simd.hpp>
+#include <kvmem/math/simd.hpp>
 
 #include "float_bits.hpp"
 #include "kvm_harness.hpp"

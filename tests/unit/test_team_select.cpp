@@ -1,4 +1,4 @@
-// A team's choices (kernels/team_select.hpp): order_key orders floats as `<` does with NaN last; team_lowest
+// A team's choices (kernels/common/team_select.hpp): order_key orders floats as `<` does with NaN last; team_lowest
 // picks the entry the serial scan picks (lowest score, ties to the lower index, NaN at the first entry
 // picked, NaN elsewhere never, skipped entries never); team_rank gives std::stable_sort's ranks. Each runs
 // on the default execution space at several team sizes, with and without the team's selection scratch:
@@ -19,7 +19,7 @@
 #include <vector>
 
 #include <kvmem/backend/cuda/team_select.hpp>
-#include <kvmem/kernels/team_select.hpp>
+#include <kvmem/kernels/common/team_select.hpp>
 
 namespace {
 

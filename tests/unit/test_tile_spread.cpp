@@ -1,4 +1,4 @@
-// The two ways a readout team covers a key tile (kernels/tile_traits.hpp): register tiles (CPUs) and one
+// The two ways a readout team covers a key tile (kernels/common/tile_traits.hpp): register tiles (CPUs) and one
 // thread per logit, lane softmax and output channel (GPUs: TileTraits<Kokkos::Cuda>). Both must give the
 // same bits, so that a backend's prefill and decode agree whichever form it runs and a GPU's results can
 // be read against the CPU's. Both forms run on the default backend (kernels::RegisterTiles and
@@ -10,8 +10,8 @@
 #include <vector>
 
 #include <kvmem/dtype.hpp>
-#include <kvmem/kernels/exact_attention.hpp>
-#include <kvmem/kernels/readout.hpp>
+#include <kvmem/kernels/readout/exact_attention.hpp>
+#include <kvmem/kernels/readout/launch.hpp>
 
 #include "float_bits.hpp"
 

@@ -1,4 +1,4 @@
-// The per-thread building blocks of the update kernels (kernels/vector_ops.hpp) and the novelty score
+// The per-thread building blocks of the update kernels (math/vector_ops.hpp) and the novelty score
 // that uses them: several rows scored at once must give the bits of one `dot` per row, because prefill
 // and decode, and every backend, must route and rank tokens identically (spec KVM.md §5.3, §5.5).
 #include <catch2/catch_test_macros.hpp>

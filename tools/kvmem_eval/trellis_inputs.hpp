@@ -22,7 +22,7 @@
 #include <cstdint>
 
 #include <kvmem/dtype.hpp>
-#include <kvmem/kernels/vector_ops.hpp>
+#include <kvmem/math/vector_ops.hpp>
 
 #include "memory_kind.hpp"
 

@@ -14,8 +14,8 @@
 
 #include <kvmem/eviction.hpp>
 #include <kvmem/io/safetensors.hpp>
-#include <kvmem/kernels/exact_attention.hpp>
-#include <kvmem/kernels/zero_tail.hpp>
+#include <kvmem/kernels/readout/exact_attention.hpp>
+#include <kvmem/kernels/common/zero_tail.hpp>
 
 #include "batch.hpp"
 #include "run_tokens.hpp"

@@ -31,8 +31,8 @@
 /// otherwise.
 ///
 /// Adding a memory: one entry in soak_cases() below (a name, a factory, the rows the schedule promises
-/// after n tokens and their upper bound); a memory whose decode() takes other inputs than kvmem::Memory's
-/// also gets a subject (see TrellisSubject).
+/// after n tokens and their upper bound); a memory whose `inputs` differ from kvmem::Memory's also gets a
+/// subject (see TrellisSubject). Every subject decodes through the memory contract (contract_decode).
 
 #include <Kokkos_Core.hpp>
 #include <algorithm>
@@ -46,6 +46,7 @@
 #include <functional>
 #include <new>
 #include <random>
+#include <span>
 #include <sstream>
 #include <string>
 #include <type_traits>
@@ -235,6 +236,14 @@ using view4 = Kokkos::View<S****, Kokkos::LayoutRight, Kokkos::DefaultExecutionS
 template <class S = float>
 using view3 = Kokkos::View<S***, Kokkos::LayoutRight, Kokkos::DefaultExecutionSpace::memory_space>;
 
+/// One decode step of `mem` through the memory contract (kvmem::AttentionMemory: decode(inputs, y, active),
+/// every sequence active), as an engine drives any memory: the subjects below differ only in the family's
+/// `inputs` aggregate they build and in what they check.
+template <kvmem::AttentionMemory Memory, class Y>
+void contract_decode(Memory& mem, const typename Memory::inputs& in, const Y& y) {
+  mem.decode(in, y, std::span<const unsigned char>{});
+}
+
 /// A kvmem::Memory (KVM, OVQ, any merge x budget x scorer) or EvictionMemory under soak: one sequence,
 /// decode(q, k, v, gate, y), tokens in the memory's storage type. Inputs: Gaussian q, k, v, gate
 /// pre-activation uniform in [-2, 2], rounded to the storage type; a spike token has k and v x100 and gate
@@ -273,7 +282,7 @@ struct AttentionSubject {
     Kokkos::deep_copy(v, hv);
     Kokkos::deep_copy(gate, hg);
   }
-  void decode() { mem.decode(q, k, v, gate, y); }
+  void decode() { contract_decode(mem, {q, k, v, gate}, y); }
   long nonfinite_output() { return nonfinite_y(y, hy); }
   [[nodiscard]] long rows() const { return mem.cursor(0).rows; }
   [[nodiscard]] long held_bytes() const { return mem.held_bytes(); }
@@ -335,7 +344,7 @@ struct TrellisSubject {
     Kokkos::deep_copy(beta2, hb2);
     Kokkos::deep_copy(gamma2, hg2);
   }
-  void decode() { mem.decode(q, k, v, alpha, beta1, gamma1, beta2, gamma2, y); }
+  void decode() { contract_decode(mem, {q, k, v, alpha, beta1, gamma1, beta2, gamma2}, y); }
   long nonfinite_output() { return nonfinite_y(y, hy); }
   [[nodiscard]] long rows() const { return m; }
   [[nodiscard]] long held_bytes() const { return mem.held_bytes(); }
@@ -354,7 +363,7 @@ struct TrellisSubject {
 template <class Memory>
 struct EvictionSubject : AttentionSubject<Memory> {
   using AttentionSubject<Memory>::AttentionSubject;
-  void decode() { this->mem.decode(this->q, this->k, this->v, this->y); }
+  void decode() { contract_decode(this->mem, {this->q, this->k, this->v}, this->y); }
   [[nodiscard]] long rows() const {
     long live = 0;
     Kokkos::deep_copy(live, Kokkos::subview(this->mem.cache().live, 0, 0));

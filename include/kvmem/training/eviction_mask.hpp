@@ -9,7 +9,7 @@
 
 #include "../errors.hpp"
 #include "../eviction_config.hpp"
-#include "../kernels/eviction_scores.hpp"
+#include "../kernels/eviction/eviction_scores.hpp"
 #include "../policy/score/eviction_scorer.hpp"
 #include "running_topk.hpp"
 

@@ -27,7 +27,7 @@ softmaxes into ``q``, ``k``, ``v`` and ``beta``. GQA: query head h reads kv-head
 ``beta[h]``; the dictionary of a kv-head is built from that kv-head's keys and values alone (it does not depend
 on beta) and is shared by its query heads, as the C++ memory holds it ([B, Hkv, rows, .]).
 
-Numerics follow the C++ memory (merge::KMeansCount, kernels/update.hpp): ``khat = k * (1 / (||k|| + 1e-5))``, a
+Numerics follow the C++ memory (merge::KMeansCount, kernels/update/update.hpp): ``khat = k * (1 / (||k|| + 1e-5))``, a
 fold ``(c_old * D_old + sum of the tokens in token order) * (1 / c_new)``, normalization
 ``x * (1 / max(||x||, 1e-12))`` of the touched rows only. Decision scores are matmul products, recomputed with
 the channel products summed in channel order for every (sequence, kv-head) where a decision lies within rounding

@@ -5,7 +5,7 @@
 /// 0.7.2.post1, Apache-2.0) with kvmem's own params and attention variant. This header describes a launch in
 /// plain pointers and strides and includes neither Kokkos nor FlashInfer; the templates are instantiated once,
 /// in src/backend/cuda/flashinfer_readout.cu (library target kvmem::flashinfer, CMake option
-/// KVMEM_FLASHINFER), which defines KVMEM_WITH_FLASHINFER for its users. kernels/flashinfer_readout.hpp fills
+/// KVMEM_FLASHINFER), which defines KVMEM_WITH_FLASHINFER for its users. kernels/readout/flashinfer.hpp fills
 /// a SegmentLaunch from a memory's state and step plan; docs/cuda.md, "Tensor cores".
 
 #include <cstdint>

@@ -3,7 +3,7 @@
 /// CUB fast path of SnapKV's ranking on Kokkos::Cuda: every (sequence, kv-head)'s prefix tokens sorted by
 /// pooled score in one cub::DeviceSegmentedRadixSort call (the field's standard segmented top-k on NVIDIA
 /// GPUs). kernels::snapkv_rank selects it with `if constexpr`; elsewhere the portable team sort runs, and
-/// both give the same order (the ranking is a strict total order; see kernels/snapkv.hpp).
+/// both give the same order (the ranking is a strict total order; see kernels/eviction/snapkv.hpp).
 
 #include <Kokkos_Core.hpp>
 

@@ -1,6 +1,6 @@
 #pragma once
 /// \file team_select.hpp
-/// CUB fast paths of kernels/team_select.hpp on Kokkos::Cuda: the lowest score of a range by
+/// CUB fast paths of kernels/common/team_select.hpp on Kokkos::Cuda: the lowest score of a range by
 /// cub::WarpReduce (a warp's threads, then the warps' results in warp order), the ranks of a block's items by
 /// cub::BlockRadixSort (stable, so ties keep index order). Both give the portable path's choice exactly:
 /// keys are unsigned and compared with their index, a total order (tests/unit/test_team_select.cpp runs
@@ -59,7 +59,7 @@ inline constexpr std::size_t select_bytes<Kokkos::Cuda> =
                                                                     : sizeof(LowestStorage);
 #endif
 
-/// team_lowest (kernels/team_select.hpp) over [begin, end) of key(i) (std::uint64_t) with CUB's warp
+/// team_lowest (kernels/common/team_select.hpp) over [begin, end) of key(i) (std::uint64_t) with CUB's warp
 /// reduction: each thread takes entries rank, rank + team size, ... in order, each warp reduces its
 /// threads' pairs, and every thread reduces the warps' results in warp order. Returns false (nothing done)
 /// where it does not apply: off Cuda, on the host, without shared memory, or for a team that is not a
@@ -90,7 +90,7 @@ KOKKOS_INLINE_FUNCTION bool team_lowest(const Team& team, long begin, long end, 
   return false;
 }
 
-/// team_rank (kernels/team_select.hpp) of n items by key(j) (std::uint32_t) with cub::BlockRadixSort: item j
+/// team_rank (kernels/common/team_select.hpp) of n items by key(j) (std::uint32_t) with cub::BlockRadixSort: item j
 /// is thread j / rank_items's item j % rank_items (a blocked arrangement, in index order, so the stable sort
 /// keeps ties in index order), items past n take the largest key and come after every item; after the
 /// sort the item at sorted place r stores store(j, r). Returns false (nothing done) where it does not

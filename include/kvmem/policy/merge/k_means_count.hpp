@@ -3,7 +3,7 @@
 /// merge::KMeansCount — OVQ's online k-means dictionary with counts (ovq-paper Sec. 3.2 eqs. 15-19,
 /// App. 8.3; spec OVQ.md §2-§6).
 
-#include "../../kernels/vector_ops.hpp"
+#include "../../math/vector_ops.hpp"
 #include "defaults.hpp"
 
 namespace kvmem::merge {

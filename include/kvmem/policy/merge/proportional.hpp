@@ -4,7 +4,7 @@
 /// a count, and read as their mean key and mean value with the logit bias log(count) ("proportional
 /// attention" of token merging, Bolya et al. 2023, eq. 1; the count-weighted merge of CaM and D2O).
 
-#include "../../kernels/vector_ops.hpp"
+#include "../../math/vector_ops.hpp"
 #include "defaults.hpp"
 
 namespace kvmem::merge {

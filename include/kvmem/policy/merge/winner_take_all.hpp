@@ -3,7 +3,7 @@
 /// merge::WinnerTakeAll — KVM's gated winner-take-all merge (kvm-paper Sec. 4 eqs. for K_i, V_i and
 /// the merge gate; spec KVM.md §2, §3, §5.5).
 
-#include "../../kernels/vector_ops.hpp"
+#include "../../math/vector_ops.hpp"
 #include "defaults.hpp"
 
 namespace kvmem::merge {

@@ -7,7 +7,7 @@
 #include <Kokkos_Core.hpp>
 #include <type_traits>
 
-#include "../../kernels/vector_ops.hpp"
+#include "../../math/vector_ops.hpp"
 #include "eviction_scorer.hpp"
 #include "mlstm_weights.hpp"
 

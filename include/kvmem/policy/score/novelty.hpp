@@ -4,7 +4,7 @@
 
 #include <Kokkos_Core.hpp>
 
-#include "../../kernels/vector_ops.hpp"
+#include "../../math/vector_ops.hpp"
 #include "append_scorer.hpp"
 
 namespace kvmem::score {

@@ -20,14 +20,15 @@
 #include <string>
 #include <type_traits>
 
-#include "../backend/cuda/flashinfer_readout.hpp"
-#include "../config.hpp"
-#include "../dtype.hpp"
-#include "../policy/layer_weights.hpp"
-#include "../state/state_rows.hpp"
-#include "readout.hpp"
-#include "step_launch.hpp"
-#include "step_plan.hpp"
+#include "../../backend/cuda/flashinfer_readout.hpp"
+#include "../../config.hpp"
+#include "../../dtype.hpp"
+#include "../../math/vector_ops.hpp"
+#include "../../policy/layer_weights.hpp"
+#include "../../state/state_rows.hpp"
+#include "launch.hpp"
+#include "../plan/step_launch.hpp"
+#include "../plan/step_plan.hpp"
 
 namespace kvmem::kernels {
 

@@ -23,13 +23,13 @@
 #include <string>
 #include <type_traits>
 
-#include "../policy/merge/gradient_descent.hpp"
-#include "../token_checks.hpp"
-#include "../trellis_config.hpp"
-#include "step_launch.hpp"
-#include "team_size.hpp"
-#include "vector_ops.hpp"
-#include "zero_tail.hpp"
+#include "../../policy/merge/gradient_descent.hpp"
+#include "../../token_checks.hpp"
+#include "../../trellis_config.hpp"
+#include "../plan/step_launch.hpp"
+#include "../common/team_size.hpp"
+#include "../../math/vector_ops.hpp"
+#include "../common/zero_tail.hpp"
 
 namespace kvmem::kernels {
 

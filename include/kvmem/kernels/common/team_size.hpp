@@ -3,7 +3,7 @@
 /// Threads per team of the kernels that give one team a whole (sequence, head) and split its passes over
 /// the team's threads with team barriers between them (the KVM/OVQ update, the Trellis chunks). On Cuda the
 /// update takes whole blocks of backend::cuda::rank_team threads instead, for CUB's block sort of its ranks
-/// (kernels/team_select.hpp).
+/// (kernels/common/team_select.hpp).
 
 #include <Kokkos_Core.hpp>
 

@@ -29,19 +29,19 @@
 #include <cstdint>
 #include <type_traits>
 
-#include "../config.hpp"
-#include "../policy/layer_weights.hpp"
-#include "../policy/merge/concept.hpp"
-#include "../policy/score/append_scorer.hpp"
-#include "../state/state_rows.hpp"
+#include "../../config.hpp"
+#include "../../policy/layer_weights.hpp"
+#include "../../policy/merge/concept.hpp"
+#include "../../policy/score/append_scorer.hpp"
+#include "../../state/state_rows.hpp"
 #include "row_eviction.hpp"
-#include "scratch.hpp"
-#include "simd.hpp"
-#include "step_launch.hpp"
-#include "step_plan.hpp"
-#include "team_select.hpp"
-#include "team_size.hpp"
-#include "vector_ops.hpp"
+#include "../common/scratch.hpp"
+#include "../../math/simd.hpp"
+#include "../plan/step_launch.hpp"
+#include "../plan/step_plan.hpp"
+#include "../common/team_select.hpp"
+#include "../common/team_size.hpp"
+#include "../../math/vector_ops.hpp"
 
 namespace kvmem::kernels {
 

@@ -12,7 +12,7 @@
 #include <cstdint>
 #include <type_traits>
 
-#include "../backend/cuda/team_select.hpp"
+#include "../../backend/cuda/team_select.hpp"
 
 namespace kvmem::kernels {
 

@@ -4,10 +4,10 @@
 
 #include <Kokkos_Core.hpp>
 
-#include "../errors.hpp"
-#include "flashinfer_readout.hpp"
-#include "readout.hpp"
-#include "scratch.hpp"
+#include "../../errors.hpp"
+#include "flashinfer.hpp"
+#include "launch.hpp"
+#include "../common/scratch.hpp"
 
 namespace kvmem::kernels {
 

@@ -9,16 +9,16 @@
 #include <concepts>
 #include <type_traits>
 
-#include "../eviction_config.hpp"
-#include "../policy/score/eviction_scorer.hpp"
-#include "../state/eviction_cache.hpp"
+#include "../../eviction_config.hpp"
+#include "../../policy/score/eviction_scorer.hpp"
+#include "../../state/eviction_cache.hpp"
 #include "eviction_merge.hpp"
 #include "eviction_params.hpp"
-#include "readout.hpp"
-#include "simd.hpp"
-#include "step_launch.hpp"
-#include "team_select.hpp"
-#include "vector_ops.hpp"
+#include "../readout/launch.hpp"
+#include "../../math/simd.hpp"
+#include "../plan/step_launch.hpp"
+#include "../common/team_select.hpp"
+#include "../../math/vector_ops.hpp"
 
 namespace kvmem::kernels {
 

@@ -11,6 +11,9 @@
 
 namespace kvmem::kernels {
 
+/// Negative infinity usable in device code.
+KOKKOS_INLINE_FUNCTION constexpr float neg_inf() { return -__builtin_huge_valf(); }
+
 /// a * b + c rounded once where the target has a fused multiply-add (x86 with FMA, ARM, GPUs) and
 /// twice where it has none. Written out, so the rounding never depends on whether the compiler chose
 /// to contract an expression (it may contract the same source differently in a vectorized loop, a

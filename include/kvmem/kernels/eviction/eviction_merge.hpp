@@ -6,10 +6,10 @@
 
 #include <Kokkos_Core.hpp>
 
-#include "../dtype.hpp"
+#include "../../dtype.hpp"
 #include "eviction_params.hpp"
-#include "team_select.hpp"
-#include "vector_ops.hpp"
+#include "../common/team_select.hpp"
+#include "../../math/vector_ops.hpp"
 
 namespace kvmem::kernels {
 

@@ -10,11 +10,11 @@
 
 #include <Kokkos_Core.hpp>
 
-#include "../policy/score/eviction_scorer.hpp"
+#include "../../policy/score/eviction_scorer.hpp"
 #include "eviction_params.hpp"
-#include "softmax_exp.hpp"
-#include "step_plan.hpp"
-#include "vector_ops.hpp"
+#include "../../math/softmax_exp.hpp"
+#include "../plan/step_plan.hpp"
+#include "../../math/vector_ops.hpp"
 
 namespace kvmem::kernels {
 

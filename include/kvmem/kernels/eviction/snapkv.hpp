@@ -6,7 +6,7 @@
 #include <Kokkos_NestedSort.hpp>
 #include <type_traits>
 
-#include "../backend/cuda/snapkv_rank.hpp"
+#include "../../backend/cuda/snapkv_rank.hpp"
 
 namespace kvmem::kernels {
 

@@ -8,17 +8,17 @@
 #include <Kokkos_Core.hpp>
 #include <type_traits>
 
-#include "../config.hpp"
-#include "../policy/layer_weights.hpp"
-#include "../state/state_rows.hpp"
-#include "scratch.hpp"
-#include "simd.hpp"
-#include "softmax_exp.hpp"
-#include "step_launch.hpp"
-#include "step_plan.hpp"
-#include "team_select.hpp"
-#include "tile_traits.hpp"
-#include "vector_ops.hpp"
+#include "../../config.hpp"
+#include "../../policy/layer_weights.hpp"
+#include "../../state/state_rows.hpp"
+#include "../common/scratch.hpp"
+#include "../../math/simd.hpp"
+#include "../../math/softmax_exp.hpp"
+#include "../plan/step_launch.hpp"
+#include "../plan/step_plan.hpp"
+#include "../common/team_select.hpp"
+#include "../common/tile_traits.hpp"
+#include "../../math/vector_ops.hpp"
 
 namespace kvmem::kernels {
 

@@ -4,10 +4,10 @@
 
 #include <Kokkos_Core.hpp>
 
-#include "../config.hpp"
-#include "../state/state_rows.hpp"
-#include "step_launch.hpp"
-#include "step_plan.hpp"
+#include "../../config.hpp"
+#include "../../state/state_rows.hpp"
+#include "../plan/step_launch.hpp"
+#include "../plan/step_plan.hpp"
 
 namespace kvmem::kernels {
 

@@ -42,7 +42,4 @@ struct StepPlan {
   void upload(const ExecSpace& exec) const { Kokkos::deep_copy(exec, device, host); }
 };
 
-/// Negative infinity usable in device code.
-KOKKOS_INLINE_FUNCTION constexpr float neg_inf() { return -__builtin_huge_valf(); }
-
 }  // namespace kvmem::kernels

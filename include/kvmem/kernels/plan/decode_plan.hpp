@@ -9,9 +9,9 @@
 #include <algorithm>
 #include <utility>
 
-#include "../config.hpp"
-#include "../policy/budget/concept.hpp"
-#include "../state/schedule.hpp"
+#include "../../config.hpp"
+#include "../../policy/budget/concept.hpp"
+#include "../../state/schedule.hpp"
 #include "step_launch.hpp"
 #include "step_plan.hpp"
 

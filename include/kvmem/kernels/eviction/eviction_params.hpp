@@ -4,7 +4,7 @@
 
 #include <Kokkos_Core.hpp>
 
-#include "../eviction_config.hpp"
+#include "../../eviction_config.hpp"
 
 namespace kvmem::kernels {
 
