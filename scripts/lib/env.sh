@@ -160,6 +160,10 @@ kvmem_build() {
 # nanobind, scikit-build-core): nothing is downloaded (--no-build-isolation --no-deps). The build is
 # incremental (build/python/<wheel tag>), so a second install only relinks what changed.
 kvmem_python_install() {
+  # Once per run of a script and the scripts it calls (scripts/test calls scripts/fidelity, and each needs the
+  # package): a second `pip install .` of the same tree rebuilds nothing but still configures, packs and
+  # reinstalls (about half a minute), and scripts/test asked for four.
+  [ "${KVMEM_PYTHON_INSTALLED:-}" = "$KVMEM_REPO" ] && return 0
   kvmem_env_ensure || return 1
   local py=$KVMEM_VENV/bin/python root=$KVMEM_ENV_ROOT
   [ "$KVMEM_ENV" = host ] && root=""
@@ -171,6 +175,7 @@ kvmem_python_install() {
   (cd "$KVMEM_REPO" && kvmem_in_env env CMAKE_BUILD_PARALLEL_LEVEL="${KVMEM_JOBS:-2}" "$py" -m pip install \
     --quiet --disable-pip-version-check --no-build-isolation --no-deps --no-index \
     --config-settings=cmake.define.KVMEM_CCACHE="$KVMEM_CCACHE" .) || return 1
+  export KVMEM_PYTHON_INSTALLED=$KVMEM_REPO
 }
 
 # kvpress (NVIDIA, Apache-2.0), pinned, for tools/fidelity's side-by-side comparison with kvmem's compressing
