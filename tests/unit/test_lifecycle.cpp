@@ -132,8 +132,13 @@ struct EvictionFamily {
     const auto r = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace{}, rows);
     const auto& cache = m.cache();
     auto host = [](const auto& x) { return Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace{}, x); };
-    const auto order = host(cache.order), slot_positions = host(cache.positions);
-    const auto stats = host(cache.stats), keys = host(cache.keys), values = host(cache.values), counts = host(cache.counts);
+    // One declaration per view: their types differ, and a declarator list must deduce one type (nvcc holds to it).
+    const auto order = host(cache.order);
+    const auto slot_positions = host(cache.positions);
+    const auto stats = host(cache.stats);
+    const auto keys = host(cache.keys);
+    const auto values = host(cache.values);
+    const auto counts = host(cache.counts);
     std::vector<double> out{double(m.tokens(b))};
     for (long h = 0; h < kKvHeads; ++h) {
       out.push_back(double(r(b, h)));
