@@ -68,7 +68,7 @@ auto rank3(const tview& x) { return Kokkos::subview(x, Kokkos::ALL, Kokkos::ALL,
 template <class Memory, class Make>
 struct MergingFamily {
   Make make;
-  static constexpr long piece_multiple = 1;  // a continued prefill runs through the decode step: any piece
+  static constexpr long piece_multiple() { return 1; }  // a continued prefill runs through the decode step: any piece
   std::vector<Spec> specs() const {
     return {{kQueryHeads, kHeadDim}, {kKvHeads, kHeadDim}, {kKvHeads, kHeadDim}, {kKvHeads, 0, -2.0f, 2.0f}};
   }
@@ -108,7 +108,7 @@ struct MergingFamily {
 template <class Memory, class Make>
 struct EvictionFamily {
   Make make;
-  static constexpr long piece_multiple = 1;  // the per-token state machine: any piece
+  static constexpr long piece_multiple() { return 1; }  // the per-token state machine: any piece
   std::vector<Spec> specs() const { return {{kQueryHeads, kHeadDim}, {kKvHeads, kHeadDim}, {kKvHeads, kHeadDim}}; }
   long output_heads() const { return kQueryHeads; }
   void prefill(Memory& m, const Inputs& in, const tview& y, std::span<const long> lengths) const {
@@ -161,10 +161,10 @@ struct EvictionFamily {
 /// chunkwise from the call's first token, so a prompt in pieces gives one prefill's bits when every piece
 /// but the last is a multiple of the chunk (trellis_memory.hpp).
 struct TrellisFamily {
-  static constexpr long piece_multiple = 4;
+  static constexpr long piece_multiple() { return 4; }
   kvmem::TrellisConfig config() const {
     kvmem::TrellisConfig cfg{.slots = kSlots, .head_dim = kHeadDim, .value_dim = kHeadDim, .heads = kKvHeads};
-    cfg.chunk = piece_multiple;
+    cfg.chunk = piece_multiple();
     return cfg;
   }
   kvmem::TrellisMemory<exec> make(int batch) const { return kvmem::TrellisMemory<exec>(config(), batch); }
@@ -243,7 +243,7 @@ void require_served_like_alone(const Family& family, unsigned seed, long slots =
     bool prefilling = false;
     for (long s = 0; s < slots; ++s)
       if (holds[s] >= 0 && seen[s] < reqs[holds[s]].prompt && coin(0.7)) {
-        const long left = reqs[holds[s]].prompt - seen[s], m = Family::piece_multiple;
+        const long left = reqs[holds[s]].prompt - seen[s], m = Family::piece_multiple();
         piece[s] = left > m && coin(0.5) ? m * uniform(1, (left - 1) / m) : left;  // a chunk, or the rest
         chunked += piece[s] < left ? 1 : 0;
         prefilling = true;
@@ -336,7 +336,7 @@ long differing_from_one_prefill(const Family& family, const Inputs& in, const tv
 /// freed slot takes a prefill again).
 template <class Family>
 void require_strict_slots(const Family& family, unsigned seed) {
-  const long P = 2 * family.piece_multiple, C = family.piece_multiple, T = P + C + 1;
+  const long P = 2 * family.piece_multiple(), C = family.piece_multiple(), T = P + C + 1;
   auto m = family.make(2);
   REQUIRE_FALSE(m.strict_slots());
   m.set_strict_slots(true);
